@@ -1,0 +1,23 @@
+"""Shared benchmark helpers. Imported by bench/conftest.py before gfpo_kernels: on CPU, Triton kernels can
+only run under the interpreter (TRITON_INTERPRET=1 must be set before triton.jit decorates them)."""
+
+import os
+import platform
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def device_name() -> str:
+    if ON_GPU:
+        return torch.cuda.get_device_name()
+    return f"cpu-{platform.machine()}-{os.cpu_count()}cores"
+
+
+def sync() -> None:
+    if ON_GPU:
+        torch.cuda.synchronize()

@@ -1,0 +1,36 @@
+"""Benchmark setup: full sizes on CUDA, small ones on CPU (where CI runs the suites with
+--benchmark-disable as a smoke test). Records device and versions in the JSON of every run."""
+
+import pytest
+import torch
+
+from bench_utils import device_name, sync
+
+import gfpo_kernels  # noqa: E402  (after bench_utils has set TRITON_INTERPRET)
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "gfpo": gfpo_kernels.__version__}
+    for name in ("triton", "trl", "transformers", "liger_kernel"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # not installed, or no __version__
+            versions[name] = None
+    machine_info["device"] = device_name()
+    machine_info["versions"] = versions
+    machine_info["torch_threads"] = torch.get_num_threads()
+
+
+@pytest.fixture
+def run(benchmark):
+    """benchmark(fn) that waits for the GPU, so each round times the work and not only the launch."""
+
+    def timed(fn, *args, **kwargs):
+        def call():
+            out = fn(*args, **kwargs)
+            sync()
+            return out
+
+        return benchmark(call)
+
+    return timed

@@ -1,0 +1,308 @@
+// CPU kernels of the gfpo group ops, the op schemas, and the Python module stub of gfpo_kernels._C.
+//
+// at::parallel_for splits the groups over threads; each thread ranks, filters and normalises kLanes groups
+// at a time: ranks by counting for G <= 32, by std::nth_element (O(G)) above. Statistics accumulate in double.
+#include <Python.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+#include "group_ops.h"
+
+namespace gfpo {
+
+Scale parse_scale(c10::string_view scale) {
+  if (scale == "group") return Scale::kGroup;
+  if (scale == "batch") return Scale::kBatch;
+  if (scale == "none") return Scale::kNone;
+  TORCH_CHECK_VALUE(false, "scale must be 'group', 'batch' or 'none', got '", std::string(scale), "'");
+}
+
+namespace {
+
+// Scores become integer order keys whose order is the rank order (smaller ranks first), so ranking is one
+// integer comparison (key, then index). Scores of up to 4 bytes get int32 keys (exact, and SIMD-friendly
+// even on baseline x86-64); double and int64 scores get int64 keys.
+template <typename scalar_t>
+using key_type = std::conditional_t<(sizeof(scalar_t) <= 4), int32_t, int64_t>;
+
+// Floats map through their IEEE bits (-0.0 folded into 0.0), NaN to the largest key (last whatever
+// `largest`), and `largest` flips the order by bitwise not (no overflow). Finite floats never reach the
+// NaN key; integer scores have no NaN.
+template <typename scalar_t>
+inline key_type<scalar_t> order_key(scalar_t v, bool largest) {
+  using key_t = key_type<scalar_t>;
+  using float_t = std::conditional_t<std::is_same_v<key_t, int32_t>, float, double>;
+  key_t key;
+  if constexpr (std::is_integral_v<scalar_t>) {
+    key = static_cast<key_t>(v);
+  } else {
+    float_t f = static_cast<float_t>(v);
+    if (std::isnan(f)) return std::numeric_limits<key_t>::max();
+    if (f == 0) f = 0;
+    key_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    key = bits >= 0 ? bits : bits ^ std::numeric_limits<key_t>::max();
+  }
+  return largest ? ~key : key;
+}
+
+// Groups are processed kLanes at a time with their data transposed ([row][lane]), so the innermost loops
+// run over independent groups: SIMD-friendly, and no long dependency chains (a single group of 16 rows is
+// too short to vectorise and latency-bound in its reductions).
+constexpr int64_t kLanes = 8;
+constexpr int64_t kMaxCountingGroupSize = 32;
+
+// Ranks by counting, for every row, the rows of its group ranked before it (smaller key, or equal key at a
+// lower index); key[i * kLanes + b] is row i of lane b. keep is row-major: keep[b * G + i].
+template <typename key_t>
+void topk_by_counting(const key_t* key, int64_t G, int64_t lanes, const int64_t* k, bool* keep) {
+  for (int64_t i = 0; i < G; ++i) {
+    const key_t* ki = key + i * kLanes;
+    int32_t rank[kLanes] = {};
+    for (int64_t j = 0; j < i; ++j) {
+      for (int64_t b = 0; b < kLanes; ++b) rank[b] += key[j * kLanes + b] <= ki[b];
+    }
+    for (int64_t j = i + 1; j < G; ++j) {
+      for (int64_t b = 0; b < kLanes; ++b) rank[b] += key[j * kLanes + b] < ki[b];
+    }
+    for (int64_t b = 0; b < lanes; ++b) keep[b * G + i] = rank[b] < k[b];
+  }
+}
+
+// One larger group by selection, O(G): keep[i] = row i is among the k smallest (key, index).
+template <typename key_t>
+void topk_by_selection(const key_t* key, int64_t G, int64_t k, int64_t* order, bool* keep) {
+  std::fill(keep, keep + G, false);
+  k = std::min(k, G);
+  if (k <= 0) return;
+  std::iota(order, order + G, int64_t{0});
+  auto before = [key](int64_t a, int64_t b) { return key[a] < key[b] || (key[a] == key[b] && a < b); };
+  if (k < G) std::nth_element(order, order + (k - 1), order + G, before);
+  for (int64_t i = 0; i < k; ++i) keep[order[i]] = true;
+}
+
+// ok ? a : b through bit masks: compilers turn a data-dependent ?: into a branch, and which rows are kept is
+// random, so that branch would be mispredicted half the time.
+inline double select(bool ok, double a, double b) {
+  uint64_t ua, ub;
+  std::memcpy(&ua, &a, sizeof(ua));
+  std::memcpy(&ub, &b, sizeof(ub));
+  const uint64_t mask = uint64_t{0} - static_cast<uint64_t>(ok);
+  const uint64_t u = (ua & mask) | (ub & ~mask);
+  double out;
+  std::memcpy(&out, &u, sizeof(out));
+  return out;
+}
+
+// Per-lane count, mean and sum of squared deviations of the kept, finite rewards, in double, then the
+// advantages. The mean is taken of data shifted by the lane's largest reward, so a group of equal rewards
+// gets exactly 0. x and w are [row][lane] scratch.
+void advantages_lanes(const float* r, const bool* keep, int64_t G, int64_t lanes, Scale scale, double eps, double* x,
+                      double* w, float* adv, double* n_out, double* mean_out, double* m2_out) {
+  double n[kLanes] = {}, shift[kLanes], sum[kLanes] = {}, mean[kLanes], m2[kLanes] = {}, inv[kLanes];
+  std::fill(shift, shift + kLanes, -INFINITY);
+  for (int64_t i = 0; i < G; ++i) {
+    for (int64_t b = 0; b < kLanes; ++b) {
+      double xi = 0.0;
+      bool ok = false;
+      if (b < lanes) {  // predictable: false only in the last block
+        xi = r[b * G + i];
+        ok = keep[b * G + i] & (xi == xi);
+      }
+      x[i * kLanes + b] = select(ok, xi, 0.0);
+      w[i * kLanes + b] = static_cast<double>(ok);
+      n[b] += static_cast<double>(ok);
+      shift[b] = std::max(shift[b], select(ok, xi, -INFINITY));
+    }
+  }
+  for (int64_t b = 0; b < kLanes; ++b) shift[b] = n[b] > 0.0 ? shift[b] : 0.0;
+  for (int64_t i = 0; i < G; ++i) {
+    for (int64_t b = 0; b < kLanes; ++b) sum[b] += w[i * kLanes + b] * (x[i * kLanes + b] - shift[b]);
+  }
+  for (int64_t b = 0; b < kLanes; ++b) mean[b] = shift[b] + sum[b] / std::max(n[b], 1.0);
+  for (int64_t i = 0; i < G; ++i) {
+    for (int64_t b = 0; b < kLanes; ++b) {
+      const double d = x[i * kLanes + b] - mean[b];
+      m2[b] += w[i * kLanes + b] * d * d;
+    }
+  }
+  for (int64_t b = 0; b < kLanes; ++b) {
+    const double std_g = n[b] >= 2.0 ? std::sqrt(m2[b] / (n[b] - 1.0)) : 0.0;
+    inv[b] = 1.0 / (scale == Scale::kGroup ? std_g + eps : 1.0);
+  }
+  for (int64_t b = 0; b < lanes; ++b) {
+    for (int64_t i = 0; i < G; ++i) {
+      adv[b * G + i] = static_cast<float>(w[i * kLanes + b] * (x[i * kLanes + b] - mean[b]) * inv[b]);
+    }
+    if (n_out != nullptr) {
+      n_out[b] = n[b];
+      mean_out[b] = mean[b];
+      m2_out[b] = m2[b];
+    }
+  }
+}
+
+}  // namespace
+
+GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Tensor& scores, const at::Tensor& k,
+                                        const at::Tensor& keep_in, bool largest, Scale scale, double eps) {
+  const at::Tensor& shape_src = rewards.defined() ? rewards : scores;
+  const int64_t num_groups = shape_src.size(0), G = shape_src.size(1);
+  GroupResult out;
+  if (scores.defined()) {
+    out.keep = at::empty({num_groups, G}, shape_src.options().dtype(at::kBool));
+  } else if (keep_in.defined()) {
+    out.keep = keep_in.to(at::kBool).contiguous();
+  } else {
+    out.keep = at::ones({num_groups, G}, shape_src.options().dtype(at::kBool));
+  }
+  bool* keep = out.keep.data_ptr<bool>();
+
+  // Rewards are read as float32 (fp32 in, the common case, is not copied) and accumulated in double.
+  const at::Tensor r = rewards.defined() ? rewards.to(at::kFloat).contiguous() : at::Tensor();
+  const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
+  float* ap = nullptr;
+  if (r.defined()) {
+    out.adv = at::empty({num_groups, G}, r.options());
+    ap = out.adv.data_ptr<float>();
+  }
+  double *np_ = nullptr, *mp = nullptr, *m2p = nullptr;
+  if (r.defined() && scale == Scale::kBatch) {
+    out.n = at::empty({num_groups}, r.options().dtype(at::kDouble));
+    out.mean = at::empty_like(out.n);
+    out.m2 = at::empty_like(out.n);
+    np_ = out.n.data_ptr<double>();
+    mp = out.mean.data_ptr<double>();
+    m2p = out.m2.data_ptr<double>();
+  }
+  const at::Tensor s = scores.defined() ? scores.contiguous() : at::Tensor();
+  const at::Tensor kk = scores.defined() ? k.to(at::kLong).contiguous() : at::Tensor();
+  const int64_t* kp = kk.defined() ? kk.data_ptr<int64_t>() : nullptr;
+
+  const at::ScalarType score_type = s.defined() ? s.scalar_type() : at::kFloat;
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, score_type, "gfpo_group_filter_advantages_cpu", [&] {
+    using key_t = key_type<scalar_t>;
+    const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
+    const int64_t grain = std::max<int64_t>(kLanes, 4096 / G);
+    at::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
+      std::vector<key_t> key(G * kLanes);
+      std::vector<int64_t> order(G);
+      std::vector<double> x(G * kLanes), w(G * kLanes);
+      for (int64_t g0 = begin; g0 < end; g0 += kLanes) {
+        const int64_t lanes = std::min(kLanes, end - g0);
+        const scalar_t* sg = sp + g0 * G;
+        if (sp != nullptr && G <= kMaxCountingGroupSize) {
+          for (int64_t i = 0; i < G; ++i) {
+            for (int64_t b = 0; b < kLanes; ++b) key[i * kLanes + b] = b < lanes ? order_key(sg[b * G + i], largest) : 0;
+          }
+          topk_by_counting(key.data(), G, lanes, kp + g0, keep + g0 * G);
+        } else if (sp != nullptr) {
+          for (int64_t b = 0; b < lanes; ++b) {
+            for (int64_t i = 0; i < G; ++i) key[i] = order_key(sg[b * G + i], largest);
+            topk_by_selection(key.data(), G, kp[g0 + b], order.data(), keep + (g0 + b) * G);
+          }
+        }
+        if (rp != nullptr) {
+          advantages_lanes(rp + g0 * G, keep + g0 * G, G, lanes, scale, eps, x.data(), w.data(), ap + g0 * G,
+                           np_ ? np_ + g0 : nullptr, mp ? mp + g0 : nullptr, m2p ? m2p + g0 : nullptr);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor apply_batch_scale(const GroupResult& res, double eps) {
+  const at::Tensor n = res.n.to(at::kDouble), mean = res.mean.to(at::kDouble), m2 = res.m2.to(at::kDouble);
+  const at::Tensor total = n.sum();
+  const at::Tensor batch_mean = (n * mean).sum() / total.clamp_min(1.0);
+  const at::Tensor batch_m2 = m2.sum() + (n * (mean - batch_mean).square()).sum();
+  const at::Tensor std_b =
+      at::where(total >= 2.0, (batch_m2 / (total - 1.0).clamp_min(1.0)).sqrt(), at::zeros_like(total));
+  return (res.adv.to(at::kDouble) / (std_b + eps)).to(at::kFloat);
+}
+
+namespace {
+
+using Kernel = GroupResult (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, Scale,
+                               double);
+
+template <Kernel kernel>
+at::Tensor group_topk_mask_op(const at::Tensor& scores, const at::Tensor& k, bool largest) {
+  TORCH_CHECK_VALUE(scores.dim() == 2, "scores must be 2-D (num_groups, G), got ", scores.dim(), "-D");
+  TORCH_CHECK_VALUE(k.dim() == 1 && k.size(0) == scores.size(0), "k must have num_groups=", scores.size(0),
+                    " entries, got shape ", k.sizes());
+  return kernel(at::Tensor(), scores, k, at::Tensor(), largest, Scale::kGroup, 0.0).keep;
+}
+
+at::Tensor finish(const GroupResult& res, Scale scale, double eps) {
+  return scale == Scale::kBatch ? apply_batch_scale(res, eps) : res.adv;
+}
+
+template <Kernel kernel>
+at::Tensor group_advantages_op(const at::Tensor& rewards, const std::optional<at::Tensor>& keep,
+                               c10::string_view scale, double eps) {
+  TORCH_CHECK_VALUE(rewards.dim() == 2, "rewards must be 2-D (num_groups, G), got ", rewards.dim(), "-D");
+  const at::Tensor keep_t = keep.has_value() ? keep->to(at::kBool) : at::Tensor();
+  TORCH_CHECK_VALUE(!keep_t.defined() || keep_t.sizes() == rewards.sizes(), "keep must have the shape of rewards ",
+                    rewards.sizes(), ", got ", keep_t.sizes());
+  const Scale s = parse_scale(scale);
+  return finish(kernel(rewards, at::Tensor(), at::Tensor(), keep_t, false, s, eps), s, eps);
+}
+
+template <Kernel kernel>
+std::tuple<at::Tensor, at::Tensor> gfpo_filter_advantages_op(const at::Tensor& rewards, const at::Tensor& scores,
+                                                             const at::Tensor& k, bool largest, c10::string_view scale,
+                                                             double eps) {
+  TORCH_CHECK_VALUE(rewards.dim() == 2 && rewards.sizes() == scores.sizes(),
+                    "rewards and scores must be 2-D of one shape, got ", rewards.sizes(), " and ", scores.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 1 && k.size(0) == scores.size(0), "k must have num_groups=", scores.size(0),
+                    " entries, got shape ", k.sizes());
+  const Scale s = parse_scale(scale);
+  GroupResult res = kernel(rewards, scores, k, at::Tensor(), largest, s, eps);
+  return {res.keep, finish(res, s, eps)};
+}
+
+}  // namespace
+
+// The CUDA registrations live in group_ops_cuda.cu and reuse these wrappers through this entry point.
+#ifdef GFPO_WITH_CUDA
+void register_cuda_impls(torch::Library& m) {
+  m.impl("group_topk_mask", &group_topk_mask_op<group_filter_advantages_cuda>);
+  m.impl("group_advantages", &group_advantages_op<group_filter_advantages_cuda>);
+  m.impl("gfpo_filter_advantages", &gfpo_filter_advantages_op<group_filter_advantages_cuda>);
+}
+#endif
+
+}  // namespace gfpo
+
+TORCH_LIBRARY(gfpo, m) {
+  m.def("group_topk_mask(Tensor scores, Tensor k, bool largest) -> Tensor");
+  m.def("group_advantages(Tensor rewards, Tensor? keep, str scale, float eps) -> Tensor");
+  m.def(
+      "gfpo_filter_advantages(Tensor rewards, Tensor scores, Tensor k, bool largest, str scale, float eps) "
+      "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(gfpo, CPU, m) {
+  m.impl("group_topk_mask", &gfpo::group_topk_mask_op<gfpo::group_filter_advantages_cpu>);
+  m.impl("group_advantages", &gfpo::group_advantages_op<gfpo::group_filter_advantages_cpu>);
+  m.impl("gfpo_filter_advantages", &gfpo::gfpo_filter_advantages_op<gfpo::group_filter_advantages_cpu>);
+}
+
+// gfpo_kernels._C is imported only for the side effect of registering the ops above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

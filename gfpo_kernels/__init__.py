@@ -1,0 +1,25 @@
+"""gfpo_kernels: fused kernels for GFPO (Group Filtered Policy Optimization, arXiv 2508.09726).
+
+Public ops (semantics in DESIGN.md; `gfpo_kernels.reference` holds the same functions in plain PyTorch):
+- group_topk_mask: the top-k rows of every group (segmented top-k, deterministic ties, NaN last).
+- group_advantages: GRPO advantages over the kept rows of every group.
+- gfpo_filter_advantages: both in one pass.
+
+Which implementation runs (Triton, the C++/CUDA extension, or the reference) is decided in one place,
+`gfpo_kernels._dispatch`; `use_backend` forces one.
+"""
+
+from . import reference
+from ._dispatch import available_backends, use_backend
+from .group_ops import gfpo_filter_advantages, group_advantages, group_topk_mask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "group_topk_mask",
+    "group_advantages",
+    "gfpo_filter_advantages",
+    "reference",
+    "use_backend",
+    "available_backends",
+]

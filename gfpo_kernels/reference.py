@@ -1,0 +1,95 @@
+"""Pure-PyTorch reference of the gfpo ops: the oracle that every kernel is tested and benchmarked against.
+
+Written from the semantics in DESIGN.md, for clarity rather than speed: ranks come from counting, for every
+row, the rows of its group that rank before it; statistics are computed in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import as_groups, check_group_size, check_k, check_same_shape, check_scale_eps
+
+__all__ = ["group_topk_mask", "group_advantages", "gfpo_filter_advantages"]
+
+# Pairwise comparisons are (groups, G, G): bound the number held at once.
+_PAIRS_PER_CHUNK = 1 << 22
+
+
+def _ranks(s: torch.Tensor, largest: bool) -> torch.Tensor:
+    """rank[g, i] = number of rows j of group g that rank before row i: a better score, or NaN at i but not
+    at j, or an equal score (both NaN counts as equal) at a lower index."""
+    num_groups, G = s.shape
+    v = s.double() if s.is_floating_point() else s
+    lower = torch.arange(G, device=s.device)
+    j_before_i = lower[None, :] < lower[:, None]  # [i, j]
+    out = torch.empty(num_groups, G, dtype=torch.int64, device=s.device)
+    step = max(1, _PAIRS_PER_CHUNK // (G * G))
+    for start in range(0, num_groups, step):
+        vc = v[start : start + step]
+        vi, vj = vc[:, :, None], vc[:, None, :]
+        nan_i, nan_j = torch.isnan(vi), torch.isnan(vj)
+        better = vj > vi if largest else vj < vi  # False whenever either side is NaN
+        tie = (vj == vi) | (nan_i & nan_j)
+        before = (nan_i & ~nan_j) | better | (tie & j_before_i)
+        out[start : start + step] = before.sum(dim=-1)
+    return out
+
+
+def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool = True) -> torch.Tensor:
+    """Reference of :func:`gfpo_kernels.group_topk_mask`: True for the top-k rows of every group."""
+    group_size = check_group_size(group_size)
+    s = as_groups(scores, group_size, "scores")
+    kk = check_k(k, s.shape[0], group_size, s.device)
+    k_col = kk[:, None] if isinstance(kk, torch.Tensor) else kk
+    return (_ranks(s, largest) < k_col).reshape(scores.shape)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, *, keep: torch.Tensor | None = None, scale: str = "group", eps: float = 1e-4
+) -> torch.Tensor:
+    """Reference of :func:`gfpo_kernels.group_advantages`: GRPO advantages over the kept rows of each group.
+
+    NaN rewards (TRL's unscorable completions) take no part in the statistics and get advantage 0."""
+    group_size = check_group_size(group_size)
+    check_scale_eps(scale, eps)
+    r = as_groups(rewards, group_size, "rewards").double()
+    if keep is None:
+        kept = torch.ones_like(r, dtype=torch.bool)
+    else:
+        check_same_shape(rewards, "rewards", keep, "keep")
+        kept = keep.reshape(r.shape).bool()
+    valid = kept & ~torch.isnan(r)
+    n = valid.sum(dim=1, keepdim=True)
+    # Mean of data shifted by the group's largest reward: equal rewards give a mean equal to them, so
+    # zero-variance groups get exactly 0 (the plain float mean can be off by an ulp).
+    shift = torch.where(valid, r, -torch.inf).amax(dim=1, keepdim=True)
+    shift = torch.where(n > 0, shift, 0.0)
+    mean = shift + torch.where(valid, r - shift, 0.0).sum(dim=1, keepdim=True) / n.clamp_min(1)
+    centred = torch.where(valid, r - mean, 0.0)
+    if scale == "group":
+        var = centred.square().sum(dim=1, keepdim=True) / (n - 1).clamp_min(1)
+        std = torch.where(n >= 2, var.sqrt(), 0.0)
+        centred = centred / (std + eps)
+    elif scale == "batch":
+        all_kept = r[valid]
+        std = all_kept.std() if all_kept.numel() >= 2 else torch.zeros((), dtype=r.dtype, device=r.device)
+        centred = centred / (std + eps)
+    return centred.float().reshape(rewards.shape)
+
+
+def gfpo_filter_advantages(
+    rewards: torch.Tensor,
+    scores: torch.Tensor,
+    group_size: int,
+    k,
+    *,
+    largest: bool = True,
+    scale: str = "group",
+    eps: float = 1e-4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`gfpo_kernels.gfpo_filter_advantages`: the top-k mask of `scores`, then the
+    advantages of `rewards` over the kept rows."""
+    check_same_shape(rewards, "rewards", scores, "scores")
+    keep = group_topk_mask(scores, group_size, k, largest=largest)
+    return keep, group_advantages(rewards, group_size, keep=keep, scale=scale, eps=eps)

@@ -1,0 +1,186 @@
+"""Every kernel backend (Triton, C++/CUDA) against gfpo_kernels.reference.
+
+Masks must be identical; advantages agree to fp32 accuracy (the kernels accumulate in fp32, the reference
+in fp64). On CPU the Triton kernel runs under the interpreter, so shapes stay small."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import gfpo_kernels
+from gfpo_kernels import reference as ref
+
+from gfpo_test_utils import DEVICE
+
+NAN = float("nan")
+ATOL = RTOL = 1e-5
+
+
+def _check_all(rewards, scores, G, k, largest=True, scale="group", keep=None):
+    """The three public ops against the reference on one input."""
+    want_keep = ref.group_topk_mask(scores, G, k, largest=largest)
+    got_keep = gfpo_kernels.group_topk_mask(scores, G, k, largest=largest)
+    assert got_keep.dtype == torch.bool and got_keep.shape == scores.shape
+    assert torch.equal(got_keep.cpu(), want_keep.cpu())
+
+    got_keep2, got_adv = gfpo_kernels.gfpo_filter_advantages(rewards, scores, G, k, largest=largest, scale=scale)
+    want_keep2, want_adv = ref.gfpo_filter_advantages(rewards, scores, G, k, largest=largest, scale=scale)
+    assert torch.equal(got_keep2.cpu(), want_keep2.cpu())
+    assert got_adv.dtype == torch.float32 and got_adv.shape == rewards.shape
+    torch.testing.assert_close(got_adv.cpu(), want_adv.cpu(), rtol=RTOL, atol=ATOL)
+    assert torch.all(got_adv[~got_keep2] == 0)
+
+    for mask in (None, keep if keep is not None else want_keep):
+        got = gfpo_kernels.group_advantages(rewards, G, keep=mask, scale=scale)
+        want = ref.group_advantages(rewards, G, keep=mask, scale=scale)
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=RTOL, atol=ATOL)
+
+
+def _k_count(keep, G, k):
+    per_group = keep.reshape(-1, G).sum(dim=1)
+    expected = k.cpu() if isinstance(k, torch.Tensor) else torch.full_like(per_group, k)
+    assert torch.equal(per_group.cpu(), expected.clamp(max=G))
+
+
+@pytest.mark.parametrize("G", [2, 3, 8, 16, 33, 64, 256])
+@pytest.mark.parametrize("largest", [True, False])
+def test_random_inputs(backend, G, largest):
+    g = torch.Generator().manual_seed(G)
+    num_groups = 5 if G <= 64 else 2
+    rewards = torch.randn(num_groups * G, generator=g).to(DEVICE)
+    scores = torch.randn(num_groups * G, generator=g).to(DEVICE)
+    for k in sorted({1, max(1, G // 2), G - 1, G} - {0}):
+        _check_all(rewards, scores, G, k, largest=largest)
+        _k_count(gfpo_kernels.group_topk_mask(scores, G, k, largest=largest), G, k)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_scales_2d_and_ties(backend, scale):
+    g = torch.Generator().manual_seed(7)
+    # small integer scores: many ties; rewards in {0, 0.5, 1}: zero-variance groups too
+    scores = torch.randint(0, 3, (12, 8), generator=g).float().to(DEVICE)
+    rewards = (torch.randint(0, 3, (12, 8), generator=g).float() / 2).to(DEVICE)
+    for k in (1, 3, 7):
+        _check_all(rewards, scores, 8, k, largest=True, scale=scale)
+        _check_all(rewards, scores, 8, k, largest=False, scale=scale)
+
+
+def test_nan_scores_and_rewards(backend):
+    scores = torch.tensor([[NAN, 1.0, NAN, 0.0, 2.0, NAN], [NAN] * 6, [1.0, NAN, 1.0, NAN, 1.0, -1.0]]).to(DEVICE)
+    rewards = torch.tensor([[1.0, NAN, 2.0, 3.0, 0.5, 4.0], [1.0] * 6, [NAN] * 6]).to(DEVICE)
+    for k in (1, 2, 4, 5):
+        for largest in (True, False):
+            _check_all(rewards, scores, 6, k, largest=largest)
+    keep = gfpo_kernels.group_topk_mask(scores, 6, 2)
+    assert keep[1].tolist() == [True, True, False, False, False, False]  # all NaN: lower index wins
+    _, adv = gfpo_kernels.gfpo_filter_advantages(rewards, scores, 6, 4)
+    assert not torch.isnan(adv).any()
+
+
+@pytest.mark.parametrize("value", [0.1, 1.0, -3.7, 12345.678])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_zero_variance_groups_give_exact_zero(backend, value, scale):
+    rewards = torch.full((4, 16), value).to(DEVICE)
+    scores = torch.arange(64.0).reshape(4, 16).to(DEVICE)
+    keep, adv = gfpo_kernels.gfpo_filter_advantages(rewards, scores, 16, 5, scale=scale)
+    assert torch.equal(adv.cpu(), torch.zeros(4, 16))
+    assert torch.equal(gfpo_kernels.group_advantages(rewards, 16, scale=scale).cpu(), torch.zeros(4, 16))
+    # one kept row: std is 0, and so is the advantage
+    _, adv = gfpo_kernels.gfpo_filter_advantages(torch.randn(64).to(DEVICE), scores.flatten(), 16, 1, scale=scale)
+    assert torch.equal(adv.cpu(), torch.zeros(64))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool],
+)
+def test_score_dtypes(backend, dtype):
+    g = torch.Generator().manual_seed(3)
+    if dtype.is_floating_point:
+        scores = torch.randn(6, 16, generator=g).to(dtype)  # fp16/bf16 rounding creates ties
+    elif dtype == torch.bool:
+        scores = torch.rand(6, 16, generator=g) > 0.5
+    else:
+        scores = torch.randint(0, 5, (6, 16), generator=g).to(dtype)
+    rewards = torch.randn(6, 16, generator=g)
+    scores, rewards = scores.to(DEVICE), rewards.to(DEVICE)
+    for k in (1, 4, 15):
+        _check_all(rewards, scores, 16, k, largest=True)
+        _check_all(rewards, scores, 16, k, largest=False)
+
+
+def test_int64_scores_beyond_float_precision(backend):
+    base = 2**62
+    scores = torch.tensor([base + 1, base, base + 3, base + 2] * 2, dtype=torch.int64).to(DEVICE)
+    keep = gfpo_kernels.group_topk_mask(scores, 4, 2)
+    assert keep.cpu().tolist() == [False, False, True, True] * 2
+
+
+@pytest.mark.parametrize("reward_dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int32])
+def test_reward_dtypes(backend, reward_dtype):
+    g = torch.Generator().manual_seed(4)
+    rewards = (torch.randn(5, 8, generator=g) * 4).to(reward_dtype).to(DEVICE)
+    scores = torch.randn(5, 8, generator=g).to(DEVICE)
+    _check_all(rewards, scores, 8, 3)
+
+
+def test_adaptive_k(backend):
+    g = torch.Generator().manual_seed(5)
+    G = 16
+    k = torch.tensor([0, 1, 4, 8, 15, 16, 2]).to(DEVICE)
+    scores = torch.randn(7 * G, generator=g).to(DEVICE)
+    rewards = torch.randn(7 * G, generator=g).to(DEVICE)
+    for largest in (True, False):
+        for scale in ("group", "batch", "none"):
+            _check_all(rewards, scores, G, k, largest=largest, scale=scale)
+        _k_count(gfpo_kernels.group_topk_mask(scores, G, k, largest=largest), G, k)
+    # k tensors of other integer dtypes and on the CPU are accepted
+    keep = gfpo_kernels.group_topk_mask(scores, G, k.cpu().to(torch.int32))
+    assert torch.equal(keep.cpu(), ref.group_topk_mask(scores.cpu(), G, k.cpu()))
+
+
+def test_empty_batch(backend):
+    empty = torch.empty(0).to(DEVICE)
+    assert gfpo_kernels.group_topk_mask(empty, 8, 2).shape == (0,)
+    keep, adv = gfpo_kernels.gfpo_filter_advantages(empty, empty, 8, 2)
+    assert keep.shape == adv.shape == (0,)
+
+
+def test_group_size_one(backend):
+    scores = torch.tensor([3.0, NAN, 1.0]).to(DEVICE)
+    keep, adv = gfpo_kernels.gfpo_filter_advantages(torch.tensor([1.0, 2.0, 3.0]).to(DEVICE), scores, 1, 1)
+    assert keep.all() and torch.equal(adv.cpu(), torch.zeros(3))
+
+
+def test_many_groups_across_programs(backend):
+    """More groups than one Triton program or CPU thread chunk holds, with a ragged last program."""
+    g = torch.Generator().manual_seed(6)
+    num_groups = 333 if DEVICE == "cpu" else 4099
+    scores = torch.randn(num_groups, 8, generator=g).to(DEVICE)
+    rewards = torch.randn(num_groups, 8, generator=g).to(DEVICE)
+    _check_all(rewards, scores, 8, 3, scale="batch")
+
+
+VALUES = st.sampled_from([-2.0, -0.5, 0.0, 0.25, 1.0, 3.0, NAN])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_against_reference(backend, data):
+    G = data.draw(st.integers(1, 40), label="G")
+    num_groups = data.draw(st.integers(0, 6), label="num_groups")
+    n = num_groups * G
+    scores = torch.tensor(data.draw(st.lists(VALUES, min_size=n, max_size=n)), dtype=torch.float32)
+    rewards = torch.tensor(data.draw(st.lists(VALUES, min_size=n, max_size=n)), dtype=torch.float32)
+    if data.draw(st.booleans(), label="adaptive"):
+        k = torch.tensor(data.draw(st.lists(st.integers(0, G), min_size=num_groups, max_size=num_groups)),
+                         dtype=torch.int64)
+    else:
+        k = data.draw(st.integers(1, G), label="k")
+    largest = data.draw(st.booleans(), label="largest")
+    scale = data.draw(st.sampled_from(["group", "batch", "none"]), label="scale")
+    if data.draw(st.booleans(), label="2-D"):
+        scores, rewards = scores.reshape(num_groups, G), rewards.reshape(num_groups, G)
+    k = k.to(DEVICE) if isinstance(k, torch.Tensor) else k
+    _check_all(rewards.to(DEVICE), scores.to(DEVICE), G, k, largest=largest, scale=scale)

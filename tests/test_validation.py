@@ -1,0 +1,70 @@
+"""Bad input: every backend and the reference refuse it with a ValueError that names the argument and the
+value."""
+
+import pytest
+import torch
+
+import gfpo_kernels
+from gfpo_kernels import reference as ref
+
+from gfpo_test_utils import DEVICE
+
+IMPLS = ["kernels", "reference"]
+
+
+def _ops(impl):
+    return gfpo_kernels if impl == "kernels" else ref
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m, x: m.group_topk_mask(x(10), 4, 2), r"N=10 rows, which is not a multiple of group_size=4"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, 0), r"1 <= k <= group_size=4, got k=0"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, 5), r"1 <= k <= group_size=4, got k=5"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, 2.0), r"k must be an int or an integer tensor, got k=2.0"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, True), r"got k=True"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, torch.tensor([1, 2, 3])), r"shape \(num_groups,\) = \(2,\), got shape \(3,\)"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, torch.tensor([1, 5])), r"0 <= k_g <= group_size=4, got k_g=5"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, torch.tensor([-1, 2])), r"got k_g=-1"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, torch.tensor([1.0, 2.0])), r"integer tensor, got a tensor of dtype torch.float32"),
+        (lambda m, x: m.group_topk_mask(x(8).reshape(2, 2, 2), 4, 2), r"scores must be 1-D \(N,\) or 2-D \(num_groups, G\), got shape \(2, 2, 2\)"),
+        (lambda m, x: m.group_topk_mask(x(8).reshape(2, 4), 2, 1), r"scores has shape \(2, 4\) but group_size=2"),
+        (lambda m, x: m.group_topk_mask(x(8), 0, 1), r"group_size must be a positive int, got group_size=0"),
+        (lambda m, x: m.group_topk_mask(x(8).to(torch.complex64), 4, 1), r"scores must have a real dtype"),
+        (lambda m, x: m.group_advantages(x(8), 4, keep=torch.ones(4, dtype=torch.bool)), r"keep must have the shape of rewards \(8,\), got \(4,\)"),
+        (lambda m, x: m.group_advantages(x(8), 4, scale="std"), r"scale must be one of \('group', 'batch', 'none'\), got scale='std'"),
+        (lambda m, x: m.group_advantages(x(8), 4, eps=-1.0), r"eps must be a finite float >= 0, got eps=-1.0"),
+        (lambda m, x: m.group_advantages(x(9), 4), r"rewards has N=9 rows"),
+        (lambda m, x: m.gfpo_filter_advantages(x(8), x(12), 4, 2), r"scores must have the shape of rewards \(8,\), got \(12,\)"),
+        (lambda m, x: m.gfpo_filter_advantages(x(8), x(8), 4, 9), r"got k=9"),
+    ],
+)
+def test_bad_input_raises_value_error(impl, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_ops(impl), lambda n: torch.randn(n, device=DEVICE))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_tensor_input_raises_type_error(impl):
+    with pytest.raises(TypeError, match="scores must be a torch.Tensor, got list"):
+        _ops(impl).group_topk_mask([1.0, 2.0], 2, 1)
+
+
+def test_forced_backend_that_cannot_run_raises():
+    with gfpo_kernels.use_backend("triton"), pytest.raises(RuntimeError, match="backend 'triton' was forced"):
+        gfpo_kernels.group_topk_mask(torch.randn(8192 * 2, device=DEVICE), 8192, 1)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with gfpo_kernels.use_backend("cuda"):
+            pass
+
+
+def test_errors_from_the_cpp_ops_name_the_argument():
+    """The custom ops check their own input too (they are callable directly, e.g. from torch.compile)."""
+    if "cpp" not in gfpo_kernels.available_backends("cpu"):
+        pytest.skip("extension not built")
+    with pytest.raises(ValueError, match="scale must be 'group', 'batch' or 'none', got 'std'"):
+        torch.ops.gfpo.group_advantages(torch.randn(2, 4), None, "std", 1e-4)
+    with pytest.raises(ValueError, match="k must have num_groups=2 entries"):
+        torch.ops.gfpo.group_topk_mask(torch.randn(2, 4), torch.tensor([1, 2, 3]), True)
