@@ -1,6 +1,8 @@
 """Benchmark setup: full sizes on CUDA, small ones on CPU (where CI runs the suites with
 --benchmark-disable as a smoke test). Records device and versions in the JSON of every run."""
 
+import importlib.metadata
+
 import pytest
 import torch
 
@@ -11,11 +13,11 @@ import gfpo_kernels  # noqa: E402  (after bench_utils has set TRITON_INTERPRET)
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "gfpo": gfpo_kernels.__version__}
-    for name in ("triton", "trl", "transformers", "liger_kernel"):
+    for dist in ("triton", "trl", "transformers", "liger-kernel", "pytest-benchmark"):
         try:
-            versions[name] = __import__(name).__version__
-        except Exception:  # not installed, or no __version__
-            versions[name] = None
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
     machine_info["device"] = device_name()
     machine_info["versions"] = versions
     machine_info["torch_threads"] = torch.get_num_threads()
