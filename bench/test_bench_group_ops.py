@@ -14,7 +14,7 @@ from gfpo_kernels import _dispatch, reference
 from bench_utils import DEVICE, ON_GPU
 
 SIZES = [(64, 8), (4096, 16), (8192, 64)] if ON_GPU else [(64, 8), (4096, 16)]
-IMPLS = ["reference"] + [b for b in ("cpp", "triton") if b in _dispatch.available_backends(DEVICE)]
+IMPLS = ["reference"] + [b for b in ("cpp", "triton") if b in _dispatch.available_backends("group", DEVICE)]
 if not ON_GPU:
     IMPLS = [i for i in IMPLS if i != "triton"]  # the interpreter measures Python, not the kernel
 

@@ -1,13 +1,16 @@
 """The one place that decides which implementation runs an op.
 
-Backends:
-- "triton":    the Triton kernels; the default for CUDA tensors. CPU tensors only under TRITON_INTERPRET=1.
-- "cpp":       the C++/CUDA extension gfpo_kernels._C (torch custom ops); the default for CPU tensors, and for
-               CUDA tensors when Triton is missing.
-- "reference": gfpo_kernels.reference, plain PyTorch; used when nothing else can run the input.
+Op families and their backends (OP_BACKENDS), in order of preference:
+- "group" (group_topk_mask, group_advantages, gfpo_filter_advantages):
+  "triton" (default for CUDA tensors), "cpp" (the C++/CUDA extension gfpo_kernels._C, torch custom ops;
+  default for CPU tensors, and for CUDA when Triton is missing), "reference".
+- "linear_grpo" (fused_linear_grpo_loss): "triton" (Triton row kernels between cuBLAS GEMMs; default for
+  CUDA), "torch" (the same chunked algorithm in torch ops; default elsewhere), "reference".
+Triton runs CPU tensors only under TRITON_INTERPRET=1 (the tests do that).
 
-`GFPO_KERNELS_BACKEND=<name>` in the environment, or the `use_backend(name)` context manager, forces one
-backend (tests and benchmarks use it); a forced backend that cannot run the input raises RuntimeError.
+`GFPO_KERNELS_BACKEND=<name>` in the environment, or the `use_backend(name)` context manager, forces a
+backend for the op families that have it (tests and benchmarks use it); the others choose as usual. A forced
+backend that cannot run the input raises RuntimeError.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import threading
 
 import torch
 
-BACKENDS = ("triton", "cpp", "reference")
+BACKENDS = ("triton", "cpp", "torch", "reference")
+OP_BACKENDS = {
+    "group": ("triton", "cpp", "reference"),
+    "linear_grpo": ("triton", "torch", "reference"),
+}
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.gfpo.*)
@@ -47,54 +54,57 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _can_run(backend: str, device: torch.device, group_size: int) -> str | None:
-    """None when `backend` can run a (.., group_size) input on `device`, else the reason it cannot."""
-    if backend == "reference":
+def _can_run(backend: str, op: str, device: torch.device, group_size: int = 1) -> str | None:
+    """None when `backend` can run op family `op` on `device` (with groups of `group_size` rows), else why not."""
+    if backend not in OP_BACKENDS[op]:
+        return f"{backend!r} does not implement the {op} ops"
+    if backend in ("reference", "torch"):
         return None
     if backend == "triton":
         if not HAS_TRITON:
             return "triton is not installed"
         if device.type != "cuda" and not triton_interpreting():
             return f"Triton runs {device.type} tensors only under TRITON_INTERPRET=1"
-        if group_size > MAX_GROUP_SIZE["triton"]:
+        if op == "group" and group_size > MAX_GROUP_SIZE["triton"]:
             return f"group_size={group_size} > {MAX_GROUP_SIZE['triton']}"
         return None
-    if backend == "cpp":
-        if not HAS_CPP:
-            return "the extension gfpo_kernels._C is not built (pip install --no-build-isolation -e .)"
-        if device.type == "cuda":
-            if not HAS_CPP_CUDA:
-                return "gfpo_kernels._C was built without CUDA"
-            if group_size > MAX_GROUP_SIZE["cpp_cuda"]:
-                return f"group_size={group_size} > {MAX_GROUP_SIZE['cpp_cuda']}"
-        elif device.type != "cpu":
-            return f"gfpo_kernels._C has no {device.type} kernel"
-        return None
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    # cpp
+    if not HAS_CPP:
+        return "the extension gfpo_kernels._C is not built (pip install --no-build-isolation -e .)"
+    if device.type == "cuda":
+        if not HAS_CPP_CUDA:
+            return "gfpo_kernels._C was built without CUDA"
+        if group_size > MAX_GROUP_SIZE["cpp_cuda"]:
+            return f"group_size={group_size} > {MAX_GROUP_SIZE['cpp_cuda']}"
+    elif device.type != "cpu":
+        return f"gfpo_kernels._C has no {device.type} kernel"
+    return None
 
 
 def forced_backend() -> str | None:
     return getattr(_forced, "name", None) or os.environ.get("GFPO_KERNELS_BACKEND") or None
 
 
-def select_backend(device: torch.device, group_size: int) -> str:
-    """The backend that runs an op on `device` with groups of `group_size` rows."""
+def select_backend(op: str, device: torch.device, group_size: int = 1) -> str:
+    """The backend that runs op family `op` ("group" or "linear_grpo") on `device`."""
     forced = forced_backend()
-    if forced is not None:
-        reason = _can_run(forced, device, group_size)
+    if forced is not None and forced in OP_BACKENDS[op]:
+        reason = _can_run(forced, op, device, group_size)
         if reason is not None:
             raise RuntimeError(f"gfpo_kernels backend {forced!r} was forced but cannot run this input: {reason}")
         return forced
-    preference = ("triton", "cpp") if device.type == "cuda" else ("cpp",)
-    for backend in preference:
-        if _can_run(backend, device, group_size) is None:
+    for backend in OP_BACKENDS[op]:
+        if backend == "triton" and device.type != "cuda":
+            continue  # the interpreter is for tests, never a default
+        if _can_run(backend, op, device, group_size) is None:
             return backend
     return "reference"
 
 
 @contextlib.contextmanager
 def use_backend(name: str | None):
-    """Forces `name` ("triton", "cpp", "reference"; None = automatic) for the ops run inside the block."""
+    """Forces backend `name` (see BACKENDS; None: back to automatic) for the op families that have it, for the
+    ops run inside the block."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
     previous = getattr(_forced, "name", None)
@@ -105,7 +115,7 @@ def use_backend(name: str | None):
         _forced.name = previous
 
 
-def available_backends(device: torch.device | str = "cpu", group_size: int = 16) -> list[str]:
-    """The backends that can run ops on `device` here (for tests, benchmarks and bug reports)."""
+def available_backends(op: str = "group", device: torch.device | str = "cpu", group_size: int = 16) -> list[str]:
+    """The backends that can run op family `op` on `device` here (for tests, benchmarks and bug reports)."""
     device = torch.device(device)
-    return [b for b in BACKENDS if _can_run(b, device, group_size) is None]
+    return [b for b in OP_BACKENDS[op] if _can_run(b, op, device, group_size) is None]

@@ -74,3 +74,45 @@ def check_scale_eps(scale, eps) -> None:
         raise ValueError(f"scale must be one of {SCALES}, got scale={scale!r}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0 or eps == float("inf"):
         raise ValueError(f"eps must be a finite float >= 0, got eps={eps!r}")
+
+
+def check_linear_grpo_inputs(
+    hidden, weight, target_ids, mask, advantages, *, bias, old_logps, ref_logps, vllm_is_ratio, beta
+) -> None:
+    """Shapes, dtypes and target ids of fused_linear_grpo_loss (both implementations)."""
+    for x, name in ((hidden, "hidden"), (weight, "weight"), (target_ids, "target_ids"), (mask, "mask"),
+                    (advantages, "advantages")):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be 3-D (B, T, H), got shape {tuple(hidden.shape)}")
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    B, T, H = hidden.shape
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise ValueError(f"weight must be (V, H) with H={H} (the last dim of hidden), got shape {tuple(weight.shape)}")
+    V = weight.shape[0]
+    if tuple(target_ids.shape) != (B, T):
+        raise ValueError(f"target_ids must have shape (B, T) = {(B, T)}, got {tuple(target_ids.shape)}")
+    if target_ids.is_floating_point() or target_ids.is_complex() or target_ids.dtype == torch.bool:
+        raise ValueError(f"target_ids must be an integer tensor, got dtype {target_ids.dtype}")
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"mask must have shape (B, T) = {(B, T)}, got {tuple(mask.shape)}")
+    if tuple(advantages.shape) not in ((B,), (B, T)):
+        raise ValueError(f"advantages must have shape (B,) = ({B},) or (B, T), got {tuple(advantages.shape)}")
+    if bias is not None and tuple(bias.shape) != (V,):
+        raise ValueError(f"bias must have shape (V,) = ({V},), got {tuple(bias.shape)}")
+    for x, name in ((old_logps, "old_logps"), (ref_logps, "ref_logps")):
+        if x is not None and tuple(x.shape) != (B, T):
+            raise ValueError(f"{name} must have shape (B, T) = {(B, T)}, got {tuple(x.shape)}")
+    if vllm_is_ratio is not None and tuple(vllm_is_ratio.shape) not in ((B, T), (B, 1)):
+        raise ValueError(f"vllm_is_ratio must have shape (B, T) or (B, 1), got {tuple(vllm_is_ratio.shape)}")
+    if beta != 0.0 and ref_logps is None:
+        raise ValueError(f"beta={beta} needs ref_logps (the reference model's per-token log-probabilities)")
+    live = mask != 0
+    if live.any():
+        ids = target_ids[live]
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= V:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"target_ids where mask is set must lie in [0, V={V}), got target id {bad}")

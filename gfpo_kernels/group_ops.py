@@ -42,7 +42,7 @@ def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool =
     group_size = check_group_size(group_size)
     s = as_groups(scores, group_size, "scores")
     kk = check_k(k, s.shape[0], group_size, s.device)
-    backend = select_backend(s.device, group_size)
+    backend = select_backend("group", s.device, group_size)
     if backend == "reference":
         return reference.group_topk_mask(scores, group_size, kk, largest=largest)
     if backend == "cpp":
@@ -83,7 +83,7 @@ def group_advantages(
     if keep is not None:
         check_same_shape(rewards, "rewards", keep, "keep")
         kept = keep.reshape(r.shape).to(device=r.device, dtype=torch.bool)
-    backend = select_backend(r.device, group_size)
+    backend = select_backend("group", r.device, group_size)
     if backend == "reference":
         kept = None if kept is None else kept.reshape(rewards.shape)
         return reference.group_advantages(rewards, group_size, keep=kept, scale=scale, eps=eps)
@@ -123,7 +123,7 @@ def gfpo_filter_advantages(
     kk = check_k(k, s.shape[0], group_size, s.device)
     if r.device != s.device:
         raise ValueError(f"rewards and scores must be on one device, got {r.device} and {s.device}")
-    backend = select_backend(s.device, group_size)
+    backend = select_backend("group", s.device, group_size)
     if backend == "reference":
         return reference.gfpo_filter_advantages(
             rewards, scores, group_size, kk, largest=largest, scale=scale, eps=eps

@@ -1,16 +1,25 @@
 """Pure-PyTorch reference of the gfpo ops: the oracle that every kernel is tested and benchmarked against.
 
 Written from the semantics in DESIGN.md, for clarity rather than speed: ranks come from counting, for every
-row, the rows of its group that rank before it; statistics are computed in float64.
+row, the rows of its group that rank before it; statistics are computed in float64; the GRPO loss takes the
+full (B, T, V) logits in float64.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._validation import as_groups, check_group_size, check_k, check_same_shape, check_scale_eps
+from ._validation import (
+    as_groups,
+    check_group_size,
+    check_k,
+    check_linear_grpo_inputs,
+    check_same_shape,
+    check_scale_eps,
+)
+from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 
-__all__ = ["group_topk_mask", "group_advantages", "gfpo_filter_advantages"]
+__all__ = ["group_topk_mask", "group_advantages", "gfpo_filter_advantages", "fused_linear_grpo_loss"]
 
 # Pairwise comparisons are (groups, G, G): bound the number held at once.
 _PAIRS_PER_CHUNK = 1 << 22
@@ -93,3 +102,60 @@ def gfpo_filter_advantages(
     check_same_shape(rewards, "rewards", scores, "scores")
     keep = group_topk_mask(scores, group_size, k, largest=largest)
     return keep, group_advantages(rewards, group_size, keep=keep, scale=scale, eps=eps)
+
+
+def fused_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    temperature: float = 1.0,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    num_items_in_batch=None,
+    max_completion_length: int | None = None,
+    vllm_is_ratio: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Reference of :func:`gfpo_kernels.fused_linear_grpo_loss`: the full (B, T, V) logits in float64, then
+    TRL's loss (gfpo_kernels.grpo_loss_math). Gradients flow to hidden, weight and bias by autograd."""
+    options = GRPOLossOptions(
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, temperature=temperature,
+        loss_type=loss_type, importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+    )
+    check_linear_grpo_inputs(
+        hidden, weight, target_ids, mask, advantages, bias=bias, old_logps=old_logps, ref_logps=ref_logps,
+        vllm_is_ratio=vllm_is_ratio, beta=beta,
+    )
+    logits = hidden.double() @ weight.double().t()
+    if bias is not None:
+        logits = logits + bias.double()
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    live = mask != 0
+    safe_ids = torch.where(live, target_ids, 0).long()
+    logps = log_probs.gather(-1, safe_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    loss, stats = grpo_loss_from_logps(
+        logps, mask.double(), advantages.double(), options,
+        old_logps=None if old_logps is None else old_logps.double(),
+        ref_logps=None if ref_logps is None else ref_logps.double(),
+        vllm_is_ratio=None if vllm_is_ratio is None else vllm_is_ratio.double(),
+        num_items_in_batch=num_items_in_batch,
+    )
+    stats = {name: value.float() for name, value in stats.items()}
+    stats["logps"] = torch.where(live, logps, 0.0).detach().float()
+    stats["entropy"] = torch.where(live, entropy, 0.0).detach().float()
+    return loss.float(), stats

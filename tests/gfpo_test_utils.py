@@ -13,4 +13,5 @@ import gfpo_kernels  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Every backend that can run here, except the reference itself (it is the oracle).
-KERNEL_BACKENDS = [b for b in gfpo_kernels.available_backends(DEVICE) if b != "reference"]
+KERNEL_BACKENDS = [b for b in gfpo_kernels.available_backends("group", DEVICE) if b != "reference"]
+LOSS_BACKENDS = [b for b in gfpo_kernels.available_backends("linear_grpo", DEVICE) if b != "reference"]

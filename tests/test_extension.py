@@ -21,10 +21,10 @@ def test_extension_is_built():
 def test_default_dispatch():
     forced = _dispatch.forced_backend()
     if forced is None:
-        assert _dispatch.select_backend(torch.device("cpu"), 16) == ("cpp" if _dispatch.HAS_CPP else "reference")
+        assert _dispatch.select_backend("group", torch.device("cpu"), 16) == ("cpp" if _dispatch.HAS_CPP else "reference")
         if _dispatch.HAS_TRITON:
-            assert _dispatch.select_backend(torch.device("cuda"), 16) == "triton"
-            assert _dispatch.select_backend(torch.device("cuda"), 8192) in ("reference",)
+            assert _dispatch.select_backend("group", torch.device("cuda"), 16) == "triton"
+            assert _dispatch.select_backend("group", torch.device("cuda"), 8192) in ("reference",)
 
 
 @needs_cpp

@@ -62,7 +62,7 @@ def test_forced_backend_that_cannot_run_raises():
 
 def test_errors_from_the_cpp_ops_name_the_argument():
     """The custom ops check their own input too (they are callable directly, e.g. from torch.compile)."""
-    if "cpp" not in gfpo_kernels.available_backends("cpu"):
+    if "cpp" not in gfpo_kernels.available_backends("group", "cpu"):
         pytest.skip("extension not built")
     with pytest.raises(ValueError, match="scale must be 'group', 'batch' or 'none', got 'std'"):
         torch.ops.gfpo.group_advantages(torch.randn(2, 4), None, "std", 1e-4)

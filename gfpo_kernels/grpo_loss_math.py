@@ -1,0 +1,173 @@
+"""The GRPO loss as a function of per-token log-probabilities: TRL's `GRPOTrainer._compute_loss` (TRL 1.16)
+for one process, no gradient accumulation, steps_per_generation=1.
+
+It is the one place this formula lives: the reference computes log-probabilities from full logits and calls
+it; the fused kernel computes them tile by tile and calls it too, and takes d(loss)/d(logp) from it by
+autograd, so neither re-derives the gradient by hand. tests/test_grpo_loss_math.py checks it against TRL's
+own `_compute_loss`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# Loss types whose per-token loss clips the ratio to [1 - epsilon_low, 1 + epsilon_high]
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _positive(value, name: str, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or value != value:
+        raise ValueError(f"{name} must be a float > 0, got {name}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOLossOptions:
+    """The scalar options of the GRPO loss (the names of TRL's GRPOConfig fields)."""
+
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon_low
+    delta: float | None = None
+    temperature: float = 1.0
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    max_completion_length: int | None = None  # dr_grpo; None: the T of the batch
+    use_bias_correction_kl: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got loss_type={self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got importance_sampling_level={self.importance_sampling_level!r}"
+            )
+        if isinstance(self.beta, bool) or not isinstance(self.beta, numbers.Real) or self.beta != self.beta:
+            raise ValueError(f"beta must be a float, got beta={self.beta!r}")
+        if isinstance(self.epsilon_low, bool) or not isinstance(self.epsilon_low, numbers.Real) or not self.epsilon_low >= 0:
+            raise ValueError(f"epsilon_low must be a float >= 0, got epsilon_low={self.epsilon_low!r}")
+        if self.epsilon_high is not None and (
+            isinstance(self.epsilon_high, bool)
+            or not isinstance(self.epsilon_high, numbers.Real)
+            or not self.epsilon_high >= 0
+        ):
+            raise ValueError(f"epsilon_high must be None or a float >= 0, got epsilon_high={self.epsilon_high!r}")
+        _positive(self.delta, "delta", allow_none=True)
+        _positive(self.temperature, "temperature")
+        _positive(self.sapo_temperature_pos, "sapo_temperature_pos")
+        _positive(self.sapo_temperature_neg, "sapo_temperature_neg")
+        mcl = self.max_completion_length
+        if mcl is not None and (isinstance(mcl, bool) or not isinstance(mcl, numbers.Integral) or mcl < 1):
+            raise ValueError(f"max_completion_length must be None or an int >= 1, got max_completion_length={mcl!r}")
+
+    def as_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def token_local(self) -> bool:
+        """True when d(loss)/d(logp[t]) depends on no other token's log-probability, so it can be computed
+        for a subset of the tokens at a time (token-level importance sampling)."""
+        return self.importance_sampling_level == "token"
+
+
+def _global_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TRL's `global_masked_mean` for one process: per-sequence values (B, 1) average over sequences."""
+    if x.shape[1] == 1:
+        return x.sum() / max(x.shape[0], 1)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def grpo_loss_from_logps(
+    logps: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    options: GRPOLossOptions,
+    *,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    vllm_is_ratio: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    with_stats: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss of per-token log-probabilities `logps` (B, T), differentiable in `logps`.
+
+    Returns (loss, stats); stats holds detached "kl" (beta != 0), and the clip ratios of the loss type
+    ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", or "cispo_clip_ratio").
+    """
+    o = options
+    mask = mask.to(logps.dtype)
+    adv = advantages.to(logps.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)
+    old = logps.detach() if old_logps is None else old_logps.to(logps.dtype)
+
+    log_ratio = logps - old
+    if o.importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+
+    if o.beta != 0.0:
+        ref = ref_logps.to(logps.dtype)
+        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if o.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    if o.loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=o.eps_high).detach()
+        per_token_loss = -clamped_ratios * adv * logps
+    elif o.loss_type in CLIPPED_LOSS_TYPES:
+        coef_2 = torch.clamp(coef_1, 1 - o.epsilon_low, 1 + o.eps_high)
+        if o.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=o.delta)
+        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    else:  # sapo
+        temperatures = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
+        per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * adv
+
+    if vllm_is_ratio is not None:
+        per_token_loss = per_token_loss * vllm_is_ratio.to(logps.dtype)
+    if o.beta != 0.0:
+        per_token_loss = per_token_loss + o.beta * per_token_kl
+
+    if o.loss_type in ("grpo", "sapo"):
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif o.loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    elif o.loss_type == "dr_grpo":
+        max_len = o.max_completion_length if o.max_completion_length is not None else mask.shape[1]
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len)
+    elif o.loss_type in ("cispo", "dapo"):
+        n = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=logps.dtype)
+        loss = (per_token_loss * mask).sum() / n.to(device=logps.device, dtype=logps.dtype).clamp(min=1.0)
+    else:  # luspo
+        loss = (per_token_loss * mask).sum(-1).mean()
+
+    stats: dict[str, torch.Tensor] = {}
+    if with_stats:
+        with torch.no_grad():
+            if o.beta != 0.0:
+                stats["kl"] = _global_masked_mean(per_token_kl, mask)
+            if o.loss_type in CLIPPED_LOSS_TYPES:
+                low = ((coef_1 < 1 - o.epsilon_low) & (adv < 0)).to(logps.dtype)
+                high = ((coef_1 > 1 + o.eps_high) & (adv > 0)).to(logps.dtype)
+                stats["clip_ratio/low_mean"] = _global_masked_mean(low, mask)
+                stats["clip_ratio/high_mean"] = _global_masked_mean(high, mask)
+                stats["clip_ratio/region_mean"] = _global_masked_mean(torch.maximum(low, high), mask)
+            elif o.loss_type == "cispo":
+                stats["cispo_clip_ratio"] = _global_masked_mean(((coef_1 > o.eps_high) & (adv > 0)).to(logps.dtype), mask)
+    return loss, stats
