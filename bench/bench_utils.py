@@ -21,3 +21,9 @@ def device_name() -> str:
 def sync() -> None:
     if ON_GPU:
         torch.cuda.synchronize()
+
+
+def record_tflops(benchmark, flops: float) -> None:
+    """extra_info["tflops"] from the median time (nothing when timing is off, as with --benchmark-disable)."""
+    if benchmark.stats is not None:
+        benchmark.extra_info["tflops"] = flops / benchmark.stats.stats.median / 1e12
