@@ -1,0 +1,88 @@
+"""GFPOConfig: TRL's GRPOConfig plus the fields of Group Filtered Policy Optimization."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+GROUP_FILTERS = ("length", "token_efficiency")
+
+
+@dataclass
+class GFPOConfig(GRPOConfig):
+    r"""
+    Configuration of [`GFPOTrainer`]: every field of TRL's `GRPOConfig`, plus:
+
+    Parameters:
+        num_remains_in_group (`int` or `None`, *optional*, defaults to `None`):
+            k: how many of the `num_generations` completions of each prompt are kept and trained on
+            (1 <= k < num_generations). `None` disables filtering (plain GRPO).
+        group_filter (`str` or `None`, *optional*, defaults to `None`):
+            Built-in filter scored on device: `"length"` keeps the k completions with the fewest tokens,
+            `"token_efficiency"` the k with the highest reward per completion token. With `num_remains_in_group`
+            set, exactly one of `group_filter` and the trainer's `group_filter_func` is required.
+        use_gfpo_kernels (`bool`, *optional*, defaults to `False`):
+            Put the fused kernels on the hot path: the fused filter + advantage kernel, and the fused linear GRPO
+            loss through the model's LM head (no (tokens x vocab) logits). `False` runs the reference
+            implementation of the filter and TRL's own loss. Both give the same kept rows and advantages.
+        adaptive_difficulty (`bool`, *optional*, defaults to `False`):
+            Adaptive Difficulty GFPO: a group's difficulty is its mean reward; streaming quartiles of it over
+            training (a t-digest) put each group in a quartile, and the group keeps
+            `adaptive_num_remains[quartile]` completions.
+        adaptive_num_remains (`list[int]` or `None`, *optional*, defaults to `None`):
+            k per difficulty quartile, hardest first (4 values, each 1 <= k <= num_generations); harder questions
+            usually keep more. Required with `adaptive_difficulty`.
+    """
+
+    num_remains_in_group: int | None = field(
+        default=None,
+        metadata={"help": "k: completions kept per group (1 <= k < num_generations); None disables filtering."},
+    )
+    group_filter: str | None = field(
+        default=None,
+        metadata={"help": "Built-in filter: 'length' (fewest tokens kept) or 'token_efficiency' (reward per token)."},
+    )
+    use_gfpo_kernels: bool = field(
+        default=False,
+        metadata={"help": "Use the fused filter/advantage kernel and the fused linear GRPO loss."},
+    )
+    adaptive_difficulty: bool = field(
+        default=False, metadata={"help": "Choose k per group from the quartile of its mean reward."}
+    )
+    adaptive_num_remains: list[int] | None = field(
+        default=None, metadata={"help": "k per difficulty quartile, hardest first (4 values)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        G = self.num_generations
+        k = self.num_remains_in_group
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k < G):
+            raise ValueError(
+                f"num_remains_in_group must be an int with 1 <= k < num_generations={G}, got num_remains_in_group={k!r}"
+            )
+        if self.group_filter is not None and self.group_filter not in GROUP_FILTERS:
+            raise ValueError(f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={self.group_filter!r}")
+        if self.adaptive_difficulty:
+            if k is None:
+                raise ValueError("adaptive_difficulty=True needs num_remains_in_group (it turns filtering on)")
+            ks = self.adaptive_num_remains
+            if (
+                not isinstance(ks, (list, tuple))
+                or len(ks) != 4
+                or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 1 <= x <= G for x in ks)
+            ):
+                raise ValueError(
+                    "adaptive_num_remains must be 4 ints (k per difficulty quartile, hardest first), each "
+                    f"1 <= k <= num_generations={G}, got adaptive_num_remains={ks!r}"
+                )
+            self.adaptive_num_remains = [int(x) for x in ks]
+        elif self.adaptive_num_remains is not None:
+            raise ValueError("adaptive_num_remains is set but adaptive_difficulty=False; set adaptive_difficulty=True")
+        if k is not None and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "GFPO normalises the summed reward over the kept completions; multi_objective_aggregation="
+                f"{self.multi_objective_aggregation!r} is not supported with num_remains_in_group (use 'sum_then_normalize')"
+            )

@@ -1,0 +1,47 @@
+"""A tiny causal LM and a character-level tokenizer built in code: tests and the demo run without downloads."""
+
+from __future__ import annotations
+
+import string
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
+CHARACTERS = string.digits + string.ascii_lowercase + " +-*=?.,:;()"
+
+
+def make_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
+    """One token per character, plus <pad>, <eos> and <bos>."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(set(characters)))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
+    )
+
+
+def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed: int | None = 0) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2-style causal LM sized for CPU tests."""
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model

@@ -1,0 +1,62 @@
+"""Worker of tests/test_trainer_multiprocess.py, run by torchrun with 2 CPU processes (gloo): scores one global
+batch whose groups straddle the processes, dumps what each process keeps, then trains two steps."""
+
+import json
+import sys
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+
+from gfpo_trainer import GFPOConfig, GFPOTrainer
+from gfpo_trainer.tiny import make_tokenizer
+
+PROMPTS = ["1+2=", "3*4=", "5-1=", "9+9=", "2*3=", "7-4="]
+
+
+def digit_reward(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
+
+
+def main(out_dir, model_dir, use_kernels):
+    args = GFPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=12, num_generations=8, num_remains_in_group=3,
+        group_filter="length", max_completion_length=8, max_steps=2, report_to="none", use_cpu=True, bf16=False,
+        logging_steps=1, save_strategy="no", seed=0, loss_type="grpo", beta=0.04, use_gfpo_kernels=use_kernels,
+    )
+    trainer = GFPOTrainer(model=model_dir, reward_funcs=digit_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+                          processing_class=make_tokenizer())
+    rank, P = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    global_inputs = [{"prompt": p} for p in PROMPTS[:3] for _ in range(8)]  # 3 groups of 8 = 24 rows
+    local = global_inputs[rank * 12 : (rank + 1) * 12]  # process 0: group 0 and half of group 1
+
+    seen = {}
+    original = trainer._calculate_rewards
+
+    def spy(inputs, prompts, completions, completion_ids_list):
+        out = original(inputs, prompts, completions, completion_ids_list)
+        seen["ids"] = gather_object([list(x) for x in completion_ids_list])
+        seen["rewards"] = out.sum(dim=1).tolist()
+        return out
+
+    trainer._calculate_rewards = spy
+    trainer.model.train()
+    torch.manual_seed(rank)
+    output = trainer._generate_and_score_completions(local)
+    real = output["gfpo_real_row"]
+    mask = output["completion_mask"].bool()
+    rows = [output["completion_ids"][i][mask[i]].tolist() for i in range(real.numel()) if real[i]]
+    result = dict(rank=rank, processes=P, num_rows=int(real.numel()), rows=rows,
+                  advantages=output["advantages"][real].tolist(), all_ids=seen["ids"], all_rewards=seen["rewards"],
+                  logp_rows=trainer.gfpo_logp_rows_seen)
+    trainer._calculate_rewards = original
+    trainer.train()  # TRL's loss gathers per-sequence metrics: unequal batch sizes would hang here
+    result["train_steps"] = trainer.state.global_step
+    result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1")

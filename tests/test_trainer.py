@@ -1,0 +1,336 @@
+"""GFPOTrainer on a tiny Qwen2-style model and a character tokenizer made in code (no downloads), on CPU."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+
+import gfpo_kernels  # noqa: E402
+from gfpo_kernels import reference as ref  # noqa: E402
+from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
+from gfpo_trainer._compat import TRLSurfaceError, check_output, check_trl_surfaces  # noqa: E402
+from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
+from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
+
+PROMPTS = ["1+2=", "3*4=", "5-1=", "9+9=", "2*3=", "7-4=", "8+1=", "6*2="]
+
+
+def digit_reward(completions, **kwargs):
+    """Rewards with ties and a spread: digits count, a little credit for brevity."""
+    return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    make_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def make_config(tmp_path, **overrides):
+    options = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8, num_remains_in_group=3,
+        group_filter="length", max_completion_length=8, max_steps=1, report_to="none", use_cpu=True, bf16=False,
+        logging_steps=1, save_strategy="no", seed=0, loss_type="grpo", temperature=1.0,
+    )
+    options.update(overrides)
+    return GFPOConfig(**options)
+
+
+def make_trainer(model_dir, tokenizer, tmp_path, group_filter_func=None, reward=digit_reward, **overrides):
+    args = make_config(tmp_path, **overrides)
+    dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    return GFPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
+                       processing_class=tokenizer, group_filter_func=group_filter_func)
+
+
+def generation_batch(trainer, num_prompts=None):
+    G = trainer.num_generations
+    n = num_prompts or trainer.args.generation_batch_size // G
+    return [{"prompt": p} for p in PROMPTS[:n] for _ in range(G)]
+
+
+class Spy:
+    """Records what GRPOTrainer._calculate_rewards saw and returned."""
+
+    def __init__(self, trainer):
+        self.calls = []
+        original = trainer._calculate_rewards
+
+        def spy(inputs, prompts, completions, completion_ids_list):
+            out = original(inputs, prompts, completions, completion_ids_list)
+            self.calls.append(dict(completions=completions, ids=[list(x) for x in completion_ids_list], rewards=out))
+            return out
+
+        trainer._calculate_rewards = spy
+
+
+def scored_batch(trainer, seed=0):
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); the tests call compute_loss directly
+    spy = Spy(trainer)
+    torch.manual_seed(seed)
+    output = trainer._generate_and_score_completions(generation_batch(trainer))
+    return output, spy.calls[-1]
+
+
+def real_rows(output):
+    real = output["gfpo_real_row"]
+    ids = output["completion_ids"][real]
+    mask = output["completion_mask"][real].bool()
+    return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])], output["advantages"][real]
+
+
+# --------------------------------------------------------------------------- config and construction
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(num_remains_in_group=8), r"1 <= k < num_generations=8, got num_remains_in_group=8"),
+        (dict(num_remains_in_group=0), r"got num_remains_in_group=0"),
+        (dict(group_filter="shortest"), r"group_filter must be None or one of \('length', 'token_efficiency'\)"),
+        (dict(adaptive_difficulty=True), r"adaptive_num_remains must be 4 ints"),
+        (dict(adaptive_difficulty=True, adaptive_num_remains=[8, 6, 4]), r"got adaptive_num_remains=\[8, 6, 4\]"),
+        (dict(adaptive_difficulty=True, adaptive_num_remains=[9, 6, 4, 2]), r"1 <= k <= num_generations=8"),
+        (dict(adaptive_num_remains=[4, 4, 4, 4]), r"adaptive_difficulty=False"),
+        (dict(adaptive_difficulty=True, adaptive_num_remains=[4] * 4, num_remains_in_group=None), r"needs num_remains_in_group"),
+        (dict(multi_objective_aggregation="normalize_then_sum"), r"multi_objective_aggregation='normalize_then_sum'"),
+    ],
+)
+def test_config_rejects_bad_values(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        make_config(tmp_path, **overrides)
+
+
+def test_construction_errors(model_dir, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="give exactly one of GFPOConfig.group_filter"):
+        make_trainer(model_dir, tokenizer, tmp_path, group_filter_func=lambda **k: None)
+    with pytest.raises(ValueError, match="give exactly one of GFPOConfig.group_filter"):
+        make_trainer(model_dir, tokenizer, tmp_path, group_filter=None)
+    with pytest.raises(ValueError, match="a group filter is given but num_remains_in_group is None"):
+        make_trainer(model_dir, tokenizer, tmp_path, num_remains_in_group=None)
+    with pytest.raises(TypeError, match="group_filter_func must be callable"):
+        make_trainer(model_dir, tokenizer, tmp_path, group_filter=None, group_filter_func="shortest")
+    with pytest.raises(ValueError, match="use_gfpo_kernels=True does not support top_entropy_quantile=0.5"):
+        make_trainer(model_dir, tokenizer, tmp_path, use_gfpo_kernels=True, top_entropy_quantile=0.5)
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="args must be a GFPOConfig, got GRPOConfig"):
+        GFPOTrainer(model=model_dir, reward_funcs=digit_reward,
+                    args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none"))
+
+
+# --------------------------------------------------------------------------- what reaches the loss
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+@pytest.mark.parametrize("group_filter, largest", [("length", False), ("token_efficiency", True)])
+def test_exactly_the_top_k_rows_with_their_advantages(model_dir, tokenizer, tmp_path, use_kernels, group_filter, largest):
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=16, group_filter=group_filter,
+                           use_gfpo_kernels=use_kernels)
+    output, seen = scored_batch(trainer)
+    G, k = 8, 3
+    lengths = torch.tensor([len(ids) for ids in seen["ids"]], dtype=torch.float32)
+    rewards = seen["rewards"].sum(dim=1)
+    scores = lengths if group_filter == "length" else rewards / lengths
+    want_keep, want_adv = ref.gfpo_filter_advantages(rewards, scores, G, k, largest=largest)
+    rows, adv = real_rows(output)
+    want_rows = [seen["ids"][i] for i in want_keep.nonzero().squeeze(1).tolist()]
+    assert rows == want_rows  # the kept rows, in batch order, nothing else
+    torch.testing.assert_close(adv, want_adv[want_keep], rtol=1e-5, atol=1e-6)
+    assert output["gfpo_real_row"].all()  # 2 groups x 3 kept: no padding needed
+    assert output["num_items_in_batch"].item() == sum(len(r) for r in want_rows)
+
+
+def test_kernels_on_and_off_agree(model_dir, tokenizer, tmp_path):
+    """Same kept rows and advantages; losses and gradients equal within fp32 tolerance."""
+    results = []
+    for use_kernels in (False, True):
+        trainer = make_trainer(model_dir, tokenizer, tmp_path, use_gfpo_kernels=use_kernels, beta=0.04,
+                               loss_type="dapo", per_device_train_batch_size=16)
+        output, _ = scored_batch(trainer, seed=3)
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, output)
+        loss.backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        results.append((output, loss.detach(), grads))
+    (out_a, loss_a, grads_a), (out_b, loss_b, grads_b) = results
+    for key in ("completion_ids", "completion_mask", "advantages", "ref_per_token_logps"):
+        torch.testing.assert_close(out_a[key], out_b[key], msg=key)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    assert len(grads_a) == len(grads_b) > 0
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6)
+
+
+def test_deferred_logprob_passes_see_only_kept_rows(model_dir, tokenizer, tmp_path):
+    """beta > 0 (reference model) and steps_per_generation=2 with gradient_accumulation_steps=1 (old policy):
+    both no-grad passes run on the k/G kept rows, and give what TRL's own pass gives on those rows."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, beta=0.04, per_device_train_batch_size=8,
+                           steps_per_generation=2, num_remains_in_group=2)
+    output, seen = scored_batch(trainer)
+    n_generated = len(seen["ids"])  # 16 = 2 groups of 8
+    n_kept = int(output["gfpo_real_row"].sum())
+    assert n_kept == n_generated * 2 // 8
+    assert "old_per_token_logps" in output and "ref_per_token_logps" in output
+    assert trainer.gfpo_logp_rows_seen == 2 * n_kept  # two passes, kept rows only
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with torch.no_grad():
+        want, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, output["completion_ids"].size(1))
+    torch.testing.assert_close(output["ref_per_token_logps"], want)
+
+
+def test_remainder_rows_are_padded_not_dropped(model_dir, tokenizer, tmp_path):
+    """1 group of 8, k=3, steps_per_generation=2: 3 kept rows do not split in 2; TRL's split_tensor_dict would drop
+    one. GFPO pads to 4 with a masked copy, and the grpo loss counts only the real rows."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=4, steps_per_generation=2,
+                           num_remains_in_group=3)
+    output, seen = scored_batch(trainer)
+    assert output["completion_ids"].shape[0] == 4
+    assert output["gfpo_real_row"].tolist() == [True, True, True, False]
+    assert output["completion_mask"][3].sum() == 0 and output["advantages"][3] == 0
+    rows, _ = real_rows(output)
+    assert len(rows) == 3
+    from trl.trainer.utils import split_tensor_dict
+
+    halves = split_tensor_dict(output, 2)
+    assert sum(int(h["gfpo_real_row"].sum()) for h in halves) == 3
+    # the padded micro-batch's loss equals the loss of its real rows alone
+    half = next(h for h in halves if not h["gfpo_real_row"].all())
+    only_real = {k: (v[half["gfpo_real_row"]] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in half.items()}
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.compute_loss(trainer.model, half), trainer.compute_loss(trainer.model, only_real))
+
+
+def test_group_filter_func_with_trl_signature(model_dir, tokenizer, tmp_path):
+    calls = []
+
+    def prefer_digits(group_completions, group_rewards, **kwargs):
+        calls.append((len(group_completions), [len(g) for g in group_completions], kwargs.keys()))
+        return [[float(sum(ch.isdigit() for ch in c)) for c in group] for group in group_completions]
+
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, group_filter=None, group_filter_func=prefer_digits)
+    output, seen = scored_batch(trainer)
+    assert calls[0][:2] == (1, [8]) and "group_completion_ids" in calls[0][2]
+    scores = torch.tensor([float(sum(ch.isdigit() for ch in c)) for c in seen["completions"]])
+    want_keep = ref.group_topk_mask(scores, 8, 3)
+    rows, _ = real_rows(output)
+    assert rows == [seen["ids"][i] for i in want_keep.nonzero().squeeze(1).tolist()]
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda groups: [[1.0] * 7 for _ in groups], r"must return 1 lists of 8 scores .* got shape \(1, 7\)"),
+        (lambda groups: [[float("nan")] + [1.0] * 7 for _ in groups], r"non-finite score nan \(group 0, completion 0\)"),
+        (lambda groups: [["a"] * 8 for _ in groups], r"not a rectangular list of numbers"),
+    ],
+)
+def test_bad_group_filter_func_output(model_dir, tokenizer, tmp_path, bad, match):
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, group_filter=None,
+                           group_filter_func=lambda group_completions, group_rewards, **kw: bad(group_completions))
+    with pytest.raises(ValueError, match=match):
+        scored_batch(trainer)
+
+
+def test_unscorable_rows_rank_last_and_get_zero_advantage(model_dir, tokenizer, tmp_path):
+    def some_none(completions, **kwargs):
+        return [None if i % 4 == 0 else float(i % 3) for i in range(len(completions))]
+
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, group_filter="token_efficiency", reward=some_none,
+                           num_remains_in_group=7)
+    output, seen = scored_batch(trainer)
+    rows, adv = real_rows(output)
+    # rows 0 and 4 are unscorable: NaN ranks last, and of the two the lower index wins, so row 4 is dropped
+    assert rows == [seen["ids"][i] for i in range(8) if i != 4]
+    assert adv[0] == 0 and torch.isfinite(adv).all()
+
+
+def test_eval_mode_does_not_filter(model_dir, tokenizer, tmp_path):
+    trainer = make_trainer(model_dir, tokenizer, tmp_path)
+    trainer.model.eval()
+    torch.manual_seed(0)
+    output = trainer._generate_and_score_completions(generation_batch(trainer))
+    assert output["completion_ids"].shape[0] == 8 and "gfpo_real_row" not in output
+
+
+def test_training_logs_gfpo_metrics(model_dir, tokenizer, tmp_path):
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, max_steps=2, use_gfpo_kernels=True)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for log in logs:
+        assert log["gfpo/kept_fraction"] == pytest.approx(3 / 8)
+        assert log["gfpo/kept_completion_length"] <= log["gfpo/dropped_completion_length"]
+        assert math.isfinite(log["loss"]) and "entropy" in log and "clip_ratio/region_mean" in log
+
+
+def test_adaptive_difficulty_in_training(model_dir, tokenizer, tmp_path):
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=32, adaptive_difficulty=True,
+                           adaptive_num_remains=[6, 4, 3, 2], num_remains_in_group=3)
+    output, seen = scored_batch(trainer)
+    rewards = seen["rewards"].sum(dim=1).view(-1, 8).mean(dim=1)
+    quartile, k = AdaptiveDifficulty([6, 4, 3, 2]).update_and_assign(rewards)
+    assert int(output["gfpo_real_row"].sum()) == int(k.sum())
+    metrics = trainer._metrics["train"]
+    assert metrics["gfpo/k_quartile_0"] == [6.0] and metrics["gfpo/k_quartile_3"] == [2.0]
+    assert metrics["gfpo/mean_k"] == [pytest.approx(k.float().mean().item())]
+
+
+def test_adaptive_difficulty_quartiles():
+    """Quartiles from the t-digest match exact quantiles on a small stream; hardest (lowest mean) keeps most."""
+    adaptive = AdaptiveDifficulty([8, 6, 4, 2])
+    means = torch.arange(8, dtype=torch.float32) / 8  # 0, 0.125, ..., 0.875
+    quartile, k = adaptive.update_and_assign(means)
+    q25, q50, q75 = adaptive.quartile_thresholds()
+    for value, got in zip(means.tolist(), quartile.tolist()):
+        assert got == sum(value > t for t in (q25, q50, q75))
+    assert quartile[0] == 0 and quartile[-1] == 3 and k[0] == 8 and k[-1] == 2
+    assert k.tolist() == sorted(k.tolist(), reverse=True)
+    nan_q, nan_k = adaptive.update_and_assign(torch.tensor([float("nan")]))
+    assert nan_q.item() == 0 and nan_k.item() == 8  # no scorable completion: treated as hardest
+    assert adaptive.digest.n == 8  # NaN not added
+
+
+# --------------------------------------------------------------------------- TRL surfaces
+
+
+def test_trl_surfaces_are_where_gfpo_expects_them():
+    check_trl_surfaces()  # the pinned TRL
+
+
+def test_surface_check_names_what_changed():
+    from trl import GRPOTrainer
+
+    class Renamed(GRPOTrainer):
+        _calculate_rewards = None
+
+    with pytest.raises(TRLSurfaceError, match=r"GRPOTrainer._calculate_rewards no longer exists"):
+        check_trl_surfaces(Renamed)
+
+    class Reshaped(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, logits_to_keep):
+            pass
+
+    with pytest.raises(TRLSurfaceError, match=r"_get_per_token_logps_and_entropies takes"):
+        check_trl_surfaces(Reshaped)
+    row = torch.zeros(4, 3)
+    good = dict(prompt_ids=row, prompt_mask=row, completion_ids=row, completion_mask=row, advantages=row[:, 0],
+                num_items_in_batch=torch.tensor(3))
+    check_output(good, 4)
+    with pytest.raises(TRLSurfaceError, match=r"returns a per-row 'pixel_values'"):
+        check_output({**good, "pixel_values": torch.zeros(4, 3, 8, 8)}, 4)
+    with pytest.raises(TRLSurfaceError, match=r"no longer returns 'advantages'"):
+        check_output({k: v for k, v in good.items() if k != "advantages"}, 4)

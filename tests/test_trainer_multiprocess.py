@@ -1,0 +1,54 @@
+"""Two CPU processes (torchrun, gloo): groups straddle processes; every process must run equal micro-batches
+holding exactly the global top-k rows, and training must not hang."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from gfpo_kernels import reference as ref  # noqa: E402
+from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
+
+
+@pytest.mark.parametrize("use_kernels", ["0", "1"])
+def test_two_processes_straddling_groups(tmp_path, use_kernels):
+    tokenizer = make_tokenizer()
+    model_dir = tmp_path / "model"
+    make_tiny_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    with socket.socket() as probe:  # a free port for the rendezvous (torchrun's port 0 does not rendezvous)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+               "--master_addr=127.0.0.1",
+               str(Path(__file__).with_name("mp_gfpo_worker.py")), str(out_dir), str(model_dir), use_kernels]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # every process holds the same number of rows, and ran the same number of steps without hanging
+    assert results[0]["num_rows"] == results[1]["num_rows"] == 5  # 3 groups x k=3 = 9 kept -> 5 + 5 (one pad)
+    assert results[0]["train_steps"] == results[1]["train_steps"] == 2
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
+
+    # together they hold exactly the global top-k, in global order, with advantages over the kept rows
+    all_ids, all_rewards = results[0]["all_ids"], torch.tensor(results[0]["all_rewards"])
+    assert results[1]["all_ids"] == all_ids and len(all_ids) == 24
+    lengths = torch.tensor([len(x) for x in all_ids], dtype=torch.float32)
+    keep, adv = ref.gfpo_filter_advantages(all_rewards, lengths, 8, 3, largest=False)
+    kept = keep.nonzero().squeeze(1).tolist()
+    assert results[0]["rows"] + results[1]["rows"] == [all_ids[i] for i in kept]
+    got_adv = torch.tensor(results[0]["advantages"] + results[1]["advantages"])
+    torch.testing.assert_close(got_adv, adv[keep], rtol=1e-5, atol=1e-6)
+    # the deferred reference-model pass ran on each process's kept rows only
+    assert [r["logp_rows"] for r in results] == [5, 4]
