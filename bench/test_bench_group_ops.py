@@ -2,8 +2,11 @@
 
     pytest bench/test_bench_group_ops.py --benchmark-json=out.json
 
-Rewards are 0/1 correctness plus a little noise; scores are completion lengths (integer-valued, many ties),
-kept by `largest=False` as GFPO's length filter does."""
+Implementations: our fused kernel (Triton, on CUDA), our C++ op, gfpo_kernels.reference, and "trl-gfpo": the
+path TRL's last GFPOTrainer took, written fresh here as a baseline (a Python filter callback over the grouped
+completion lists, torch.topk, index arithmetic, then mean/std of the kept rewards). Rewards are 0/1
+correctness plus a little noise; scores are completion lengths (distinct within a group, so every
+implementation keeps the same rows), kept shortest-first as GFPO's length filter does."""
 
 import pytest
 import torch
@@ -13,8 +16,8 @@ from gfpo_kernels import _dispatch, reference
 
 from bench_utils import DEVICE, ON_GPU
 
-SIZES = [(64, 8), (4096, 16), (8192, 64)] if ON_GPU else [(64, 8), (4096, 16)]
-IMPLS = ["reference"] + [b for b in ("cpp", "triton") if b in _dispatch.available_backends("group", DEVICE)]
+SIZES = [(64, 8), (1024, 16), (4096, 16), (8192, 64)]
+IMPLS = ["reference", "trl-gfpo"] + [b for b in ("cpp", "triton") if b in _dispatch.available_backends("group", DEVICE)]
 if not ON_GPU:
     IMPLS = [i for i in IMPLS if i != "triton"]  # the interpreter measures Python, not the kernel
 
@@ -22,8 +25,30 @@ if not ON_GPU:
 def _inputs(num_groups, G):
     g = torch.Generator().manual_seed(0)
     rewards = (torch.rand(num_groups * G, generator=g) < 0.4).float() + 0.01 * torch.randn(num_groups * G, generator=g)
-    lengths = torch.randint(16, 4096, (num_groups * G,), generator=g).float()
-    return rewards.to(DEVICE), lengths.to(DEVICE)
+    lengths = torch.stack([torch.randperm(4000, generator=g)[:G] for _ in range(num_groups)]).flatten() + 16
+    return rewards.to(DEVICE), lengths.float().to(DEVICE)
+
+
+def _shortest_first(group_completions, group_rewards, **kwargs):
+    """A TRL-style group_filter_func: higher score kept, so minus the completion length."""
+    return [[-len(c) for c in group] for group in group_completions]
+
+
+def trl_gfpo_filter_advantages(rewards, completions, G, k, group_filter_func=_shortest_first):
+    """Baseline: what TRL's last GFPOTrainer did per step (re-implemented): call the filter on Python lists of
+    grouped completions, torch.topk per group, global row indices by arithmetic, GRPO advantages of the kept
+    rewards. Returns (kept row indices, their advantages)."""
+    num_groups = len(completions) // G
+    scores = group_filter_func(
+        group_completions=[completions[i * G : (i + 1) * G] for i in range(num_groups)],
+        group_rewards=rewards.view(-1, G).tolist(),
+    )
+    scores = torch.tensor(scores, device=rewards.device)
+    _, local = torch.topk(scores, k, dim=-1)
+    rows = (torch.arange(0, num_groups * G, G, device=rewards.device).unsqueeze(1) + local).flatten()
+    kept = rewards[rows].view(-1, k)
+    advantages = (kept - kept.mean(dim=1, keepdim=True)) / (kept.std(dim=1, keepdim=True) + 1e-4)
+    return rows, advantages.flatten()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -32,7 +57,14 @@ def test_filter_advantages(run, benchmark, impl, num_groups, G):
     benchmark.group = f"filter_advantages {num_groups}x{G}"
     rewards, lengths = _inputs(num_groups, G)
     k = G // 2
-    if impl == "reference":
+    if impl == "trl-gfpo":
+        completions = [range(int(n)) for n in lengths.tolist()]  # stand-ins for token id lists: len() is all it reads
+        rows, kept_adv = run(trl_gfpo_filter_advantages, rewards, completions, G, k)
+        keep = torch.zeros_like(rewards, dtype=torch.bool)
+        keep[rows] = True
+        adv = torch.zeros_like(rewards)
+        adv[rows] = kept_adv
+    elif impl == "reference":
         keep, adv = run(reference.gfpo_filter_advantages, rewards, lengths, G, k, largest=False)
     else:
         with gfpo_kernels.use_backend(impl):

@@ -23,6 +23,7 @@ _SURFACES = {
     "_get_per_token_logps_and_entropies": ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size"],
     "compute_loss": ["model", "inputs", "return_outputs", "num_items_in_batch"],
     "_compute_loss": ["model", "inputs"],
+    "_generate_single_turn": ["prompt_ids", "images", "multimodal_fields", "num_generations"],
 }
 # keys of the dict `_generate_and_score_completions` returns that GFPO reads or rewrites
 OUTPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch")
@@ -40,7 +41,8 @@ ROW_KEYS = {
     "tool_mask": (1, False),
 }
 # GRPOTrainer attributes GFPO reads
-_ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "beta", "ref_model", "temperature", "loss_type")
+_ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "beta", "ref_model", "temperature", "loss_type",
+               "eos_token_ids", "use_vllm", "use_transformers_continuous_batching", "tools")
 
 
 class TRLSurfaceError(RuntimeError):

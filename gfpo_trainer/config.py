@@ -34,6 +34,11 @@ class GFPOConfig(GRPOConfig):
         adaptive_num_remains (`list[int]` or `None`, *optional*, defaults to `None`):
             k per difficulty quartile, hardest first (4 values, each 1 <= k <= num_generations); harder questions
             usually keep more. Required with `adaptive_difficulty`.
+        gfpo_stop_dropped_generations (`bool`, *optional*, defaults to `True`):
+            With `group_filter="length"`: once k completions of a group have ended, stop generating the group's
+            other completions, which the filter is certain to drop. The kept rows, their rewards, advantages and
+            the loss are unchanged; generation ends sooner. Not applied with adaptive difficulty (whose difficulty
+            reads every completion's reward), vLLM, continuous batching or tool calling (a warning says so).
     """
 
     num_remains_in_group: int | None = field(
@@ -53,6 +58,10 @@ class GFPOConfig(GRPOConfig):
     )
     adaptive_num_remains: list[int] | None = field(
         default=None, metadata={"help": "k per difficulty quartile, hardest first (4 values)."}
+    )
+    gfpo_stop_dropped_generations: bool = field(
+        default=True,
+        metadata={"help": "With the length filter, stop generating completions the filter is certain to drop."},
     )
 
     def __post_init__(self):

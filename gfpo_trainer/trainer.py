@@ -20,11 +20,13 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import types
 
 import torch
 from accelerate.utils import gather_object
+from transformers import LogitsProcessorList
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
@@ -35,6 +37,9 @@ from gfpo_kernels.grpo_loss_math import LOSS_TYPES
 from ._compat import ROW_KEYS, TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces
 from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
+from .early_stop import StopDroppedCompletions
+
+logger = logging.getLogger(__name__)
 
 # Loss types whose value is a mean over the sequences of a micro-batch (or divides by their number)
 _PER_SEQUENCE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
@@ -112,6 +117,8 @@ class GFPOTrainer(GRPOTrainer):
         self._deferring = False
         self._deferred: list[tuple[torch.Tensor, object, int | None]] = []
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
+        self._stopped_rows: torch.Tensor | None = None  # local rows the early-stop rule ended, this batch
+        self._warned_no_early_stop = False
         if args.use_gfpo_kernels:
             _install_fused_loss_forward(self.model.get_base_model() if _is_peft_model(self.model) else self.model)
 
@@ -200,10 +207,73 @@ class GFPOTrainer(GRPOTrainer):
         # vLLM importance sampling reads the old log-probs at once; a PEFT reference runs under an adapter context
         return not (self.use_vllm and self.vllm_importance_sampling_correction) and not _is_peft_model(self.model)
 
+    # ------------------------------------------------------------------ stopping completions that will be dropped
+    def _early_stop_applies(self) -> bool:
+        args = self.args
+        return (
+            self._filtering()
+            and args.group_filter == "length"
+            and args.gfpo_stop_dropped_generations
+            and not args.adaptive_difficulty
+        )
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if not (self._filtering() and self.args.group_filter == "length"):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
+        # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
+        # run with gfpo_stop_dropped_generations on is the same run as with it off.
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self._generate_single_turn_stopping(prompt_ids, images, multimodal_fields, num_generations,
+                                                       has_tool_images)
+
+    def _generate_single_turn_stopping(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+        if not self._early_stop_applies():
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        unsupported = (
+            "vLLM generation (its API gives no per-group abort here)" if self.use_vllm
+            else "continuous batching" if self.use_transformers_continuous_batching
+            else "tool calling" if self.tools
+            else None
+        )
+        if unsupported is not None:
+            if not self._warned_no_early_stop:
+                logger.warning(f"gfpo_stop_dropped_generations is not applied with {unsupported}: every completion "
+                               "is generated to its end, as in GRPO")
+                self._warned_no_early_stop = True
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+        stopper = StopDroppedCompletions(self.eos_token_ids, self.num_generations, self.args.num_remains_in_group,
+                                         first_row=self.accelerator.process_index * len(prompt_ids))
+        model = self.accelerator.unwrap_model(self.model)
+        had_own_generate = "generate" in vars(model)
+        original = model.generate
+
+        def generate(*args, **kwargs):
+            processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+            processors.append(stopper)
+            return original(*args, logits_processor=processors, **kwargs)
+
+        model.generate = generate
+        try:
+            result = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        finally:
+            if had_own_generate:
+                model.generate = original
+            else:
+                del model.generate
+        device = self.accelerator.device
+        stopped = stopper.stopped if stopper.stopped is not None else torch.zeros(len(prompt_ids), dtype=torch.bool)
+        self._stopped_rows = stopped.to(device)
+        return result
+
     # ------------------------------------------------------------------ filtering the generated batch
     def _generate_and_score_completions(self, inputs):
         filtering = self._filtering()
-        self._gfpo_selection, self._deferred = None, []
+        self._gfpo_selection, self._deferred, self._stopped_rows = None, [], None
         self._deferring = filtering and self._can_defer()
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -231,7 +301,6 @@ class GFPOTrainer(GRPOTrainer):
         keep = selection["keep"]
         if keep.numel() != n_local * P:
             raise TRLSurfaceError(f"the global batch holds {keep.numel()} rows, {P} processes x {n_local} were expected")
-        output["advantages"] = selection["advantages"].view(P, n_local)[rank]
 
         # Every process takes an equal, steps_per_generation-divisible share of the kept rows, in global order.
         kept = keep.nonzero().squeeze(1)
@@ -241,22 +310,36 @@ class GFPOTrainer(GRPOTrainer):
         n_real = mine.numel()
         # padding rows copy a kept row (a valid forward) and are masked out below
         rows = torch.cat([mine, kept[:1].expand(share - n_real)]) if kept.numel() else mine
-        row_keys = [key for key in output if key in ROW_KEYS and isinstance(output[key], torch.Tensor)]
+        # every process holds the global advantages already; the other row tensors are gathered
+        output["advantages"] = selection["advantages"][rows]
+        row_keys = [k for k in output if k in ROW_KEYS and k != "advantages" and isinstance(output[k], torch.Tensor)]
         for key in row_keys:
-            output[key] = self._take_global_rows(key, output[key], rows, n_local)
+            output[key] = self._take_global_rows(key, output[key], rows)
         real = torch.arange(share, device=rows.device) < n_real
         output["completion_mask"] = output["completion_mask"] * real.unsqueeze(1).to(output["completion_mask"].dtype)
         output["advantages"] = torch.where(real, output["advantages"], 0.0)
         output[_REAL_ROW_KEY] = real
+        # Drop the padding columns past the longest kept completion: less work in the loss, and the batch no
+        # longer depends on how long the dropped completions ran (see gfpo_stop_dropped_generations).
+        T = output["completion_ids"].size(1)
+        width = max(1, int(output["completion_mask"].sum(dim=1).max())) if share else T
+        for key in row_keys:
+            if not ROW_KEYS[key][1] and output[key].dim() > 1 and output[key].size(1) == T:
+                output[key] = output[key][:, :width]
 
         for key, (model, batch_size) in deferred.items():
             output[key] = self._deferred_logps(model, batch_size, output, n_real)
         loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum().reshape(1)).sum()
-        self._log_selection(selection, keep)
+        stopped = None
+        if self._stopped_rows is not None:
+            stopped = self.accelerator.gather(self._stopped_rows)
+            if (stopped & keep).any():  # the rule's promise; a failure here is a bug, never a silent wrong batch
+                raise RuntimeError("gfpo: a completion stopped early by gfpo_stop_dropped_generations was kept")
+        self._log_selection(selection, keep, stopped)
         return output
 
-    def _take_global_rows(self, key: str, tensor: torch.Tensor, rows: torch.Tensor, n_local: int) -> torch.Tensor:
+    def _take_global_rows(self, key: str, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """tensor's rows at global indices `rows` (local rows of every process, in process order)."""
         if self.accelerator.num_processes == 1:
             return tensor[rows]
@@ -281,13 +364,19 @@ class GFPOTrainer(GRPOTrainer):
                 )
         return logps
 
-    def _log_selection(self, selection: dict, keep: torch.Tensor) -> None:
+    def _log_selection(self, selection: dict, keep: torch.Tensor, stopped: torch.Tensor | None) -> None:
         metrics = self._metrics["train"]
         lengths = selection["lengths"]
         metrics["gfpo/kept_fraction"].append(keep.float().mean().item())
         metrics["gfpo/kept_completion_length"].append(lengths[keep].mean().item() if keep.any() else float("nan"))
         dropped = ~keep
-        metrics["gfpo/dropped_completion_length"].append(lengths[dropped].mean().item() if dropped.any() else float("nan"))
+        dropped_length = lengths[dropped].mean().item() if dropped.any() else float("nan")
+        if stopped is None:
+            metrics["gfpo/dropped_completion_length"].append(dropped_length)
+        else:
+            # early-stopped completions were cut short: their lengths (here and in TRL's completions/*) are truncated
+            metrics["gfpo/dropped_completion_length_truncated"].append(dropped_length)
+            metrics["gfpo/stopped_early_fraction"].append(stopped.float().mean().item())
         if selection["quartile"] is not None:
             quartile, k = selection["quartile"], selection["k"]
             for q, k_q in enumerate(self.args.adaptive_num_remains):
@@ -398,6 +487,7 @@ def _check_fused_loss_supported(args: GFPOConfig) -> None:
         "top_entropy_quantile": (args.top_entropy_quantile, 1.0),
         "off_policy_mask_threshold": (args.off_policy_mask_threshold, None),
         "entropy_coef": (getattr(args, "entropy_coef", 0.0), 0.0),
+        "use_adaptive_entropy": (getattr(args, "use_adaptive_entropy", False), False),
     }
     for name, (value, default) in unsupported.items():
         if value != default:

@@ -18,11 +18,12 @@ def digit_reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
 
 
-def main(out_dir, model_dir, use_kernels):
+def main(out_dir, model_dir, use_kernels, stop_dropped):
     args = GFPOConfig(
         output_dir=out_dir, per_device_train_batch_size=12, num_generations=8, num_remains_in_group=3,
         group_filter="length", max_completion_length=8, max_steps=2, report_to="none", use_cpu=True, bf16=False,
         logging_steps=1, save_strategy="no", seed=0, loss_type="grpo", beta=0.04, use_gfpo_kernels=use_kernels,
+        gfpo_stop_dropped_generations=stop_dropped,
     )
     trainer = GFPOTrainer(model=model_dir, reward_funcs=digit_reward, args=args,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
@@ -47,9 +48,11 @@ def main(out_dir, model_dir, use_kernels):
     real = output["gfpo_real_row"]
     mask = output["completion_mask"].bool()
     rows = [output["completion_ids"][i][mask[i]].tolist() for i in range(real.numel()) if real[i]]
+    metrics = trainer._metrics["train"]
     result = dict(rank=rank, processes=P, num_rows=int(real.numel()), rows=rows,
                   advantages=output["advantages"][real].tolist(), all_ids=seen["ids"], all_rewards=seen["rewards"],
-                  logp_rows=trainer.gfpo_logp_rows_seen)
+                  logp_rows=trainer.gfpo_logp_rows_seen, ref_logps=output["ref_per_token_logps"].tolist(),
+                  stopped_early=metrics.get("gfpo/stopped_early_fraction", [None])[-1])
     trainer._calculate_rewards = original
     trainer.train()  # TRL's loss gathers per-sequence metrics: unequal batch sizes would hang here
     result["train_steps"] = trainer.state.global_step
@@ -59,4 +62,4 @@ def main(out_dir, model_dir, use_kernels):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1")
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1")

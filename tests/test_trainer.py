@@ -273,7 +273,9 @@ def test_training_logs_gfpo_metrics(model_dir, tokenizer, tmp_path):
     assert len(logs) == 2
     for log in logs:
         assert log["gfpo/kept_fraction"] == pytest.approx(3 / 8)
-        assert log["gfpo/kept_completion_length"] <= log["gfpo/dropped_completion_length"]
+        # the length filter stops dropped completions early by default: their logged length says it is truncated
+        assert log["gfpo/kept_completion_length"] <= log["gfpo/dropped_completion_length_truncated"]
+        assert 0.0 <= log["gfpo/stopped_early_fraction"] <= 5 / 8
         assert math.isfinite(log["loss"]) and "entropy" in log and "clip_ratio/region_mean" in log
 
 

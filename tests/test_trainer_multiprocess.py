@@ -17,30 +17,41 @@ from gfpo_kernels import reference as ref  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
 
-@pytest.mark.parametrize("use_kernels", ["0", "1"])
-def test_two_processes_straddling_groups(tmp_path, use_kernels):
-    tokenizer = make_tokenizer()
-    model_dir = tmp_path / "model"
-    make_tiny_model(tokenizer).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    out_dir = tmp_path / "out"
+def _launch(tmp_path, model_dir, use_kernels, stop_dropped, name):
+    out_dir = tmp_path / name
     out_dir.mkdir()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     with socket.socket() as probe:  # a free port for the rendezvous (torchrun's port 0 does not rendezvous)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-               "--master_addr=127.0.0.1",
-               str(Path(__file__).with_name("mp_gfpo_worker.py")), str(out_dir), str(model_dir), use_kernels]
+               "--master_addr=127.0.0.1", str(Path(__file__).with_name("mp_gfpo_worker.py")), str(out_dir),
+               str(model_dir), use_kernels, stop_dropped]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
+
+@pytest.fixture(scope="module")
+def warm_model_dir(tmp_path_factory):
+    """Warmed up on the demo task so completions end at varied lengths (early stopping has work to do)."""
+    from gfpo_trainer.demo import DemoSettings, warm_up
+
+    tokenizer = make_tokenizer()
+    model = make_tiny_model(tokenizer)
+    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)],
+            DemoSettings(warmup_steps=80, max_operand=10), "cpu")
+    path = tmp_path_factory.mktemp("warm-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _check_global_top_k(results):
     # every process holds the same number of rows, and ran the same number of steps without hanging
     assert results[0]["num_rows"] == results[1]["num_rows"] == 5  # 3 groups x k=3 = 9 kept -> 5 + 5 (one pad)
     assert results[0]["train_steps"] == results[1]["train_steps"] == 2
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in results)
-
     # together they hold exactly the global top-k, in global order, with advantages over the kept rows
     all_ids, all_rewards = results[0]["all_ids"], torch.tensor(results[0]["all_rewards"])
     assert results[1]["all_ids"] == all_ids and len(all_ids) == 24
@@ -52,3 +63,21 @@ def test_two_processes_straddling_groups(tmp_path, use_kernels):
     torch.testing.assert_close(got_adv, adv[keep], rtol=1e-5, atol=1e-6)
     # the deferred reference-model pass ran on each process's kept rows only
     assert [r["logp_rows"] for r in results] == [5, 4]
+
+
+@pytest.mark.parametrize("use_kernels", ["0", "1"])
+def test_two_processes_straddling_groups(tmp_path, warm_model_dir, use_kernels):
+    _check_global_top_k(_launch(tmp_path, warm_model_dir, use_kernels, "0", "out"))
+
+
+def test_early_stop_changes_nothing_across_processes(tmp_path, warm_model_dir):
+    """Groups straddle the two processes; the rule (on by default with the length filter) stops dropped
+    completions early, and the kept rows, advantages, reference log-probs and training losses are identical."""
+    off = _launch(tmp_path, warm_model_dir, "0", "0", "off")
+    on = _launch(tmp_path, warm_model_dir, "0", "1", "on")
+    _check_global_top_k(on)
+    for a, b in zip(on, off):
+        for key in ("rows", "advantages", "ref_logps", "losses"):
+            assert a[key] == b[key], key
+    assert max(r["stopped_early"] for r in on) > 0
+    assert sum(map(len, on[0]["all_ids"])) < sum(map(len, off[0]["all_ids"]))

@@ -1,0 +1,133 @@
+"""The command line: `python -m gfpo_trainer demo [--quick]` and `python -m gfpo_trainer train --config FILE.yaml`.
+
+A training config (YAML):
+
+    model: Qwen/Qwen2.5-0.5B-Instruct      # a hub name or a local directory
+    dataset: data/train.jsonl              # a local .json/.jsonl/.csv/.parquet file, or a datasets hub name
+    dataset_split: train                   # optional, default train
+    reward_funcs:                          # "module.path:function" (or "module.path.function")
+      - my_rewards:correctness
+    args:                                  # GFPOConfig fields
+      output_dir: out
+      num_generations: 16
+      num_remains_in_group: 8
+      group_filter: length
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+
+_LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class ConfigError(ValueError):
+    """A training config that cannot run, with what to fix."""
+
+
+def load_reward_func(spec: str):
+    """"package.module:function" or "package.module.function" -> the function."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"reward function {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"reward function {spec!r}: cannot import module {module_name!r} ({error})") from None
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise ConfigError(f"reward function {spec!r}: module {module_name!r} has no function {attr!r}")
+    return func
+
+
+def load_train_dataset(name: str, split: str = "train"):
+    import datasets
+
+    extension = os.path.splitext(name)[1].lower()
+    if extension in _LOCAL_DATA:
+        if not os.path.exists(name):
+            raise ConfigError(f"dataset file {name!r} does not exist")
+        dataset = datasets.load_dataset(_LOCAL_DATA[extension], data_files=name, split="train")
+    else:
+        try:
+            dataset = datasets.load_dataset(name, split=split)
+        except Exception as error:  # network, missing dataset, bad split: say which
+            raise ConfigError(f"cannot load dataset {name!r} (split {split!r}): {error}") from None
+    if "prompt" not in dataset.column_names:
+        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {dataset.column_names})")
+    return dataset
+
+
+def build_trainer(config: dict):
+    """A GFPOTrainer from a parsed training config."""
+    from transformers import AutoTokenizer
+
+    from .config import GFPOConfig
+    from .trainer import GFPOTrainer
+
+    known = {"model", "dataset", "dataset_split", "reward_funcs", "args"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ConfigError(f"unknown config keys {unknown}; expected some of {sorted(known)}")
+    for key in ("model", "dataset", "reward_funcs"):
+        if key not in config:
+            raise ConfigError(f"the config needs {key!r}")
+    model = config["model"]
+    if not os.path.isdir(model) and (model.startswith((".", "/")) or os.path.splitext(model)[1]):
+        raise ConfigError(f"model {model!r} is neither a local directory nor a hub model name")
+    fields = {f.name for f in dataclasses.fields(GFPOConfig)}
+    args = dict(config.get("args") or {})
+    bad = sorted(set(args) - fields)
+    if bad:
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'")
+    args.setdefault("output_dir", "gfpo-output")
+    reward_specs = config["reward_funcs"]
+    reward_funcs = [load_reward_func(s) for s in ([reward_specs] if isinstance(reward_specs, str) else reward_specs)]
+    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except OSError as error:
+        raise ConfigError(f"cannot load model {model!r}: {error}") from None
+    return GFPOTrainer(model=model, reward_funcs=reward_funcs, args=GFPOConfig(**args), train_dataset=dataset,
+                       processing_class=tokenizer)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gfpo_trainer", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="GRPO vs GFPO on a synthetic task with a tiny model (no downloads)")
+    demo.add_argument("--quick", action="store_true", help="a shorter run (under 5 minutes on 2 CPU cores)")
+    demo.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds; for tests
+    demo.add_argument("--output-dir", default="gfpo_demo_output", help="where the plot and results go")
+    demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
+    train = commands.add_parser("train", help="train with GFPO from a YAML config")
+    train.add_argument("--config", required=True, help="YAML file: model, dataset, reward_funcs, args")
+    options = parser.parse_args(argv)
+
+    if options.command == "demo":
+        from .demo import DemoSettings, run_demo
+
+        settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
+        run_demo(settings, output_dir=options.output_dir, use_kernels=not options.no_kernels)
+        return 0
+
+    import yaml
+
+    try:
+        with open(options.config) as f:
+            config = yaml.safe_load(f) or {}
+        if not isinstance(config, dict):
+            raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
+        trainer = build_trainer(config)
+    except (ConfigError, OSError, yaml.YAMLError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    trainer.train()
+    trainer.save_model()
+    return 0

@@ -1,0 +1,260 @@
+"""`python -m gfpo_trainer demo`: GRPO against GFPO on a synthetic task, from scratch, on CPU, without downloads.
+
+The task: "a+b=" -> the sum. A completion is correct when the last number in it is the sum, so an answer can be
+short (" 17") or padded with filler reasoning (" ok ok so 17"): room for length inflation. A tiny Qwen2-style
+model with a character tokenizer is warmed up by supervised training on both forms, then trained from the same
+weights, with the same seed and the same number of steps and prompts, by
+- GRPO (8 completions per prompt),
+- GFPO with the length filter (16 sampled, the 8 shortest trained on),
+- GFPO with the token-efficiency filter (16 sampled, the 8 with the most reward per token trained on).
+It prints accuracy (greedy, held-out prompts), mean completion length, length inflation against the warm-up
+model, generated tokens per second and wall time, and saves a plot of reward and completion length per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from .tiny import make_tiny_model, make_tokenizer
+
+_NUMBER = re.compile(r"\d+")
+
+
+def correctness_reward(prompts, completions, **kwargs) -> list[float]:
+    """1.0 when the last number of the completion is the sum asked for in the prompt ("a+b="), else 0.0."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        a, b = (int(x) for x in _NUMBER.findall(prompt)[:2])
+        numbers = _NUMBER.findall(completion)
+        rewards.append(1.0 if numbers and int(numbers[-1]) == a + b else 0.0)
+    return rewards
+
+
+@dataclasses.dataclass
+class DemoSettings:
+    """Sizes of one demo run; `quick()` fits 5 minutes on 2 CPU cores, the default 20."""
+
+    max_operand: int = 50
+    warmup_steps: int = 2000
+    warmup_batch: int = 64
+    rl_steps: int = 300
+    prompts_per_step: int = 4
+    grpo_generations: int = 8
+    gfpo_generations: int = 16
+    gfpo_keep: int = 8
+    max_completion_length: int = 24
+    eval_prompts: int = 200
+    hidden_size: int = 128
+    num_layers: int = 4
+    learning_rate: float = 1e-4
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> DemoSettings:
+        return cls(max_operand=30, warmup_steps=800, rl_steps=200, eval_prompts=100, hidden_size=64, num_layers=2)
+
+    @classmethod
+    def smoke(cls) -> DemoSettings:
+        """For tests: every stage runs, in seconds."""
+        return cls(warmup_steps=5, rl_steps=2, eval_prompts=4, prompts_per_step=1, gfpo_generations=4, gfpo_keep=2,
+                   grpo_generations=2, max_completion_length=8, hidden_size=32)
+
+
+def _split_prompts(settings: DemoSettings):
+    pairs = [(a, b) for a in range(settings.max_operand) for b in range(settings.max_operand)]
+    random.Random(settings.seed).shuffle(pairs)
+    n_eval = min(settings.eval_prompts, len(pairs) // 4)
+    return pairs[n_eval:], pairs[:n_eval]
+
+
+def _warmup_text(a: int, b: int, rng: random.Random) -> tuple[str, str]:
+    """Prompt and completion: half short answers, half padded with 1-3 filler words."""
+    filler = "" if rng.random() < 0.5 else " ok" * rng.randint(1, 3) + " so"
+    return f"{a}+{b}=", f"{filler} {a + b}"
+
+
+def warm_up(model, tokenizer, train_pairs, settings: DemoSettings, device) -> list[float]:
+    """Supervised warm-up on prompt -> completion + <eos> (loss on the completion only)."""
+    rng = random.Random(settings.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    losses = []
+    for _ in tqdm(range(settings.warmup_steps), desc="warm-up (supervised)"):
+        batch = [_warmup_text(*rng.choice(train_pairs), rng) for _ in range(settings.warmup_batch)]
+        ids, labels = [], []
+        for prompt, completion in batch:
+            p = tokenizer(prompt, add_special_tokens=False).input_ids
+            c = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            ids.append(p + c)
+            labels.append([-100] * len(p) + c)
+        width = max(map(len, ids))
+        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids], device=device)
+        label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels], device=device)
+        attention = (torch.arange(width, device=device)[None, :] < torch.tensor([len(x) for x in ids], device=device)[:, None]).long()
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, pairs, settings: DemoSettings, device, desc: str) -> dict:
+    """Greedy completions of held-out prompts: accuracy and mean completion length (tokens, <eos> included)."""
+    model.eval()
+    prompts = [f"{a}+{b}=" for a, b in pairs]
+    correct, lengths = [], []
+    for start in tqdm(range(0, len(prompts), 32), desc=desc, leave=False):
+        chunk = prompts[start : start + 32]
+        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = model.generate(**enc, max_new_tokens=settings.max_completion_length, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        completion_ids = out[:, enc.input_ids.shape[1] :]
+        for prompt, ids in zip(chunk, completion_ids.tolist(), strict=True):
+            if tokenizer.eos_token_id in ids:
+                ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
+            lengths.append(len(ids))
+            correct.append(correctness_reward([prompt], [tokenizer.decode(ids, skip_special_tokens=True)])[0])
+    return {"accuracy": sum(correct) / len(correct), "mean_length": sum(lengths) / len(lengths)}
+
+
+def run_rl(name, start_dir, tokenizer, train_pairs, settings: DemoSettings, output_dir, use_kernels, **gfpo) -> dict:
+    """One RL run from the warm-up weights; returns its per-step history and wall time."""
+    from datasets import Dataset
+
+    from .config import GFPOConfig
+    from .trainer import GFPOTrainer
+
+    G = gfpo.pop("num_generations")
+    args = GFPOConfig(
+        output_dir=os.path.join(output_dir, name),
+        per_device_train_batch_size=settings.prompts_per_step * G,
+        num_generations=G,
+        max_completion_length=settings.max_completion_length,
+        max_steps=settings.rl_steps,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=settings.seed,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        loss_type="dapo",
+        beta=0.0,
+        temperature=1.0,
+        use_gfpo_kernels=use_kernels,
+        disable_tqdm=False,
+        **gfpo,
+    )
+    rng = random.Random(settings.seed)
+    prompts = [f"{a}+{b}=" for a, b in rng.sample(train_pairs, len(train_pairs))]
+    trainer = GFPOTrainer(model=start_dir, reward_funcs=correctness_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), processing_class=tokenizer)
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    generated = sum(h["completions/mean_length"] * args.per_device_train_batch_size for h in history)
+    return {"trainer": trainer, "history": history, "wall_time": wall, "tokens_per_second": generated / wall}
+
+
+def _moving_average(values: list[float], window: int = 10) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _plot(runs: dict, path: str) -> None:
+    """Reward and completion length per step (moving averages over 10 steps; GFPO's kept completions dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_length) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, run in runs.items():
+        steps = [h["step"] for h in run["history"]]
+        line = ax_reward.plot(steps, _moving_average([h["reward"] for h in run["history"]]), label=name)[0]
+        ax_length.plot(steps, _moving_average([h["completions/mean_length"] for h in run["history"]]), label=name,
+                       color=line.get_color())
+        if "gfpo/kept_completion_length" in run["history"][0]:
+            kept = _moving_average([h["gfpo/kept_completion_length"] for h in run["history"]])
+            ax_length.plot(steps, kept, linestyle="--", color=line.get_color(), label=f"{name} (kept)")
+    ax_reward.set(title="reward, all sampled completions (10-step mean)", xlabel="step", ylabel="reward")
+    ax_length.set(title="completion length (10-step mean)", xlabel="step", ylabel="tokens")
+    for ax in (ax_reward, ax_length):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ["run", "accuracy", "mean length", "length inflation", "tokens/s", "wall time (s)"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for r in rows:
+        lines.append(" | ".join([
+            r["run"], f"{r['accuracy']:.3f}", f"{r['mean_length']:.2f}", f"{r['inflation']:+.1%}",
+            "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.0f}",
+            "-" if r["wall_time"] is None else f"{r['wall_time']:.1f}",
+        ]))
+    return "\n".join(lines)
+
+
+def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_kernels: bool = True) -> dict:
+    """Warm-up, then GRPO and the two GFPO filters; prints the table, writes demo.png and results.json."""
+    os.makedirs(output_dir, exist_ok=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(settings.seed)
+    tokenizer = make_tokenizer()
+    train_pairs, eval_pairs = _split_prompts(settings)
+    model = make_tiny_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
+                            seed=settings.seed).to(device)
+    t0 = time.perf_counter()
+    warm_up(model, tokenizer, train_pairs, settings, device)
+    warmup_time = time.perf_counter() - t0
+    start_dir = os.path.join(output_dir, "warmup_model")
+    model.save_pretrained(start_dir)
+    tokenizer.save_pretrained(start_dir)
+    base = evaluate(model, tokenizer, eval_pairs, settings, device, "evaluate warm-up model")
+
+    s = settings
+    configs = {
+        "grpo": dict(num_generations=s.grpo_generations),
+        "gfpo-length": dict(num_generations=s.gfpo_generations, num_remains_in_group=s.gfpo_keep, group_filter="length"),
+        "gfpo-token-efficiency": dict(num_generations=s.gfpo_generations, num_remains_in_group=s.gfpo_keep,
+                                      group_filter="token_efficiency"),
+    }
+    runs, rows = {}, [dict(run="warm-up", **base, inflation=0.0, tokens_per_second=None, wall_time=warmup_time)]
+    for name, gfpo in configs.items():
+        print(f"\n== {name}: {gfpo}")
+        torch.manual_seed(settings.seed)
+        run = run_rl(name, start_dir, tokenizer, train_pairs, settings, output_dir, use_kernels, **dict(gfpo))
+        result = evaluate(run["trainer"].model, tokenizer, eval_pairs, settings, device, f"evaluate {name}")
+        runs[name] = run
+        rows.append(dict(run=name, **result, inflation=result["mean_length"] / base["mean_length"] - 1,
+                         tokens_per_second=run["tokens_per_second"], wall_time=run["wall_time"]))
+    table = format_table(rows)
+    print("\n" + table)
+    plot_path = os.path.join(output_dir, "demo.png")
+    _plot(runs, plot_path)
+    results = {"settings": dataclasses.asdict(settings), "rows": rows,
+               "history": {name: run["history"] for name, run in runs.items()}}
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+    print(f"\nplot: {plot_path}\nresults: {os.path.join(output_dir, 'results.json')}")
+    return {"rows": rows, "table": table, "plot": plot_path}

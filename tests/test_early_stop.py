@@ -1,0 +1,110 @@
+"""gfpo_stop_dropped_generations: completions the length filter is certain to drop stop early, and nothing that
+reaches the loss changes."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+
+from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
+from gfpo_trainer.demo import DemoSettings, correctness_reward, warm_up  # noqa: E402
+from gfpo_trainer.early_stop import StopDroppedCompletions  # noqa: E402
+from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
+
+EOS = 1
+
+
+def test_processor_forces_eos_once_k_rows_of_a_group_ended():
+    stopper = StopDroppedCompletions([EOS], group_size=4, k=2, first_row=0)
+    prompt = torch.full((8, 2), 5)
+    scores = torch.zeros(8, 6)
+    assert torch.equal(stopper(prompt, scores), scores)  # nothing generated yet
+    # group 0 (rows 0-3): rows 0 and 2 ended -> rows 1 and 3 are stopped; group 1 (rows 4-7): one ended
+    generated = torch.tensor([[EOS], [3], [EOS], [4], [EOS], [3], [3], [3]])
+    out = stopper(torch.cat([prompt, generated], dim=1), scores)
+    stopped = torch.tensor([False, True, False, True, False, False, False, False])
+    assert torch.equal(stopper.stopped, stopped)
+    assert torch.all(out[stopped].argmax(dim=1) == EOS) and torch.all(torch.isinf(out[stopped][:, 2:]))
+    assert torch.equal(out[~stopped], scores[~stopped])
+
+
+def test_processor_counts_only_this_process_rows_of_a_straddling_group():
+    """Rows 6..9 globally on this process (first_row=6, group_size=4): rows 6, 7 close group 1, 8, 9 open group 2."""
+    stopper = StopDroppedCompletions([EOS], group_size=4, k=2, first_row=6)
+    prompt = torch.full((4, 1), 5)
+    stopper(prompt, torch.zeros(4, 3))
+    out = stopper(torch.cat([prompt, torch.tensor([[EOS], [3], [EOS], [EOS]])], dim=1), torch.zeros(4, 3))
+    # group 1 has only one local finished row here (its other rows live on another process): not stopped
+    assert stopper.stopped.tolist() == [False, False, False, False]
+    assert torch.equal(out, torch.zeros(4, 3))
+
+
+@pytest.fixture(scope="module")
+def warm_model_dir(tmp_path_factory):
+    """A tiny model warmed up on the demo task, so completions end at varied lengths (the rule has work to do)."""
+    tokenizer = make_tokenizer()
+    settings = DemoSettings(warmup_steps=80, hidden_size=32, max_operand=10)
+    model = make_tiny_model(tokenizer, hidden_size=32)
+    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)], settings, "cpu")
+    path = tmp_path_factory.mktemp("warm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def _run(model_dir, tokenizer, tmp_path, stop, k, use_kernels=False):
+    args = GFPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=32, num_generations=16,
+                      num_remains_in_group=k, group_filter="length", max_completion_length=24, report_to="none",
+                      use_cpu=True, bf16=False, save_strategy="no", seed=0, beta=0.02, loss_type="grpo",
+                      gfpo_stop_dropped_generations=stop, use_gfpo_kernels=use_kernels)
+    trainer = GFPOTrainer(model=model_dir, reward_funcs=correctness_reward, args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": "1+2="}]))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    seen = {}
+    original = trainer._calculate_rewards
+
+    def spy(inputs, prompts, completions, completion_ids_list):
+        out = original(inputs, prompts, completions, completion_ids_list)
+        seen["ids"], seen["rewards"] = [list(x) for x in completion_ids_list], out.sum(dim=1)
+        return out
+
+    trainer._calculate_rewards = spy
+    torch.manual_seed(7)
+    batch = [{"prompt": p} for p in ("3+4=", "2+5=") for _ in range(16)]
+    output = trainer._generate_and_score_completions(batch)
+    loss = trainer.compute_loss(trainer.model, output)
+    return trainer, output, seen, loss
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_results_identical_with_rule_on_and_off(warm_model_dir, tmp_path, k):
+    model_dir, tokenizer = warm_model_dir
+    _, off, seen_off, loss_off = _run(model_dir, tokenizer, tmp_path, stop=False, k=k)
+    trainer, on, seen_on, loss_on = _run(model_dir, tokenizer, tmp_path, stop=True, k=k)
+    # the batch is cut at its longest kept completion either way, so everything is bitwise identical
+    for key in ("completion_ids", "completion_mask", "prompt_ids", "advantages", "ref_per_token_logps"):
+        assert torch.equal(on[key], off[key]), key
+    assert torch.equal(loss_on, loss_off)
+    # the rule did stop rows, and generated fewer tokens
+    metrics = trainer._metrics["train"]
+    assert metrics["gfpo/stopped_early_fraction"][-1] > 0
+    assert sum(map(len, seen_on["ids"])) < sum(map(len, seen_off["ids"]))
+    assert "gfpo/dropped_completion_length_truncated" in metrics
+    # kept rows' rewards are the same (they are the same completions)
+    lengths_off = torch.tensor([len(x) for x in seen_off["ids"]], dtype=torch.float32)
+    from gfpo_kernels import reference as ref
+
+    keep = ref.group_topk_mask(lengths_off, 16, k, largest=False)
+    lengths_on = torch.tensor([len(x) for x in seen_on["ids"]], dtype=torch.float32)
+    assert torch.equal(ref.group_topk_mask(lengths_on, 16, k, largest=False), keep)
+    assert torch.equal(seen_on["rewards"][keep], seen_off["rewards"][keep])
+
+
+def test_rule_is_off_for_other_filters_and_when_disabled(warm_model_dir, tmp_path):
+    model_dir, tokenizer = warm_model_dir
+    trainer, *_ = _run(model_dir, tokenizer, tmp_path, stop=False, k=4)
+    assert "gfpo/stopped_early_fraction" not in trainer._metrics["train"]
+    assert "gfpo/dropped_completion_length" in trainer._metrics["train"]
