@@ -81,11 +81,15 @@ def plot(data: dict, path: Path) -> None:
                              squeeze=False)
     for ax, (group, cases) in zip(axes[:, 0], groups.items()):
         names = list(cases)
-        medians = [cases[n]["stats"]["median"] * 1e3 for n in names]
-        ax.barh(names, medians)
-        ax.set_xscale("log")
+        medians = [cases[n]["stats"]["median"] for n in names]
+        fastest = min(medians)
+        bars = ax.barh(names, [m / fastest for m in medians])
+        for bar, median in zip(bars, medians):
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {_fmt_time(median)}", va="center",
+                    fontsize=7)
+        ax.set_xlim(0, max(m / fastest for m in medians) * 1.25)
         ax.set_title(group, fontsize=9)
-        ax.set_xlabel("median time (ms, log scale)", fontsize=8)
+        ax.set_xlabel("median time / fastest", fontsize=8)
         ax.tick_params(labelsize=8)
     fig.suptitle(data.get("machine_info", {}).get("device", ""), fontsize=10)
     fig.tight_layout()
