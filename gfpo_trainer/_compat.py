@@ -2,9 +2,10 @@
 
 TRL's own GFPOTrainer copied `GRPOTrainer._generate_and_score_completions` and broke on every GRPO rewrite. We
 copy nothing: we wrap `_calculate_rewards`, `_get_per_token_logps_and_entropies` (to defer the no-grad
-log-prob passes to the kept rows), post-process the dict `_generate_and_score_completions` returns, and
-override `compute_loss`. If TRL changes one of these, `check_trl_surfaces` raises naming the surface instead
-of training on a silently wrong batch.
+log-prob passes to the kept rows) and `_generate_single_turn` (to stop completions the length filter will
+drop), post-process the dict `_generate_and_score_completions` returns, and override `compute_loss`. If TRL
+changes one of these, `check_trl_surfaces` raises naming the surface instead of training on a silently wrong
+batch.
 """
 
 from __future__ import annotations

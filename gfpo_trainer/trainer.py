@@ -15,6 +15,8 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
    corrected for them in `compute_loss`.
 4. `compute_loss` (overridden): TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
    model's LM head.
+5. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
+   completions the filter is certain to drop stop early (gfpo_trainer/early_stop.py).
 """
 
 from __future__ import annotations
