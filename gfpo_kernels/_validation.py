@@ -3,9 +3,12 @@ with the same message. Every message names the argument and the offending value.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import torch
+
+from .grpo_loss_math import GRPOLossOptions
 
 SCALES = ("group", "batch", "none")
 
@@ -116,3 +119,16 @@ def check_linear_grpo_inputs(
         if lo < 0 or hi >= V:
             bad = lo if lo < 0 else hi
             raise ValueError(f"target_ids where mask is set must lie in [0, V={V}), got target id {bad}")
+
+
+def linear_grpo_call_options(arguments: dict) -> GRPOLossOptions:
+    """Checks a fused_linear_grpo_loss call (reference or kernel) from its arguments (the function's locals())
+    and returns its loss options."""
+    names = {field.name for field in dataclasses.fields(GRPOLossOptions)}
+    options = GRPOLossOptions(**{name: value for name, value in arguments.items() if name in names})
+    a = arguments
+    check_linear_grpo_inputs(
+        a["hidden"], a["weight"], a["target_ids"], a["mask"], a["advantages"], bias=a["bias"],
+        old_logps=a["old_logps"], ref_logps=a["ref_logps"], vllm_is_ratio=a["vllm_is_ratio"], beta=options.beta,
+    )
+    return options

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ._dispatch import select_backend
-from ._validation import check_linear_grpo_inputs
+from ._validation import linear_grpo_call_options
 from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 
 __all__ = ["fused_linear_grpo_loss", "FusedLinearGRPOLoss"]
@@ -238,16 +238,7 @@ def fused_linear_grpo_loss(
         ValueError: unknown loss_type or importance_sampling_level, beta != 0 without ref_logps, mismatched
             shapes (H of hidden vs weight among them), target ids outside [0, V) where mask is set, bad options.
     """
-    options = GRPOLossOptions(
-        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, temperature=temperature,
-        loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-    )
-    check_linear_grpo_inputs(
-        hidden, weight, target_ids, mask, advantages, bias=bias, old_logps=old_logps, ref_logps=ref_logps,
-        vllm_is_ratio=vllm_is_ratio, beta=beta,
-    )
+    options = linear_grpo_call_options(locals())
     backend = select_backend("linear_grpo", hidden.device)
     if backend == "reference":
         from . import reference

@@ -13,11 +13,11 @@ from ._validation import (
     as_groups,
     check_group_size,
     check_k,
-    check_linear_grpo_inputs,
     check_same_shape,
     check_scale_eps,
+    linear_grpo_call_options,
 )
-from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
+from .grpo_loss_math import grpo_loss_from_logps
 
 __all__ = ["group_topk_mask", "group_advantages", "gfpo_filter_advantages", "fused_linear_grpo_loss"]
 
@@ -130,16 +130,7 @@ def fused_linear_grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reference of :func:`gfpo_kernels.fused_linear_grpo_loss`: the full (B, T, V) logits in float64, then
     TRL's loss (gfpo_kernels.grpo_loss_math). Gradients flow to hidden, weight and bias by autograd."""
-    options = GRPOLossOptions(
-        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, temperature=temperature,
-        loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-        max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-    )
-    check_linear_grpo_inputs(
-        hidden, weight, target_ids, mask, advantages, bias=bias, old_logps=old_logps, ref_logps=ref_logps,
-        vllm_is_ratio=vllm_is_ratio, beta=beta,
-    )
+    options = linear_grpo_call_options(locals())
     logits = hidden.double() @ weight.double().t()
     if bias is not None:
         logits = logits + bias.double()
