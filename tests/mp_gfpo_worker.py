@@ -59,6 +59,10 @@ def main(out_dir, model_dir, use_kernels, stop_dropped):
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
+    # tear the gloo group down before exit: left to static destructors it can abort the process
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
