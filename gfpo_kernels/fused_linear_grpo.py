@@ -54,28 +54,31 @@ def _chunk_rows(n: int, V: int, device: torch.device) -> int:
 _HAS_MM_OUT_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.8"
 
 
-def _fp32_gemm_on_cuda(a: torch.Tensor) -> bool:
-    """cuBLAS takes bf16/fp16 operands with fp32 accumulation and fp32 output: no fp32 copy of the weight."""
-    return _HAS_MM_OUT_DTYPE and a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)
+def _gemm_operands(hidden_rows: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM operands, prepared once per call: bf16/fp16 stay as they are on CUDA, where cuBLAS accumulates
+    and writes fp32 (no fp32 copy of the weight); anywhere else they are converted to fp32 here, not per chunk."""
+    if _HAS_MM_OUT_DTYPE and hidden_rows.is_cuda and hidden_rows.dtype in (torch.float16, torch.bfloat16):
+        return hidden_rows, weight
+    return hidden_rows.float(), weight.float()
 
 
 def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """out = h @ weight^T (+ bias) in fp32."""
-    if _fp32_gemm_on_cuda(h):
-        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+    """out = h @ weight^T (+ bias) in fp32, from operands prepared by _gemm_operands."""
+    if h.dtype == torch.float32:
+        torch.mm(h, weight.t(), out=out)
     else:
-        torch.mm(h.float(), weight.float().t(), out=out)
+        torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
     if bias is not None:
         out.add_(bias.float())
     return out
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with fp32 accumulation (a: fp32 logits gradient; b: the other GEMM operand)."""
-    if _fp32_gemm_on_cuda(b):
-        torch.addmm(acc, a.to(b.dtype), b, out_dtype=torch.float32, out=acc)
+    """acc += a @ b with fp32 accumulation (a: the fp32 logits gradient; b: an operand from _gemm_operands)."""
+    if b.dtype == torch.float32:
+        acc.addmm_(a, b)
     else:
-        acc.addmm_(a, b.float())
+        torch.addmm(acc, a.to(b.dtype), b, out_dtype=torch.float32, out=acc)
 
 
 def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: float):
@@ -115,7 +118,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
         # Only the scored tokens are projected.
         rows = (mask.reshape(-1) != 0).nonzero().squeeze(1)
         n = rows.numel()
-        h = hidden.reshape(-1, H).index_select(0, rows)
+        h, w = _gemm_operands(hidden.reshape(-1, H).index_select(0, rows), weight)
         targets = target_ids.reshape(-1).index_select(0, rows).long()
         flat_logps = torch.zeros(B * T, dtype=torch.float32, device=device)
         flat_entropy = torch.zeros(B * T, dtype=torch.float32, device=device)
@@ -140,7 +143,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
         def accumulate(start, end, logits, g):
             dlogits = grad_logits(logits, targets[start:end], lse[start:end], g, inv_t)
             if grad_h is not None:
-                _addmm_fp32(grad_h[start:end], dlogits, weight)
+                _addmm_fp32(grad_h[start:end], dlogits, w)
             if grad_w is not None:
                 _addmm_fp32(grad_w, dlogits.t(), h[start:end])
             if grad_b is not None:
@@ -151,7 +154,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
         single_sweep = want_grad and options.token_local
         for start in range(0, n, step):
             end = min(start + step, n)
-            logits = _project(h[start:end], weight, bias, buffer[: end - start])
+            logits = _project(h[start:end], w, bias, buffer[: end - start])
             logp, entropy, lse[start:end] = logprob_entropy(logits, targets[start:end], inv_t)
             flat_logps[rows[start:end]] = logp
             flat_entropy[rows[start:end]] = entropy
@@ -161,7 +164,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
             g_all = dloss_dlogp(flat_logps[rows], rows)
             for start in range(0, n, step):
                 end = min(start + step, n)
-                logits = _project(h[start:end], weight, bias, buffer[: end - start])
+                logits = _project(h[start:end], w, bias, buffer[: end - start])
                 accumulate(start, end, logits, g_all[start:end])
         del buffer
 

@@ -37,8 +37,9 @@ def test_fused_loss_bf16_uses_fp32_gemm_output():
     from gfpo_kernels import fused_linear_grpo as flg
 
     hidden = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
-    assert flg._fp32_gemm_on_cuda(hidden)
     weight = torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    h, w = flg._gemm_operands(hidden.reshape(-1, 64), weight)
+    assert h.dtype == w.dtype == torch.bfloat16  # no fp32 copy: cuBLAS writes fp32 itself
     target = torch.randint(0, 1000, (2, 8), device="cuda")
     mask, adv = torch.ones(2, 8, device="cuda"), torch.randn(2, device="cuda")
     loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, adv)
