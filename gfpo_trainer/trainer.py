@@ -210,15 +210,6 @@ class GFPOTrainer(GRPOTrainer):
         return not (self.use_vllm and self.vllm_importance_sampling_correction) and not _is_peft_model(self.model)
 
     # ------------------------------------------------------------------ stopping completions that will be dropped
-    def _early_stop_applies(self) -> bool:
-        args = self.args
-        return (
-            self._filtering()
-            and args.group_filter == "length"
-            and args.gfpo_stop_dropped_generations
-            and not args.adaptive_difficulty
-        )
-
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if not (self._filtering() and self.args.group_filter == "length"):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
@@ -233,7 +224,8 @@ class GFPOTrainer(GRPOTrainer):
                                                        has_tool_images)
 
     def _generate_single_turn_stopping(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
-        if not self._early_stop_applies():
+        """Filtering with the length filter: generation, stopping the completions the filter will drop."""
+        if not self.args.gfpo_stop_dropped_generations or self.args.adaptive_difficulty:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         unsupported = (
             "vLLM generation (its API gives no per-group abort here)" if self.use_vllm
