@@ -1,11 +1,32 @@
 #!/usr/bin/env bash
-# Sets up .venv for gfpo on a fresh Linux machine: torch (the CPU build 2.13.0 unless .venv already has a torch,
-# e.g. your CUDA build), then this package with its extras, built without isolation so the C++/CUDA extension
-# compiles against that torch instead of pulling a second one.
+# Sets up .venv for gfpo on a fresh Linux machine:
+#   1. torch: the CPU build 2.13.0, unless .venv already has a torch (put your CUDA build there first to keep it);
+#   2. this package alone, built WITHOUT build isolation, so the C++/CUDA extension compiles against that torch
+#      (an isolated build would download a second, CUDA torch);
+#   3. its dependencies and extras, installed normally: wheels, or sdists built in their own isolated
+#      environments with their own build tools (--no-build-isolation must never reach them: an sdist such as
+#      accumulation-tree needs Cython at build time, which only its isolated build brings).
+# Re-running it on an installed tree rebuilds the extension only when csrc/, setup.py or torch changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+EXTRAS="${GFPO_EXTRAS:-trainer,bench,test}"
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
-python -c "import torch" 2>/dev/null || pip install torch==2.13.0
-pip install "setuptools>=64" wheel
-pip install --no-build-isolation -e ".[trainer,bench,test]"
+python -m pip install -q --upgrade "pip>=23.1"
+python -c "import torch" 2>/dev/null || python -m pip install torch==2.13.0
+python -m pip install -q "setuptools>=64" wheel
+
+# 2. the package (and its extension) alone; skipped when nothing it is built from changed
+stamp_file=.venv/.gfpo-build-stamp
+stamp=$( { python -c "import torch; print(torch.__version__)"; echo "${GFPO_NO_EXTENSION:-0}";
+           cat setup.py pyproject.toml csrc/*; } | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && python -m pip show gfpo >/dev/null 2>&1; then
+  echo "gfpo: extension up to date (csrc/, setup.py and torch unchanged), not rebuilt"
+else
+  python -m pip install --no-build-isolation --no-deps -e .
+  echo "$stamp" >"$stamp_file"
+fi
+
+# 3. the dependencies of the package and of the extras, read from the metadata just installed
+python scripts/requirements.py "$EXTRAS" >.venv/gfpo-requirements.txt
+python -m pip install -r .venv/gfpo-requirements.txt
