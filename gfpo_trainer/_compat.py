@@ -2,8 +2,8 @@
 
 TRL's own GFPOTrainer copied `GRPOTrainer._generate_and_score_completions` and broke on every GRPO rewrite. We
 copy nothing: we wrap `_calculate_rewards`, `_get_per_token_logps_and_entropies` (to defer the no-grad
-log-prob passes to the kept rows) and `_generate_single_turn` (to stop completions the length filter will
-drop), post-process the dict `_generate_and_score_completions` returns, and override `compute_loss`. If TRL
+log-prob passes to the kept rows), `_generate_single_turn` (to stop completions the length filter will
+drop) and `_generate` (to read the tool masks), post-process the dict `_generate_and_score_completions` returns, and override `compute_loss`. If TRL
 changes one of these, `check_trl_surfaces` raises naming the surface instead of training on a silently wrong
 batch.
 """
@@ -25,6 +25,7 @@ _SURFACES = {
     "compute_loss": ["model", "inputs", "return_outputs", "num_items_in_batch"],
     "_compute_loss": ["model", "inputs"],
     "_generate_single_turn": ["prompt_ids", "images", "multimodal_fields", "num_generations"],
+    "_generate": ["prompts"],
 }
 # keys of the dict `_generate_and_score_completions` returns that GFPO reads or rewrites
 OUTPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch")
@@ -88,3 +89,24 @@ def check_output(output: dict, num_rows: int) -> None:
                 f"trl {trl.__version__}: GRPOTrainer._generate_and_score_completions returns a per-row {key!r} that "
                 "GFPO does not know how to filter (multimodal inputs are not supported by GFPO filtering)"
             )
+
+
+# position of the tool mask in the tuple GRPOTrainer._generate returns (prompt_ids, completion_ids, tool_mask, ...)
+_GENERATE_TOOL_MASK_INDEX = 2
+
+
+def tool_mask_of(generate_result) -> list | None:
+    """The per-row tool masks (1 = model token, 0 = tool output) from what GRPOTrainer._generate returned, or None
+    when there was no tool call."""
+    if not isinstance(generate_result, tuple) or len(generate_result) <= _GENERATE_TOOL_MASK_INDEX:
+        raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer._generate no longer returns a tuple with the tool "
+                              f"mask at position {_GENERATE_TOOL_MASK_INDEX}")
+    tool_mask, completion_ids = generate_result[_GENERATE_TOOL_MASK_INDEX], generate_result[1]
+    if tool_mask is None:
+        return None
+    if not isinstance(tool_mask, list) or len(tool_mask) != len(completion_ids) or any(
+        len(mask) != len(ids) for mask, ids in zip(tool_mask, completion_ids)
+    ):
+        raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer._generate's third output is not one tool mask per "
+                              "completion")
+    return tool_mask

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from tdigest import TDigest
+from tdigest.tdigest import Centroid
 
 
 class AdaptiveDifficulty:
@@ -20,6 +21,24 @@ class AdaptiveDifficulty:
             raise ValueError(f"num_remains must hold 4 values (one per quartile), got {num_remains!r}")
         self.num_remains = list(num_remains)
         self.digest = TDigest()
+
+    def state_dict(self) -> dict:
+        """The digest as JSON-able data, saved with every checkpoint (see GFPOTrainer)."""
+        return {"num_remains": self.num_remains, "digest": self.digest.to_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the digest exactly: the centroids are put back as they were, not re-inserted (TDigest's own
+        update_from_dict merges them, which would change the quartiles a resumed run sees)."""
+        if list(state["num_remains"]) != self.num_remains:
+            raise ValueError(
+                f"the checkpoint's adaptive_num_remains={state['num_remains']} differs from this run's {self.num_remains}"
+            )
+        saved = state["digest"]
+        digest = TDigest(delta=saved["delta"], K=saved["K"])
+        for centroid in saved["centroids"]:
+            digest._add_centroid(Centroid(centroid["m"], centroid["c"]))
+        digest.n = saved["n"]
+        self.digest = digest
 
     def quartile_thresholds(self) -> tuple[float, float, float]:
         return tuple(float(self.digest.percentile(q)) for q in (25, 50, 75))

@@ -18,7 +18,8 @@ class GFPOConfig(GRPOConfig):
     Parameters:
         num_remains_in_group (`int` or `None`, *optional*, defaults to `None`):
             k: how many of the `num_generations` completions of each prompt are kept and trained on
-            (1 <= k < num_generations). `None` disables filtering (plain GRPO).
+            (2 <= k < num_generations: with k = 1 every advantage would be 0, as TRL refuses num_generations < 2).
+            `None` disables filtering (plain GRPO).
         group_filter (`str` or `None`, *optional*, defaults to `None`):
             Built-in filter scored on device: `"length"` keeps the k completions with the fewest tokens,
             `"token_efficiency"` the k with the highest reward per completion token. With `num_remains_in_group`
@@ -32,7 +33,7 @@ class GFPOConfig(GRPOConfig):
             training (a t-digest) put each group in a quartile, and the group keeps
             `adaptive_num_remains[quartile]` completions.
         adaptive_num_remains (`list[int]` or `None`, *optional*, defaults to `None`):
-            k per difficulty quartile, hardest first (4 values, each 1 <= k <= num_generations); harder questions
+            k per difficulty quartile, hardest first (4 values, each 2 <= k <= num_generations); harder questions
             usually keep more. Required with `adaptive_difficulty`.
         gfpo_stop_dropped_generations (`bool`, *optional*, defaults to `True`):
             With `group_filter="length"`: once k completions of a group have ended, stop generating the group's
@@ -43,7 +44,7 @@ class GFPOConfig(GRPOConfig):
 
     num_remains_in_group: int | None = field(
         default=None,
-        metadata={"help": "k: completions kept per group (1 <= k < num_generations); None disables filtering."},
+        metadata={"help": "k: completions kept per group (2 <= k < num_generations); None disables filtering."},
     )
     group_filter: str | None = field(
         default=None,
@@ -68,9 +69,10 @@ class GFPOConfig(GRPOConfig):
         super().__post_init__()
         G = self.num_generations
         k = self.num_remains_in_group
-        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k < G):
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 2 <= k < G):
             raise ValueError(
-                f"num_remains_in_group must be an int with 1 <= k < num_generations={G}, got num_remains_in_group={k!r}"
+                f"num_remains_in_group must be an int with 2 <= k < num_generations={G} (with k = 1 every advantage is 0), "
+                f"got num_remains_in_group={k!r}"
             )
         if self.group_filter is not None and self.group_filter not in GROUP_FILTERS:
             raise ValueError(f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={self.group_filter!r}")
@@ -81,11 +83,11 @@ class GFPOConfig(GRPOConfig):
             if (
                 not isinstance(ks, (list, tuple))
                 or len(ks) != 4
-                or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 1 <= x <= G for x in ks)
+                or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 2 <= x <= G for x in ks)
             ):
                 raise ValueError(
                     "adaptive_num_remains must be 4 ints (k per difficulty quartile, hardest first), each "
-                    f"1 <= k <= num_generations={G}, got adaptive_num_remains={ks!r}"
+                    f"2 <= k <= num_generations={G}, got adaptive_num_remains={ks!r}"
                 )
             self.adaptive_num_remains = [int(x) for x in ks]
         elif self.adaptive_num_remains is not None:

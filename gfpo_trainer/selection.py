@@ -7,17 +7,25 @@ kept rows in one call of `gfpo_filter_advantages` (the fused kernel, or the refe
 
 from __future__ import annotations
 
+import inspect
+import logging
+
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 
 import gfpo_kernels
 from gfpo_kernels import reference as gfpo_reference
 
 from ._compat import TRLSurfaceError
 
+logger = logging.getLogger(__name__)
 
-def select(trainer, rewards_per_func, completions, completion_ids_list) -> dict:
-    """Kept mask and advantages of the global batch (every process computes the same)."""
+
+def select(trainer, rewards_per_func, completions, completion_ids_list, model_token_counts=None) -> dict:
+    """Kept mask and advantages of the global batch (every process computes the same).
+
+    `model_token_counts`: this process's completion lengths in model tokens (tool-output tokens excluded, from
+    TRL's tool mask); None counts every completion token."""
     G = trainer.num_generations
     args = trainer.args
     device = rewards_per_func.device
@@ -25,7 +33,12 @@ def select(trainer, rewards_per_func, completions, completion_ids_list) -> dict:
     # under the reward-based filters and gets advantage 0
     rewards = (rewards_per_func * trainer.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
     rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-    local_lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=device, dtype=torch.float32)
+    # An infinite reward would make its group's statistics non-finite; TRL's advantages for such a group end up 0
+    # (nan_to_num). Here the row is unscorable like a NaN one, and its whole group gets advantage 0 below.
+    infinite = torch.isinf(rewards)
+    rewards[infinite] = torch.nan
+    counts = [len(ids) for ids in completion_ids_list] if model_token_counts is None else model_token_counts
+    local_lengths = torch.tensor(counts, device=device, dtype=torch.float32)
     lengths = trainer.accelerator.gather(local_lengths)
     if lengths.numel() != rewards.numel():
         raise TRLSurfaceError(
@@ -34,7 +47,7 @@ def select(trainer, rewards_per_func, completions, completion_ids_list) -> dict:
     if args.group_filter == "length":
         scores, largest = lengths, False
     elif args.group_filter == "token_efficiency":
-        scores, largest = rewards / lengths.clamp(min=1.0), True
+        scores, largest = _token_efficiency_rank(rewards, lengths, G), True
     else:
         scores, largest = _scores_from_func(trainer, completions, completion_ids_list, rewards), True
 
@@ -46,19 +59,73 @@ def select(trainer, rewards_per_func, completions, completion_ids_list) -> dict:
         k = args.num_remains_in_group
     ops = gfpo_kernels if args.use_gfpo_kernels else gfpo_reference
     keep, advantages = ops.gfpo_filter_advantages(rewards, scores, G, k, largest=largest, scale=trainer.scale_rewards)
-    return {"keep": keep, "advantages": advantages, "lengths": lengths, "k": k, "quartile": quartile}
+    if infinite.any():
+        if not getattr(trainer, "_gfpo_warned_infinite_reward", False):
+            logger.warning("gfpo: a reward was infinite; its group gets advantage 0 (as in TRL), so it trains nothing")
+            trainer._gfpo_warned_infinite_reward = True
+        advantages = advantages.masked_fill(infinite.view(-1, G).any(dim=1).repeat_interleave(G), 0.0)
+    return {"keep": keep, "advantages": advantages, "lengths": lengths, "rewards": rewards, "k": k,
+            "quartile": quartile}
+
+
+def _token_efficiency_rank(rewards: torch.Tensor, lengths: torch.Tensor, G: int) -> torch.Tensor:
+    """Exact score for the token-efficiency filter: a row's rank inside its group by (reward / length descending,
+    length ascending, index ascending), higher kept. With 0/1 rewards every wrong completion scores 0 per token,
+    and this sends the shorter of them through, as DESIGN asks. Unscorable rows (NaN reward) rank last."""
+    efficiency = rewards / lengths.clamp(min=1.0)
+    efficiency = torch.nan_to_num(efficiency, nan=-torch.inf)  # NaN sorts above +inf; unscorable must rank last
+    efficiency = torch.where(torch.isnan(rewards), -torch.inf, efficiency)
+    # stable sorts, least significant key first: index (given), length ascending, efficiency descending, group
+    order = torch.argsort(lengths, stable=True)
+    order = order[torch.argsort(efficiency[order], descending=True, stable=True)]
+    group = torch.div(order, G, rounding_mode="floor")
+    order = order[torch.argsort(group, stable=True)]
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device) % G
+    # unscorable rows keep NaN so the kernels rank them last whatever their position
+    return torch.where(torch.isnan(rewards), torch.nan, -position.to(torch.float64))
+
+
+def _accepts_completion_ids(func) -> bool:
+    """Whether group_filter_func takes `group_completion_ids` (by name or through **kwargs); TRL's documented
+    form `f(group_completions, group_rewards)` does not."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: pass only TRL's arguments
+        return False
+    return any(p.kind is p.VAR_KEYWORD or p.name == "group_completion_ids" for p in parameters)
 
 
 def _scores_from_func(trainer, completions, completion_ids_list, rewards) -> torch.Tensor:
+    """The user's scores, computed once on the main process and broadcast: a non-deterministic function (a sampling
+    judge, a random tie-break) then still gives every process the same selection."""
     G = trainer.num_generations
     all_completions = gather_object(completions)
     all_ids = gather_object(list(completion_ids_list))
     num_groups = len(all_completions) // G
-    scores = trainer.group_filter_func(
-        group_completions=[all_completions[g * G : (g + 1) * G] for g in range(num_groups)],
-        group_rewards=rewards.view(-1, G).tolist(),
-        group_completion_ids=[all_ids[g * G : (g + 1) * G] for g in range(num_groups)],
-    )
+    message = [None]  # [("scores", list)] or [("error", text)] from the main process
+    if trainer.accelerator.is_main_process:
+        kwargs = dict(
+            group_completions=[all_completions[g * G : (g + 1) * G] for g in range(num_groups)],
+            group_rewards=rewards.view(-1, G).tolist(),
+        )
+        if _accepts_completion_ids(trainer.group_filter_func):
+            kwargs["group_completion_ids"] = [all_ids[g * G : (g + 1) * G] for g in range(num_groups)]
+        try:
+            message = [("scores", _check_scores(trainer.group_filter_func(**kwargs), num_groups, G).tolist())]
+        except Exception as error:  # every process must raise, not wait forever for the broadcast
+            if trainer.accelerator.num_processes == 1:
+                raise
+            message = [("error", f"{type(error).__name__}: {error}")]
+    if trainer.accelerator.num_processes > 1:
+        message = broadcast_object_list(message, from_process=0)
+    kind, value = message[0]
+    if kind == "error":
+        raise ValueError(f"group_filter_func failed on the main process: {value}")
+    return torch.tensor(value, dtype=torch.float64).flatten().to(rewards.device)
+
+
+def _check_scores(scores, num_groups: int, G: int) -> torch.Tensor:
     try:
         scores = torch.as_tensor(scores, dtype=torch.float64)
     except (TypeError, ValueError) as error:
@@ -75,11 +142,20 @@ def _scores_from_func(trainer, completions, completion_ids_list, rewards) -> tor
     if bad.any():
         g, i = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"group_filter_func returned a non-finite score {scores[g, i].item()} (group {g}, completion {i})")
-    return scores.flatten().to(rewards.device)
+    return scores
+
+
+def _nanstd(values: torch.Tensor, dim=None) -> torch.Tensor:
+    """Unbiased std ignoring NaN (TRL's nanstd): NaN with fewer than 2 values."""
+    count = (~torch.isnan(values)).sum(dim=dim) if dim is not None else (~torch.isnan(values)).sum()
+    mean = torch.nanmean(values, dim=dim, keepdim=dim is not None)
+    variance = torch.nansum((values - mean) ** 2, dim=dim) / (count - 1)
+    return variance.sqrt()
 
 
 def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.Tensor | None) -> None:
-    """GFPO's selection metrics: kept fraction, kept vs dropped lengths, the per-quartile k when adaptive."""
+    """GFPO's selection metrics: kept fraction, kept vs dropped lengths, the rewards of the kept rows (TRL's reward
+    metrics cover every completion), the per-quartile k when adaptive."""
     metrics = trainer._metrics["train"]
     lengths = selection["lengths"]
     metrics["gfpo/kept_fraction"].append(keep.float().mean().item())
@@ -92,6 +168,16 @@ def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.T
         # early-stopped completions were cut short: their lengths (here and in TRL's completions/*) are truncated
         metrics["gfpo/dropped_completion_length_truncated"].append(dropped_length)
         metrics["gfpo/stopped_early_fraction"].append(stopped.float().mean().item())
+    # as TRL's reward, reward_std and frac_reward_zero_std, over the kept rows: the statistics the advantages used
+    kept_rewards = torch.where(keep, selection["rewards"].float(), torch.nan)
+    group_std = _nanstd(kept_rewards.view(-1, trainer.num_generations), dim=1)
+    zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
+    kept_per_group = keep.view(-1, trainer.num_generations).sum(dim=1)
+    metrics["gfpo/kept_reward_mean"].append(torch.nanmean(kept_rewards).item())
+    metrics["gfpo/kept_reward_std"].append(_nanstd(kept_rewards).item())
+    metrics["gfpo/kept_frac_reward_zero_std"].append(
+        ((zero_std * kept_per_group).sum() / kept_per_group.sum().clamp(min=1)).item()
+    )
     if selection["quartile"] is not None:
         quartile, k = selection["quartile"], selection["k"]
         for q, k_q in enumerate(trainer.args.adaptive_num_remains):

@@ -19,7 +19,8 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
    corrected for them in `compute_loss` (rows.py).
 4. `compute_loss` (overridden): TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
    model's LM head.
-5. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
+5. `_generate` (wrapped): reads the tool masks, so the length filters count the model's tokens only.
+6. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
    completions the filter is certain to drop stop early (gfpo_trainer/early_stop.py).
 """
 
@@ -32,13 +33,14 @@ from transformers import LogitsProcessorList
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from ._compat import TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces
+from ._compat import TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces, tool_mask_of
 from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward
 from .rows import take_kept_rows, weight_loss
 from .selection import log_selection, select
+from .state import SaveGFPOState, load_gfpo_state
 
 logger = logging.getLogger(__name__)
 
@@ -116,18 +118,31 @@ class GFPOTrainer(GRPOTrainer):
         self._deferred: list[tuple[torch.Tensor, object, int | None]] = []
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
         self._stopped_rows: torch.Tensor | None = None  # local rows the early-stop rule ended, this batch
+        self._tool_mask: list | None = None  # this batch's tool masks (0 = tool-output token), from _generate
+        self.add_callback(SaveGFPOState(self))
         self._warned_no_early_stop = False
         if args.use_gfpo_kernels:
             install_fused_loss_forward(self.model.get_base_model() if _is_peft_model(self.model) else self.model)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # GFPO's own state (the adaptive-difficulty digest) comes back with the checkpoint, before the first batch
+        load_gfpo_state(self, resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ------------------------------------------------------------------ selection
     def _filtering(self) -> bool:
         return self.args.num_remains_in_group is not None and self.model.training
 
+    def _generate(self, prompts):
+        result = super()._generate(prompts)
+        self._tool_mask = tool_mask_of(result)  # the filters count the model's tokens, not tool output
+        return result
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         if self._filtering():
-            self._gfpo_selection = select(self, rewards_per_func, completions, completion_ids_list)
+            model_tokens = None if self._tool_mask is None else [sum(mask) for mask in self._tool_mask]
+            self._gfpo_selection = select(self, rewards_per_func, completions, completion_ids_list, model_tokens)
         return rewards_per_func
 
     # ------------------------------------------------------------------ deferred log-prob passes
@@ -168,6 +183,7 @@ class GFPOTrainer(GRPOTrainer):
             "vLLM generation (its API gives no per-group abort here)" if self.use_vllm
             else "continuous batching" if self.use_transformers_continuous_batching
             else "tool calling" if self.tools
+            else "beam search (the rule sees batch x beams rows)" if (getattr(self.generation_config, "num_beams", None) or 1) > 1
             else None
         )
         if unsupported is not None:
@@ -204,7 +220,7 @@ class GFPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ filtering the generated batch
     def _generate_and_score_completions(self, inputs):
         filtering = self._filtering()
-        self._gfpo_selection, self._deferred, self._stopped_rows = None, [], None
+        self._gfpo_selection, self._deferred, self._stopped_rows, self._tool_mask = None, [], None, None
         self._deferring = filtering and self._can_defer()
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -244,6 +260,12 @@ class GFPOTrainer(GRPOTrainer):
             if (stopped & keep).any():  # the rule's promise; a failure here is a bug, never a silent wrong batch
                 raise RuntimeError("gfpo: a completion stopped early by gfpo_stop_dropped_generations was kept")
         log_selection(self, selection, keep, stopped)
+        # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (TRL logged its own
+        # GRPO advantages of every row there: the last keep.numel() entries)
+        logged = self._logs["advantages"]
+        for _ in range(min(keep.numel(), len(logged))):
+            logged.pop()
+        logged.extend(selection["advantages"].tolist())
         return output
 
     @torch.no_grad()

@@ -2,6 +2,7 @@
 batch whose groups straddle the processes, dumps what each process keeps, then trains two steps."""
 
 import json
+import random
 import sys
 
 import torch
@@ -18,17 +19,26 @@ def digit_reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
 
 
-def main(out_dir, model_dir, use_kernels, stop_dropped):
+def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False):
     args = GFPOConfig(
         output_dir=out_dir, per_device_train_batch_size=12, num_generations=8, num_remains_in_group=3,
-        group_filter="length", max_completion_length=8, max_steps=2, report_to="none", use_cpu=True, bf16=False,
+        group_filter=None if random_filter else "length", max_completion_length=8, max_steps=2, report_to="none", use_cpu=True, bf16=False,
         logging_steps=1, save_strategy="no", seed=0, loss_type="grpo", beta=0.04, use_gfpo_kernels=use_kernels,
         gfpo_stop_dropped_generations=stop_dropped,
     )
+    filter_calls = []
+
+    def random_scores(group_completions, group_rewards):
+        """Non-deterministic on purpose: each process would draw different scores."""
+        scores = [[rng.random() for _ in group] for group in group_completions]
+        filter_calls.append(scores)
+        return scores
+
     trainer = GFPOTrainer(model=model_dir, reward_funcs=digit_reward, args=args,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
-                          processing_class=make_tokenizer())
+                          processing_class=make_tokenizer(), group_filter_func=random_scores if random_filter else None)
     rank, P = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    rng = random.Random(1000 + rank)
     global_inputs = [{"prompt": p} for p in PROMPTS[:3] for _ in range(8)]  # 3 groups of 8 = 24 rows
     local = global_inputs[rank * 12 : (rank + 1) * 12]  # process 0: group 0 and half of group 1
 
@@ -52,7 +62,8 @@ def main(out_dir, model_dir, use_kernels, stop_dropped):
     result = dict(rank=rank, processes=P, num_rows=int(real.numel()), rows=rows,
                   advantages=output["advantages"][real].tolist(), all_ids=seen["ids"], all_rewards=seen["rewards"],
                   logp_rows=trainer.gfpo_logp_rows_seen, ref_logps=output["ref_per_token_logps"].tolist(),
-                  stopped_early=metrics.get("gfpo/stopped_early_fraction", [None])[-1])
+                  stopped_early=metrics.get("gfpo/stopped_early_fraction", [None])[-1],
+                  filter_scores=filter_calls[:1])
     trainer._calculate_rewards = original
     trainer.train()  # TRL's loss gathers per-sequence metrics: unequal batch sizes would hang here
     result["train_steps"] = trainer.state.global_step
@@ -66,4 +77,4 @@ def main(out_dir, model_dir, use_kernels, stop_dropped):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1")
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5:] == ["random_filter"])

@@ -97,12 +97,14 @@ def real_rows(output):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (dict(num_remains_in_group=8), r"1 <= k < num_generations=8, got num_remains_in_group=8"),
+        (dict(num_remains_in_group=8), r"2 <= k < num_generations=8 \(with k = 1 every advantage is 0\), got num_remains_in_group=8"),
         (dict(num_remains_in_group=0), r"got num_remains_in_group=0"),
+        (dict(num_remains_in_group=1), r"2 <= k < num_generations=8 .*got num_remains_in_group=1"),
+        (dict(adaptive_difficulty=True, adaptive_num_remains=[4, 3, 2, 1]), r"2 <= k <= num_generations=8, got adaptive_num_remains=\[4, 3, 2, 1\]"),
         (dict(group_filter="shortest"), r"group_filter must be None or one of \('length', 'token_efficiency'\)"),
         (dict(adaptive_difficulty=True), r"adaptive_num_remains must be 4 ints"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[8, 6, 4]), r"got adaptive_num_remains=\[8, 6, 4\]"),
-        (dict(adaptive_difficulty=True, adaptive_num_remains=[9, 6, 4, 2]), r"1 <= k <= num_generations=8"),
+        (dict(adaptive_difficulty=True, adaptive_num_remains=[9, 6, 4, 2]), r"2 <= k <= num_generations=8"),
         (dict(adaptive_num_remains=[4, 4, 4, 4]), r"adaptive_difficulty=False"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[4] * 4, num_remains_in_group=None), r"needs num_remains_in_group"),
         (dict(multi_objective_aggregation="normalize_then_sum"), r"multi_objective_aggregation='normalize_then_sum'"),

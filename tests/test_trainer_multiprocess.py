@@ -17,7 +17,7 @@ from gfpo_kernels import reference as ref  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
 
-def _launch(tmp_path, model_dir, use_kernels, stop_dropped, name):
+def _launch(tmp_path, model_dir, use_kernels, stop_dropped, name, *extra):
     out_dir = tmp_path / name
     out_dir.mkdir()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
@@ -26,7 +26,7 @@ def _launch(tmp_path, model_dir, use_kernels, stop_dropped, name):
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
                "--master_addr=127.0.0.1", str(Path(__file__).with_name("mp_gfpo_worker.py")), str(out_dir),
-               str(model_dir), use_kernels, stop_dropped]
+               str(model_dir), use_kernels, stop_dropped, *extra]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
@@ -81,3 +81,15 @@ def test_early_stop_changes_nothing_across_processes(tmp_path, warm_model_dir):
             assert a[key] == b[key], key
     assert max(r["stopped_early"] for r in on) > 0
     assert sum(map(len, on[0]["all_ids"])) < sum(map(len, off[0]["all_ids"]))
+
+
+def test_non_deterministic_filter_func_gives_one_selection(tmp_path, warm_model_dir):
+    """group_filter_func draws different random scores on each process; it is called on the main process only and
+    its scores are shared, so together the processes train exactly the top-k of those scores."""
+    results = _launch(tmp_path, warm_model_dir, "0", "0", "random", "random_filter")
+    assert len(results[0]["filter_scores"]) == 1 and results[1]["filter_scores"] == []
+    scores = torch.tensor(results[0]["filter_scores"][0]).flatten()
+    keep = ref.group_topk_mask(scores, 8, 3)
+    all_ids = results[0]["all_ids"]
+    assert results[0]["rows"] + results[1]["rows"] == [all_ids[i] for i in keep.nonzero().squeeze(1).tolist()]
+    assert results[0]["train_steps"] == results[1]["train_steps"] == 2

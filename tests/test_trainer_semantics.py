@@ -1,0 +1,204 @@
+"""What GFPOTrainer trains, in the corners a TRL user runs into (issue 13): k >= 2, TRL's two-argument filter,
+infinite rewards, exact token-efficiency ties, the kept-row metrics and completions table, tool masks, beam
+search with the early-stop rule, and the adaptive-difficulty state across a resume."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from test_trainer import (  # noqa: E402  (fixtures and helpers of the trainer tests)
+    PROMPTS,
+    make_config,
+    make_trainer,
+    model_dir,  # noqa: F401
+    real_rows,
+    scored_batch,
+    tokenizer,  # noqa: F401
+)
+
+import gfpo_kernels  # noqa: E402
+from gfpo_kernels import reference as ref  # noqa: E402
+from gfpo_trainer import selection  # noqa: E402
+from gfpo_trainer._compat import TRLSurfaceError, tool_mask_of  # noqa: E402
+from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
+
+
+def test_k_of_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"2 <= k < num_generations=8 .*got num_remains_in_group=1"):
+        make_config(tmp_path, num_remains_in_group=1)
+
+
+def test_trl_two_argument_filter_works(model_dir, tokenizer, tmp_path):  # noqa: F811
+    calls = []
+
+    def prefer_digits(group_completions, group_rewards):  # TRL's documented form: no **kwargs
+        calls.append(len(group_completions))
+        return [[float(sum(ch.isdigit() for ch in c)) for c in group] for group in group_completions]
+
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, group_filter=None, group_filter_func=prefer_digits)
+    output, seen = scored_batch(trainer)
+    assert calls == [1]
+    scores = torch.tensor([float(sum(ch.isdigit() for ch in c)) for c in seen["completions"]])
+    rows, _ = real_rows(output)
+    assert rows == [seen["ids"][i] for i in ref.group_topk_mask(scores, 8, 3).nonzero().squeeze(1).tolist()]
+
+
+def test_filter_taking_completion_ids_by_name_gets_them(model_dir, tokenizer, tmp_path):  # noqa: F811
+    seen_ids = []
+
+    def by_ids(group_completions, group_rewards, group_completion_ids):
+        seen_ids.append(group_completion_ids)
+        return [[-float(len(ids)) for ids in group] for group in group_completion_ids]
+
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, group_filter=None, group_filter_func=by_ids)
+    _, seen = scored_batch(trainer)
+    assert seen_ids == [[seen["ids"]]]
+
+
+@pytest.mark.parametrize("bad_reward", [math.inf, -math.inf])
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_infinite_reward_gives_its_group_zero_advantage(model_dir, tokenizer, tmp_path, bad_reward, use_kernels):  # noqa: F811
+    def one_infinite(completions, **kwargs):
+        return [bad_reward if i == 1 else float(i) for i in range(len(completions))]
+
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, reward=one_infinite, per_device_train_batch_size=16,
+                           use_gfpo_kernels=use_kernels)
+    output, seen = scored_batch(trainer)
+    real = output["gfpo_real_row"]
+    adv = output["advantages"][real]
+    assert torch.isfinite(adv).all()
+    # prompt 0 holds the infinite reward: its 3 kept rows get 0; prompt 1 is an ordinary group
+    assert adv[:3].eq(0).all() and adv[3:].ne(0).any()
+    loss = trainer.compute_loss(trainer.model, output)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in trainer.model.parameters()
+                                        if p.grad is not None)
+
+
+def _brute_force_token_efficiency_keep(rewards, lengths, G, k):
+    keep = torch.zeros(len(rewards), dtype=torch.bool)
+    for g in range(len(rewards) // G):
+        rows = list(range(g * G, (g + 1) * G))
+        rows.sort(key=lambda i: (-(rewards[i] / max(lengths[i], 1.0)), lengths[i], i))
+        keep[rows[:k]] = True
+    return keep
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_token_efficiency_ties_go_to_the_shorter_completion(use_kernels):
+    torch.manual_seed(0)
+    G, k = 8, 3
+    rewards = torch.randint(0, 2, (32 * G,)).float()  # 0/1 rewards: every wrong answer scores 0 per token
+    rewards[: 2 * G] = 0.0  # whole groups wrong
+    lengths = torch.randint(1, 6, (32 * G,)).float()  # many exact ties in length too
+    scores = selection._token_efficiency_rank(rewards, lengths, G)
+    ops = gfpo_kernels if use_kernels else ref
+    keep, _ = ops.gfpo_filter_advantages(rewards, scores, G, k, largest=True)
+    assert torch.equal(keep, _brute_force_token_efficiency_keep(rewards.tolist(), lengths.tolist(), G, k))
+    # the all-wrong groups keep their shortest completions, not their first ones
+    assert lengths[:G][keep[:G]].max() <= lengths[:G][~keep[:G]].min()
+
+
+def test_token_efficiency_rank_puts_unscorable_rows_last():
+    rewards = torch.tensor([float("nan"), 0.0, 1.0, float("nan")])
+    scores = selection._token_efficiency_rank(rewards, torch.tensor([1.0, 5.0, 9.0, 1.0]), 4)
+    assert torch.isnan(scores[[0, 3]]).all()
+    assert torch.equal(ref.group_topk_mask(scores, 4, 3), torch.tensor([True, True, True, False]))
+
+
+def test_kept_reward_metrics_and_completions_table(model_dir, tokenizer, tmp_path):  # noqa: F811
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=16)
+    output, seen = scored_batch(trainer)
+    rewards = seen["rewards"].sum(dim=1)
+    lengths = torch.tensor([float(len(ids)) for ids in seen["ids"]])
+    keep = ref.group_topk_mask(lengths, 8, 3, largest=False)
+    kept = rewards[keep].double()
+    metrics = trainer._metrics["train"]
+    assert metrics["gfpo/kept_reward_mean"] == [pytest.approx(kept.mean().item(), rel=1e-5)]
+    assert metrics["gfpo/kept_reward_std"] == [pytest.approx(kept.std().item(), rel=1e-5)]
+    group_std = rewards.double().where(keep, torch.nan).view(2, 8)
+    zero = [torch.isclose(r[~torch.isnan(r)].std(), torch.tensor(0.0, dtype=torch.float64)).item() for r in group_std]
+    assert metrics["gfpo/kept_frac_reward_zero_std"] == [pytest.approx(sum(zero) / 2)]
+    # the completions table: GFPO's advantages, 0 for dropped rows
+    want = ref.group_advantages(rewards, 8, keep=keep)
+    assert list(trainer._logs["advantages"]) == pytest.approx(want.tolist(), abs=1e-6)
+    assert all(a == 0 for a, kept in zip(trainer._logs["advantages"], keep) if not kept)
+
+
+def test_length_filters_count_model_tokens_only(model_dir, tokenizer, tmp_path):  # noqa: F811
+    """With tool calling, tool-output tokens (tool_mask 0) are not the model's length."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path)
+    G = 8
+    completion_ids = [[5] * (3 + i) for i in range(G)]  # row i has 3 + i tokens ...
+    tool_masks = [[1] * 2 + [0] * (1 + i) for i in range(G)]  # ... of which only 2 are the model's, for every row
+    tool_masks[7] = [1] * len(completion_ids[7])  # but the longest row is all model tokens (10)
+    tool_masks[6] = [1] + [0] * (len(completion_ids[6]) - 1)  # and row 6 has a single model token
+    model_tokens = [sum(m) for m in tool_masks]
+    rewards_per_func = torch.ones(G, 1)
+    picked = selection.select(trainer, rewards_per_func, ["x"] * G, completion_ids, model_tokens)
+    assert picked["lengths"].tolist() == [float(n) for n in model_tokens]
+    # the 3 shortest by model tokens: row 6 (1 token), then rows 0 and 1 (2 tokens, lower index first)
+    assert picked["keep"].nonzero().squeeze(1).tolist() == [0, 1, 6]
+
+
+def test_tool_mask_is_read_from_generate_output():
+    ids = [[1, 2, 3], [4]]
+    assert tool_mask_of((None, ids, [[1, 0, 1], [1]], None)) == [[1, 0, 1], [1]]
+    assert tool_mask_of((None, ids, None, None)) is None
+    with pytest.raises(TRLSurfaceError, match="one tool mask per completion"):
+        tool_mask_of((None, ids, [[1, 0]], None))
+
+
+def test_early_stop_is_switched_off_with_beam_search(model_dir, tokenizer, tmp_path, caplog):  # noqa: F811
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, generation_kwargs={"num_beams": 2}, temperature=1.0)
+    with caplog.at_level("WARNING"):
+        output, seen = scored_batch(trainer)
+        scored_batch(trainer, seed=1)
+    warnings = [r for r in caplog.records if "not applied with beam search" in r.getMessage()]
+    assert len(warnings) == 1  # once
+    lengths = torch.tensor([float(len(ids)) for ids in seen["ids"]])
+    rows, _ = real_rows(output)
+    assert rows == [seen["ids"][i] for i in ref.group_topk_mask(lengths, 8, 3, largest=False).nonzero().squeeze(1).tolist()]
+
+
+def test_adaptive_digest_round_trips_exactly():
+    adaptive = AdaptiveDifficulty([6, 4, 3, 2])
+    torch.manual_seed(0)
+    for _ in range(5):
+        adaptive.update_and_assign(torch.rand(40))
+    restored = AdaptiveDifficulty([6, 4, 3, 2])
+    restored.load_state_dict(json.loads(json.dumps(adaptive.state_dict())))
+    assert restored.digest.n == adaptive.digest.n
+    assert restored.digest.centroids_to_list() == adaptive.digest.centroids_to_list()
+    means = torch.rand(16)
+    assert torch.equal(restored.update_and_assign(means)[1], adaptive.update_and_assign(means)[1])
+    with pytest.raises(ValueError, match=r"adaptive_num_remains=\[6, 4, 3, 2\] differs from this run's \[8, 4, 3, 2\]"):
+        AdaptiveDifficulty([8, 4, 3, 2]).load_state_dict(adaptive.state_dict())
+
+
+def test_resume_restores_the_adaptive_digest(model_dir, tokenizer, tmp_path):  # noqa: F811
+    options = dict(adaptive_difficulty=True, adaptive_num_remains=[6, 4, 3, 2], num_remains_in_group=3,
+                   per_device_train_batch_size=16, save_strategy="steps", save_steps=2, max_steps=3)
+    straight = make_trainer(model_dir, tokenizer, tmp_path / "straight", **options)
+    straight.train()
+    checkpoint = os.path.join(tmp_path / "straight", "checkpoint-2")
+    assert os.path.isfile(os.path.join(checkpoint, "gfpo_state.json"))
+
+    resumed = make_trainer(model_dir, tokenizer, tmp_path / "straight", **options)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.adaptive_difficulty.digest.n == straight.adaptive_difficulty.digest.n == 3 * 2
+    assert resumed.adaptive_difficulty.digest.centroids_to_list() == straight.adaptive_difficulty.digest.centroids_to_list()
+
+
+def test_resume_without_saved_gfpo_state_is_refused_with_adaptive(model_dir, tokenizer, tmp_path):  # noqa: F811
+    (tmp_path / "checkpoint-1").mkdir()
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, adaptive_difficulty=True,
+                           adaptive_num_remains=[6, 4, 3, 2], num_remains_in_group=3)
+    with pytest.raises(ValueError, match="no gfpo_state.json in"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
