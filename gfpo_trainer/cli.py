@@ -20,9 +20,12 @@ import argparse
 import dataclasses
 import importlib
 import os
+import re
 import sys
 
 _LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# a Hub repo id: "name" or "namespace/name", letters, digits, '-', '_' and '.' (Qwen/Qwen2.5-0.5B-Instruct)
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 class ConfigError(ValueError):
@@ -79,7 +82,7 @@ def build_trainer(config: dict):
         if key not in config:
             raise ConfigError(f"the config needs {key!r}")
     model = config["model"]
-    if not os.path.isdir(model) and (model.startswith((".", "/")) or os.path.splitext(model)[1]):
+    if not isinstance(model, str) or not (os.path.isdir(model) or (_HUB_ID.fullmatch(model) and ".." not in model)):
         raise ConfigError(f"model {model!r} is neither a local directory nor a hub model name")
     fields = {f.name for f in dataclasses.fields(GFPOConfig)}
     args = dict(config.get("args") or {})
@@ -88,14 +91,28 @@ def build_trainer(config: dict):
         raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'")
     args.setdefault("output_dir", "gfpo-output")
     reward_specs = config["reward_funcs"]
-    reward_funcs = [load_reward_func(s) for s in ([reward_specs] if isinstance(reward_specs, str) else reward_specs)]
+    reward_specs = [reward_specs] if isinstance(reward_specs, str) else reward_specs
+    if not isinstance(reward_specs, list) or not reward_specs or not all(isinstance(s, str) for s in reward_specs):
+        raise ConfigError(f"reward_funcs must be one or more 'package.module:function' strings, got {reward_specs!r}")
+    reward_funcs = [load_reward_func(s) for s in reward_specs]
+    try:
+        args = GFPOConfig(**args)
+    except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
+        raise ConfigError(f"args: {_one_line(error)}") from None
     dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except OSError as error:
         raise ConfigError(f"cannot load model {model!r}: {error}") from None
-    return GFPOTrainer(model=model, reward_funcs=reward_funcs, args=GFPOConfig(**args), train_dataset=dataset,
-                       processing_class=tokenizer)
+    try:
+        return GFPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+                           processing_class=tokenizer)
+    except (ValueError, TypeError) as error:  # e.g. a filter without num_remains_in_group
+        raise ConfigError(_one_line(error)) from None
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
 
 
 def main(argv=None) -> int:
@@ -106,6 +123,7 @@ def main(argv=None) -> int:
     demo.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds; for tests
     demo.add_argument("--output-dir", default="gfpo_demo_output", help="where the plot and results go")
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
+    demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
     train = commands.add_parser("train", help="train with GFPO from a YAML config")
     train.add_argument("--config", required=True, help="YAML file: model, dataset, reward_funcs, args")
     options = parser.parse_args(argv)
@@ -114,7 +132,7 @@ def main(argv=None) -> int:
         from .demo import DemoSettings, run_demo
 
         settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
-        run_demo(settings, output_dir=options.output_dir, use_kernels=not options.no_kernels)
+        run_demo(settings, output_dir=options.output_dir, use_kernels=not options.no_kernels, verbose=options.verbose)
         return 0
 
     import yaml
@@ -126,7 +144,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
         trainer = build_trainer(config)
     except (ConfigError, OSError, yaml.YAMLError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {_one_line(error)}", file=sys.stderr)
         return 2
     trainer.train()
     trainer.save_model()

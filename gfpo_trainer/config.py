@@ -13,7 +13,9 @@ GROUP_FILTERS = ("length", "token_efficiency")
 @dataclass
 class GFPOConfig(GRPOConfig):
     r"""
-    Configuration of [`GFPOTrainer`]: every field of TRL's `GRPOConfig`, plus:
+    Configuration of [`GFPOTrainer`]: every field of TRL's `GRPOConfig`, plus the fields below. One difference
+    from GRPOConfig: `bf16` left unset is on only where the device supports it (TRL: always on), so the same config
+    runs on a CPU and on a GPU.
 
     Parameters:
         num_remains_in_group (`int` or `None`, *optional*, defaults to `None`):
@@ -66,6 +68,12 @@ class GFPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        if self.bf16 is None and not self.fp16:
+            # TRL turns bf16 on by default, which fails on a machine without bf16 hardware (CPU only, older GPUs):
+            # left unset, bf16 is on only where the device supports it, so one config runs everywhere
+            from transformers.utils import is_torch_bf16_gpu_available
+
+            self.bf16 = not self.use_cpu and is_torch_bf16_gpu_available()
         super().__post_init__()
         G = self.num_generations
         k = self.num_remains_in_group

@@ -20,6 +20,7 @@ import os
 import random
 import re
 import time
+import warnings
 
 import torch
 from tqdm.auto import tqdm
@@ -128,9 +129,53 @@ def evaluate(model, tokenizer, pairs, settings: DemoSettings, device, desc: str)
     return {"accuracy": sum(correct) / len(correct), "mean_length": sum(lengths) / len(lengths)}
 
 
-def run_rl(name, start_dir, tokenizer, train_pairs, settings: DemoSettings, output_dir, use_kernels, **gfpo) -> dict:
-    """One RL run from the warm-up weights; returns its per-step history and wall time."""
+# The figures the demo's progress bar shows per run: (label, metric logged by the trainer, format). Add a line here
+# to show one more; a metric a run does not log is left out of its bar.
+PROGRESS_FIGURES = (
+    ("reward", "gfpo/kept_reward_mean", "{:.2f}"),
+    ("reward", "reward", "{:.2f}"),
+    ("kept len", "gfpo/kept_completion_length", "{:.1f}"),
+    ("len", "completions/mean_length", "{:.1f}"),
+)
+
+
+def _progress_callback(name: str, total_steps: int, tokens_per_step: int):
+    """A TrainerCallback drawing one compact tqdm bar for a run, in place of TRL's metrics dict at every step."""
+    from transformers import TrainerCallback
+
+    class DemoProgress(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.bar = tqdm(total=total_steps, desc=name, unit="step", dynamic_ncols=True)
+            self.start = time.perf_counter()
+            self.tokens = 0.0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            if "reward" not in logs:  # the end-of-training summary: keep the last step's figures
+                return
+            if "completions/mean_length" in logs:
+                self.tokens += logs["completions/mean_length"] * tokens_per_step
+            figures, shown = {}, set()
+            for label, key, fmt in PROGRESS_FIGURES:
+                if key in logs and label not in shown:  # the first metric of a label that the run logs
+                    figures[label] = fmt.format(logs[key])
+                    shown.add(label)
+            figures["tok/s"] = f"{self.tokens / max(time.perf_counter() - self.start, 1e-9):.0f}"
+            self.bar.set_postfix(figures, refresh=False)
+            self.bar.update(state.global_step - self.bar.n)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.bar.close()
+
+    return DemoProgress()
+
+
+def run_rl(name, start_dir, tokenizer, train_pairs, settings: DemoSettings, output_dir, use_kernels, verbose=False,
+           **gfpo) -> dict:
+    """One RL run from the warm-up weights; returns its per-step history and wall time. Shows one progress bar with
+    the key figures, or with `verbose` TRL's metrics dict at every step."""
     from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from .config import GFPOConfig
     from .trainer import GFPOTrainer
@@ -154,13 +199,17 @@ def run_rl(name, start_dir, tokenizer, train_pairs, settings: DemoSettings, outp
         beta=0.0,
         temperature=1.0,
         use_gfpo_kernels=use_kernels,
-        disable_tqdm=False,
+        disable_tqdm=not verbose,
         **gfpo,
     )
     rng = random.Random(settings.seed)
     prompts = [f"{a}+{b}=" for a, b in rng.sample(train_pairs, len(train_pairs))]
     trainer = GFPOTrainer(model=start_dir, reward_funcs=correctness_reward, args=args,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), processing_class=tokenizer)
+    if not verbose:
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(_progress_callback(name, settings.rl_steps, args.per_device_train_batch_size))
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -178,27 +227,37 @@ def _moving_average(values: list[float], window: int = 10) -> list[float]:
 
 
 def _plot(runs: dict, path: str) -> None:
-    """Reward and completion length per step (moving averages over 10 steps; GFPO's kept completions dashed)."""
+    """Reward and length per step of the completions each run trained on (moving averages over 10 steps): GRPO's
+    are all it sampled, GFPO's the kept ones. GFPO's dropped completions are left out: with the early-stop rule
+    they are cut short before they answer, so their length and reward say nothing about the policy. GFPO's mean
+    over every sampled completion is drawn faint and dotted, marked as including those cut short."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_reward, ax_length) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_reward, ax_length) = plt.subplots(1, 2, figsize=(11, 4.6))
     for name, run in runs.items():
-        steps = [h["step"] for h in run["history"]]
-        line = ax_reward.plot(steps, _moving_average([h["reward"] for h in run["history"]]), label=name)[0]
-        ax_length.plot(steps, _moving_average([h["completions/mean_length"] for h in run["history"]]), label=name,
-                       color=line.get_color())
-        if "gfpo/kept_completion_length" in run["history"][0]:
-            kept = _moving_average([h["gfpo/kept_completion_length"] for h in run["history"]])
-            ax_length.plot(steps, kept, linestyle="--", color=line.get_color(), label=f"{name} (kept)")
-    ax_reward.set(title="reward, all sampled completions (10-step mean)", xlabel="step", ylabel="reward")
-    ax_length.set(title="completion length (10-step mean)", xlabel="step", ylabel="tokens")
+        history = run["history"]
+        steps = [h["step"] for h in history]
+        gfpo = "gfpo/kept_reward_mean" in history[0]
+        reward_key, length_key = ("gfpo/kept_reward_mean", "gfpo/kept_completion_length") if gfpo else (
+            "reward", "completions/mean_length")
+        line = ax_reward.plot(steps, _moving_average([h[reward_key] for h in history]), label=name)[0]
+        ax_length.plot(steps, _moving_average([h[length_key] for h in history]), color=line.get_color())
+        if gfpo:
+            label = f"{name}, all sampled (incl. cut short)" if "gfpo/stopped_early_fraction" in history[0] else \
+                f"{name}, all sampled"
+            for ax, key in ((ax_reward, "reward"), (ax_length, "completions/mean_length")):
+                ax.plot(steps, _moving_average([h[key] for h in history]), color=line.get_color(), linestyle=":",
+                        alpha=0.5, label=label if ax is ax_reward else None)
+    ax_reward.set(title="reward of the trained completions (10-step mean)", xlabel="step", ylabel="reward")
+    ax_length.set(title="length of the trained completions (10-step mean)", xlabel="step", ylabel="tokens")
     for ax in (ax_reward, ax_length):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = ax_reward.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)  # below the axes, off the data
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -215,9 +274,12 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_kernels: bool = True) -> dict:
+def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_kernels: bool = True,
+             verbose: bool = False) -> dict:
     """Warm-up, then GRPO and the two GFPO filters; prints the table, writes demo.png and results.json."""
     os.makedirs(output_dir, exist_ok=True)
+    if not verbose:  # transformers' deprecation notices about TRL's calls would bury the progress bars
+        warnings.filterwarnings("ignore", category=FutureWarning)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(settings.seed)
     tokenizer = make_tokenizer()
@@ -241,9 +303,10 @@ def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_k
     }
     runs, rows = {}, [dict(run="warm-up", **base, inflation=0.0, tokens_per_second=None, wall_time=warmup_time)]
     for name, gfpo in configs.items():
-        print(f"\n== {name}: {gfpo}")
+        if verbose:
+            print(f"\n== {name}: {gfpo}")
         torch.manual_seed(settings.seed)
-        run = run_rl(name, start_dir, tokenizer, train_pairs, settings, output_dir, use_kernels, **dict(gfpo))
+        run = run_rl(name, start_dir, tokenizer, train_pairs, settings, output_dir, use_kernels, verbose, **dict(gfpo))
         result = evaluate(run["trainer"].model, tokenizer, eval_pairs, settings, device, f"evaluate {name}")
         runs[name] = run
         rows.append(dict(run=name, **result, inflation=result["mean_length"] / base["mean_length"] - 1,

@@ -85,6 +85,16 @@ def test_train_command(model_dir, dataset_file, tmp_path):
     "change, match",
     [
         (dict(model="/nonexistent/model"), r"model '/nonexistent/model' is neither a local directory nor a hub model name"),
+        (dict(model="./models/tiny"), r"model './models/tiny' is neither a local directory nor a hub model name"),
+        (dict(model="Qwen/../x"), r"model 'Qwen/../x' is neither"),
+        (dict(reward_funcs=[]), r"reward_funcs must be one or more 'package.module:function' strings, got \[\]"),
+        (dict(args={"num_remains_in_group": 9, "num_generations": 8}),
+         r"args: num_remains_in_group must be an int with 2 <= k < num_generations=8 .*got num_remains_in_group=9"),
+        (dict(args={"group_filter": "shortest", "num_remains_in_group": 4}),
+         r"args: group_filter must be None or one of \('length', 'token_efficiency'\), got group_filter='shortest'"),
+        (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}), r"args: .*num_generations \(16\)"),
+        (dict(args={"num_remains_in_group": 4, "num_generations": 8, "per_device_train_batch_size": 8}),
+         r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
         (dict(dataset="/nonexistent/train.jsonl"), r"dataset file '/nonexistent/train.jsonl' does not exist"),
         (dict(reward_funcs=["gfpo_trainer.demo:nope"]), r"module 'gfpo_trainer.demo' has no function 'nope'"),
         (dict(reward_funcs=["no_such_module:f"]), r"cannot import module 'no_such_module'"),
@@ -116,3 +126,35 @@ def test_load_reward_func_forms():
     assert load_reward_func("gfpo_trainer.demo:correctness_reward") is correctness_reward
     with pytest.raises(ConfigError, match="must look like 'package.module:function'"):
         load_reward_func("correctness_reward")
+
+
+def test_hub_names_with_dots_pass_validation(model_dir, dataset_file, tmp_path, monkeypatch):
+    """`Qwen/Qwen2.5-0.5B-Instruct` is a Hub name: validation lets it through to the download (none here)."""
+    import gfpo_trainer.cli as cli
+
+    monkeypatch.setattr(cli, "load_train_dataset", lambda *a, **k: (_ for _ in ()).throw(ConfigError("reached")))
+    with pytest.raises(ConfigError, match="reached"):
+        build_trainer(_config("Qwen/Qwen2.5-0.5B-Instruct", dataset_file, tmp_path))
+
+
+def test_config_errors_are_one_line_and_exit_2(model_dir, dataset_file, tmp_path):
+    config = _config(model_dir, dataset_file, tmp_path, args={"num_remains_in_group": 1, "group_filter": "length"})
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "train", "--config", str(config_file)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [errors[0]] and "num_remains_in_group=1" in errors[0]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["train", "--help"]])
+def test_help_imports_no_training_stack(argv):
+    """--help answers at once: TRL, transformers and datasets are imported only when a command runs."""
+    probe = ("import sys, runpy; sys.argv = ['gfpo_trainer'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('gfpo_trainer', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('trl', 'transformers', 'datasets', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"

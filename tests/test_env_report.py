@@ -1,0 +1,35 @@
+"""`python -m gfpo_kernels`: the environment report for bug reports."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from gfpo_kernels import _dispatch
+from gfpo_kernels.env_report import environment_report
+
+REPO = Path(__file__).parents[1]
+
+
+def test_report_names_versions_extension_and_backends():
+    lines = dict(line.split(": ", 1) for line in environment_report().splitlines())
+    assert lines["torch"] == torch.__version__
+    assert lines["extension gfpo_kernels._C"] == ("built with CUDA" if _dispatch.HAS_CPP_CUDA else
+                                                   "built (CPU only)" if _dispatch.HAS_CPP else "not built")
+    for op in ("group", "linear_grpo"):
+        assert lines[f"backend {op} ops, cpu tensors"] == _dispatch.select_backend(op, torch.device("cpu"))
+        assert lines[f"backend {op} ops, cuda tensors"].startswith(_dispatch.select_backend(op, torch.device("cuda")))
+    for name in ("python", "triton", "trl", "transformers", "accelerate", "torch CUDA"):
+        assert lines[name]
+
+
+def test_module_runs_without_trl():
+    """A bug report must be possible from a broken install: the report imports no TRL."""
+    blocker = "import sys; sys.modules['trl'] = None; sys.modules['transformers'] = None; import runpy; " \
+              "runpy.run_module('gfpo_kernels', run_name='__main__')"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "backend group ops, cpu tensors: " in done.stdout and "torch: " in done.stdout
