@@ -42,6 +42,15 @@ class GFPOConfig(GRPOConfig):
             other completions, which the filter is certain to drop. The kept rows, their rewards, advantages and
             the loss are unchanged; generation ends sooner. Not applied with adaptive difficulty (whose difficulty
             reads every completion's reward), vLLM, continuous batching or tool calling (a warning says so).
+        skip_zero_gradient_rows (`bool`, *optional*, defaults to `True`):
+            Rows whose advantage is exactly 0 (groups of equal rewards, unscorable rows) contribute exactly zero
+            gradient when `beta == 0`, there is no entropy bonus, `top_entropy_quantile == 1` and no MoE auxiliary
+            loss: they are then left out of the old-policy pass and the policy forward/backward, while every
+            normaliser keeps counting them, so loss and gradients equal those with skipping off. Also without a
+            filter (plain GRPO). Not applied when `steps_per_generation > gradient_accumulation_steps` (TRL's shuffle
+            then decides which rows share an optimizer step), with `loss_type="bnpo"` (it divides by the tokens of each micro-batch)
+            or `"vespo"`; there every row is trained, as in GRPO. With skipping, TRL's entropy and clip-ratio metrics
+            cover the trained rows; `gfpo/skipped_zero_gradient_fraction` logs the share of kept rows skipped.
     """
 
     num_remains_in_group: int | None = field(
@@ -61,6 +70,10 @@ class GFPOConfig(GRPOConfig):
     )
     adaptive_num_remains: list[int] | None = field(
         default=None, metadata={"help": "k per difficulty quartile, hardest first (4 values)."}
+    )
+    skip_zero_gradient_rows: bool = field(
+        default=True,
+        metadata={"help": "Do not train on rows whose loss gradient is exactly zero (advantage 0, beta 0, ...)."},
     )
     gfpo_stop_dropped_generations: bool = field(
         default=True,

@@ -1,9 +1,21 @@
-"""Rows: the kept rows of the global batch, shared out over processes, padded, and weighted in the loss.
+"""Rows: which rows of the global batch each process trains on, and what each weighs in the loss.
 
-Every process takes an equal, steps_per_generation-divisible share of the kept rows, in global order: TRL's
-`split_tensor_dict` would drop a remainder, and its loss gathers per-sequence metrics across processes and hangs
-on unequal sizes. Missing rows are copies of a kept row with an all-zero completion mask and advantage 0: they
-add nothing to the loss, whose per-sequence normalisation is corrected for them by `weight_loss`.
+One mechanism for both reasons a batch is not divided evenly:
+- GFPO keeps k of every group, and the kept rows need not divide by processes x steps_per_generation;
+- rows whose advantage is exactly 0 carry no gradient (`skip_zero_gradient_rows`), so they are not trained on.
+Every process takes an equal, steps_per_generation-divisible share of the rows to train (TRL's
+`split_tensor_dict` would drop a remainder, and its loss gathers per-sequence metrics across processes and hangs on
+unequal sizes). Missing rows are copies of a trained row with an all-zero completion mask and advantage 0.
+
+Row weights with global normalisers: a row must weigh in the loss what it would in an evenly divided batch of all
+K rows that would be trained without skipping (K = the kept rows). TRL's per-sequence losses (grpo, sapo, luspo,
+dr_grpo) weigh a row 1 / (P * gradient_accumulation_steps * B) with B the rows of its micro-batch; in an even split
+B = K / (P * steps_per_generation). Every micro-batch here has B = share / steps_per_generation rows, so every
+trained row gets the same factor P * share / K over TRL's weight: `weight_loss` applies it (one factor per micro-
+batch, since the rows of one batch share it; it holds with beta != 0 too). dapo and cispo already divide by the
+tokens of the whole generation batch (num_items_in_batch, which keeps counting skipped rows); padding rows hold no
+token. bnpo divides by the tokens of its own micro-batch, as in TRL: padding does not change that, but skipping
+would, so rows are not skipped for bnpo.
 """
 
 from __future__ import annotations
@@ -16,20 +28,49 @@ from ._compat import ROW_KEYS
 
 # Loss types whose value is a mean over the sequences of a micro-batch (or divides by their number)
 PER_SEQUENCE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
+# Loss types whose gradient is exactly 0 for a row of advantage 0 and whose normaliser does not depend on which rows
+# share a micro-batch (bnpo's does; vespo is left out: its weights are not checked here)
+_SKIPPABLE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo")
 REAL_ROW_KEY = "gfpo_real_row"
+ROW_WEIGHT_KEY = "gfpo_row_weight"
 
 
-def take_kept_rows(trainer, output: dict, keep: torch.Tensor, advantages: torch.Tensor) -> int:
-    """Replaces the per-row tensors of `output` (this process's rows) by this process's share of the kept rows of
-    the global batch, padded; returns how many of them are real (not padding)."""
+def zero_gradient_skip_applies(trainer) -> bool:
+    """Whether rows with advantage exactly 0 can leave the batch without changing loss or gradients: their loss
+    term is advantage x (something finite) for every loss type in _SKIPPABLE_LOSSES, unless a term that does not
+    depend on the advantage is added (the KL with beta != 0, the entropy bonus, an MoE auxiliary loss) or the
+    rows take part in a statistic over the micro-batch (the entropy quantile mask), or an optimizer step covers part
+    of a generation batch."""
+    args = trainer.args
+    return bool(
+        args.skip_zero_gradient_rows
+        and trainer.beta == 0.0
+        and args.top_entropy_quantile == 1.0
+        and not getattr(trainer, "_entropy_bonus_enabled", False)
+        and not getattr(trainer, "aux_loss_enabled", False)
+        and trainer.loss_type in _SKIPPABLE_LOSSES
+        # each optimizer step sees whole generation batches: with more micro-batches per generation than per step,
+        # TRL's shuffle decides which rows share a step, and skipping would change that split
+        and args.steps_per_generation <= args.gradient_accumulation_steps
+    )
+
+
+def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: torch.Tensor, skip_zero: bool) -> int:
+    """Replaces the per-row tensors of `output` (this process's rows) by this process's share of the rows to train
+    (the kept rows of the global batch, less those of advantage 0 when `skip_zero`), padded, with their weights and
+    the generation batch's token count; returns how many of them are real (not padding)."""
     P, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
-    kept = keep.nonzero().squeeze(1)
     spg = trainer.args.steps_per_generation
-    share = math.ceil(math.ceil(kept.numel() / P) / spg) * spg
-    mine = kept[rank * share : (rank + 1) * share]
+    # TRL's token normaliser, over every kept row (skipped ones included) of every process
+    loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+    row_tokens = trainer.accelerator.gather(loss_mask.sum(dim=1))
+    kept = keep.nonzero().squeeze(1)
+    trained = kept[advantages[kept] != 0] if skip_zero else kept
+    share = math.ceil(math.ceil(max(trained.numel(), 1) / P) / spg) * spg
+    mine = trained[rank * share : (rank + 1) * share]
     n_real = mine.numel()
     # padding rows copy a kept row (a valid forward) and are masked out below
-    rows = torch.cat([mine, kept[:1].expand(share - n_real)]) if kept.numel() else mine
+    rows = torch.cat([mine, kept[:1].expand(share - n_real)])
     # every process holds the global advantages already; the other row tensors are gathered
     output["advantages"] = advantages[rows]
     row_keys = [k for k in output if k in ROW_KEYS and k != "advantages" and isinstance(output[k], torch.Tensor)]
@@ -39,10 +80,17 @@ def take_kept_rows(trainer, output: dict, keep: torch.Tensor, advantages: torch.
     output["completion_mask"] = output["completion_mask"] * real.unsqueeze(1).to(output["completion_mask"].dtype)
     output["advantages"] = torch.where(real, output["advantages"], 0.0)
     output[REAL_ROW_KEY] = real
-    # Drop the padding columns past the longest kept completion: less work in the loss, and the batch no
+    weight = P * share / max(kept.numel(), 1) if trainer.loss_type in PER_SEQUENCE_LOSSES else 1.0
+    output[ROW_WEIGHT_KEY] = real.float() * weight
+    output["num_items_in_batch"] = row_tokens[kept].sum()
+    if skip_zero:
+        trainer._metrics["train"]["gfpo/skipped_zero_gradient_fraction"].append(
+            1.0 - trained.numel() / max(kept.numel(), 1)
+        )
+    # Drop the padding columns past the longest trained completion: less work in the loss, and the batch no
     # longer depends on how long the dropped completions ran (see gfpo_stop_dropped_generations).
     T = output["completion_ids"].size(1)
-    width = max(1, int(output["completion_mask"].sum(dim=1).max())) if share else T
+    width = max(1, int(output["completion_mask"].sum(dim=1).max()))
     for key in row_keys:
         if not ROW_KEYS[key][1] and output[key].dim() > 1 and output[key].size(1) == T:
             output[key] = output[key][:, :width]
@@ -62,11 +110,10 @@ def take_global_rows(trainer, key: str, tensor: torch.Tensor, rows: torch.Tensor
 
 
 def weight_loss(loss: torch.Tensor, inputs: dict, loss_type: str) -> torch.Tensor:
-    """The micro-batch loss with padding rows not counted by the per-sequence losses."""
-    real = inputs.get(REAL_ROW_KEY)
-    if real is not None and loss_type in PER_SEQUENCE_LOSSES:
-        # these losses average over (or divide by) the micro-batch's rows: count only the real ones
-        n_real = int(real.sum())
-        if 0 < n_real < real.numel():
-            loss = loss * (real.numel() / n_real)
-    return loss
+    """The micro-batch loss with its rows weighted as in an evenly divided batch (see the module docstring). All
+    real rows of a generation batch share one weight, so it is one factor; a micro-batch of padding rows only has
+    a zero loss either way."""
+    weights = inputs.get(ROW_WEIGHT_KEY)
+    if weights is None or loss_type not in PER_SEQUENCE_LOSSES:
+        return loss
+    return loss * weights.max()

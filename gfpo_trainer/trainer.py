@@ -38,7 +38,7 @@ from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward
-from .rows import take_kept_rows, weight_loss
+from .rows import take_trained_rows, weight_loss, zero_gradient_skip_applies
 from .selection import log_selection, select
 from .state import SaveGFPOState, load_gfpo_state
 
@@ -220,20 +220,23 @@ class GFPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ filtering the generated batch
     def _generate_and_score_completions(self, inputs):
         filtering = self._filtering()
+        # rows of advantage 0 leave the batch (plain GRPO too) when that changes neither loss nor gradients
+        skip_zero = self.model.training and zero_gradient_skip_applies(self)
         self._gfpo_selection, self._deferred, self._stopped_rows, self._tool_mask = None, [], None, None
-        self._deferring = filtering and self._can_defer()
+        self._deferring = (filtering or skip_zero) and self._can_defer()
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._deferring = False
-        if not filtering:
+        if not (filtering or skip_zero):
             return output
-        if self._gfpo_selection is None:
+        if filtering and self._gfpo_selection is None:
             raise TRLSurfaceError("GRPOTrainer._generate_and_score_completions did not call _calculate_rewards")
         selection, self._gfpo_selection = self._gfpo_selection, None
-        return self._filter_output(output, selection)
+        return self._filter_output(output, selection, skip_zero)
 
-    def _filter_output(self, output: dict, selection: dict) -> dict:
+    def _filter_output(self, output: dict, selection: dict | None, skip_zero: bool) -> dict:
+        """The batch of the rows to train (selection None: no filter, every row with TRL's advantages)."""
         n_local = output["prompt_ids"].size(0)
         deferred = {}
         for key, value in list(output.items()):
@@ -245,15 +248,19 @@ class GFPOTrainer(GRPOTrainer):
             raise TRLSurfaceError("a deferred log-prob pass of GRPOTrainer did not end up in its output dict")
         check_output(output, n_local)
         P = self.accelerator.num_processes
-        keep = selection["keep"]
+        if selection is None:
+            advantages = self.accelerator.gather(output["advantages"])
+            keep = torch.ones_like(advantages, dtype=torch.bool)
+        else:
+            keep, advantages = selection["keep"], selection["advantages"]
         if keep.numel() != n_local * P:
             raise TRLSurfaceError(f"the global batch holds {keep.numel()} rows, {P} processes x {n_local} were expected")
 
-        n_real = take_kept_rows(self, output, keep, selection["advantages"])
+        n_real = take_trained_rows(self, output, keep, advantages, skip_zero)
         for key, (model, batch_size) in deferred.items():
             output[key] = self._deferred_logps(model, batch_size, output, n_real)
-        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum().reshape(1)).sum()
+        if selection is None:
+            return output
         stopped = None
         if self._stopped_rows is not None:
             stopped = self.accelerator.gather(self._stopped_rows)

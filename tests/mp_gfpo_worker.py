@@ -19,12 +19,18 @@ def digit_reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
 
 
-def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False):
+def constant_first_group(prompts, completions, **kwargs):
+    """Every completion of PROMPTS[0] gets the same reward: a zero-variance group (advantage exactly 0)."""
+    return [1.0 if p == PROMPTS[0] else r for p, r in zip(prompts, digit_reward(completions))]
+
+
+def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False, skip=None):
     args = GFPOConfig(
         output_dir=out_dir, per_device_train_batch_size=12, num_generations=8, num_remains_in_group=3,
-        group_filter=None if random_filter else "length", max_completion_length=8, max_steps=2, report_to="none", use_cpu=True, bf16=False,
-        logging_steps=1, save_strategy="no", seed=0, loss_type="grpo", beta=0.04, use_gfpo_kernels=use_kernels,
-        gfpo_stop_dropped_generations=stop_dropped,
+        group_filter=None if random_filter else "length", max_completion_length=8, max_steps=2 if skip is None else 1, report_to="none", use_cpu=True, bf16=False,
+        logging_steps=1, save_strategy="no", seed=0, loss_type="grpo", beta=0.04 if skip is None else 0.0,
+        use_gfpo_kernels=use_kernels, gfpo_stop_dropped_generations=stop_dropped,
+        skip_zero_gradient_rows=bool(skip), learning_rate=1e-2,
     )
     filter_calls = []
 
@@ -34,7 +40,7 @@ def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False):
         filter_calls.append(scores)
         return scores
 
-    trainer = GFPOTrainer(model=model_dir, reward_funcs=digit_reward, args=args,
+    trainer = GFPOTrainer(model=model_dir, reward_funcs=digit_reward if skip is None else constant_first_group, args=args,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
                           processing_class=make_tokenizer(), group_filter_func=random_scores if random_filter else None)
     rank, P = trainer.accelerator.process_index, trainer.accelerator.num_processes
@@ -61,12 +67,14 @@ def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False):
     metrics = trainer._metrics["train"]
     result = dict(rank=rank, processes=P, num_rows=int(real.numel()), rows=rows,
                   advantages=output["advantages"][real].tolist(), all_ids=seen["ids"], all_rewards=seen["rewards"],
-                  logp_rows=trainer.gfpo_logp_rows_seen, ref_logps=output["ref_per_token_logps"].tolist(),
+                  logp_rows=trainer.gfpo_logp_rows_seen, ref_logps=output["ref_per_token_logps"].tolist() if "ref_per_token_logps" in output else None,
                   stopped_early=metrics.get("gfpo/stopped_early_fraction", [None])[-1],
                   filter_scores=filter_calls[:1])
     trainer._calculate_rewards = original
     trainer.train()  # TRL's loss gathers per-sequence metrics: unequal batch sizes would hang here
     result["train_steps"] = trainer.state.global_step
+    result["parameters"] = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).tolist()
+    result["skipped"] = [h.get("gfpo/skipped_zero_gradient_fraction") for h in trainer.state.log_history if "loss" in h]
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
@@ -77,4 +85,6 @@ def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5:] == ["random_filter"])
+    extra = sys.argv[5:]
+    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", extra == ["random_filter"],
+         skip=(extra[0] == "skip_on") if extra and extra[0].startswith("skip_") else None)

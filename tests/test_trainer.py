@@ -196,7 +196,8 @@ def test_deferred_logprob_passes_see_only_kept_rows(model_dir, tokenizer, tmp_pa
 
 def test_remainder_rows_are_padded_not_dropped(model_dir, tokenizer, tmp_path):
     """1 group of 8, k=3, steps_per_generation=2: 3 kept rows do not split in 2; TRL's split_tensor_dict would drop
-    one. GFPO pads to 4 with a masked copy, and the grpo loss counts only the real rows."""
+    one. GFPO pads to 4 with a masked copy, and every real row weighs 1/3, as in an evenly divided batch (the old
+    per-micro-batch fix-up gave 0.25/0.25/0.5)."""
     trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=4, steps_per_generation=2,
                            num_remains_in_group=3)
     output, seen = scored_batch(trainer)
@@ -209,11 +210,17 @@ def test_remainder_rows_are_padded_not_dropped(model_dir, tokenizer, tmp_path):
 
     halves = split_tensor_dict(output, 2)
     assert sum(int(h["gfpo_real_row"].sum()) for h in halves) == 3
-    # the padded micro-batch's loss equals the loss of its real rows alone
-    half = next(h for h in halves if not h["gfpo_real_row"].all())
-    only_real = {k: (v[half["gfpo_real_row"]] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in half.items()}
+    # one optimizer step of the two micro-batches (gradient_accumulation_steps=2) = the mean of the 3 rows' losses
+    trainer.current_gradient_accumulation_steps = 2
     with torch.no_grad():
-        torch.testing.assert_close(trainer.compute_loss(trainer.model, half), trainer.compute_loss(trainer.model, only_real))
+        step_loss = sum(trainer.compute_loss(trainer.model, h) for h in halves)
+        trainer.current_gradient_accumulation_steps = 1
+        per_row = []
+        for r in range(3):  # each real row alone, as TRL computes a one-row micro-batch (no GFPO weight)
+            one = {k: (v[r : r + 1] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in output.items()
+                   if not k.startswith("gfpo_")}
+            per_row.append(trainer.compute_loss(trainer.model, one))
+    torch.testing.assert_close(step_loss, sum(per_row) / 3)
 
 
 def test_group_filter_func_with_trl_signature(model_dir, tokenizer, tmp_path):
@@ -252,7 +259,7 @@ def test_unscorable_rows_rank_last_and_get_zero_advantage(model_dir, tokenizer, 
         return [None if i % 4 == 0 else float(i % 3) for i in range(len(completions))]
 
     trainer = make_trainer(model_dir, tokenizer, tmp_path, group_filter="token_efficiency", reward=some_none,
-                           num_remains_in_group=7)
+                           num_remains_in_group=7, skip_zero_gradient_rows=False)  # keep the 0-advantage row
     output, seen = scored_batch(trainer)
     rows, adv = real_rows(output)
     # rows 0 and 4 are unscorable: NaN ranks last, and of the two the lower index wins, so row 4 is dropped

@@ -93,3 +93,15 @@ def test_non_deterministic_filter_func_gives_one_selection(tmp_path, warm_model_
     all_ids = results[0]["all_ids"]
     assert results[0]["rows"] + results[1]["rows"] == [all_ids[i] for i in keep.nonzero().squeeze(1).tolist()]
     assert results[0]["train_steps"] == results[1]["train_steps"] == 2
+
+
+def test_skipping_zero_gradient_rows_across_processes(tmp_path, warm_model_dir):
+    """Two processes, a zero-variance group straddling them: skipping its rows trains the same parameters (each
+    process's gradient is weighted against the global row count, so DDP's average is unchanged). One generation
+    batch: a later one samples differently, since TRL's shuffle draws a permutation of the rows it was given."""
+    on = _launch(tmp_path, warm_model_dir, "0", "0", "skip_on", "skip_on")
+    off = _launch(tmp_path, warm_model_dir, "0", "0", "skip_off", "skip_off")
+    assert on[0]["skipped"][0] > 0 and off[0]["skipped"] == [None]
+    assert on[0]["num_rows"] < off[0]["num_rows"]
+    for a, b in zip(on, off):
+        torch.testing.assert_close(torch.tensor(a["parameters"]), torch.tensor(b["parameters"]), rtol=1e-5, atol=1e-6)

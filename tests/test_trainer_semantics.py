@@ -67,7 +67,7 @@ def test_infinite_reward_gives_its_group_zero_advantage(model_dir, tokenizer, tm
         return [bad_reward if i == 1 else float(i) for i in range(len(completions))]
 
     trainer = make_trainer(model_dir, tokenizer, tmp_path, reward=one_infinite, per_device_train_batch_size=16,
-                           use_gfpo_kernels=use_kernels)
+                           use_gfpo_kernels=use_kernels, skip_zero_gradient_rows=False)  # keep the 0 rows
     output, seen = scored_batch(trainer)
     real = output["gfpo_real_row"]
     adv = output["advantages"][real]

@@ -1,0 +1,125 @@
+"""Rows (gfpo_trainer/rows.py): every trained row weighs what it would in an evenly divided batch, and rows with
+advantage exactly 0 are skipped without changing the update (issue 13 point 1, issue 14)."""
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from test_trainer import PROMPTS, make_trainer, model_dir, scored_batch, tokenizer  # noqa: E402,F401
+
+from gfpo_trainer import rows  # noqa: E402
+
+
+class _FakeAccelerator:
+    """Process `rank` of `P`, whose gather returns the rows of every process (given in full)."""
+
+    def __init__(self, P, rank, global_rows):
+        self.num_processes, self.process_index, self._global = P, rank, global_rows
+
+    def gather(self, tensor):
+        for full in self._global.values():
+            if full.shape[1:] == tensor.shape[1:] and full.dtype == tensor.dtype:
+                return full
+        raise AssertionError(f"no global tensor like {tuple(tensor.shape)}")
+
+    def pad_across_processes(self, tensor, **kwargs):
+        return tensor
+
+
+@pytest.mark.parametrize("P, kept_rows, spg", [(3, 4, 1), (1, 3, 2), (2, 9, 1), (2, 5, 2)])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_row_weights_equal_an_even_split(P, kept_rows, spg, loss_type):
+    """Weight of a row in the update = (1/P) (1/GA) (its micro-batch's TRL normaliser) x GFPO's row weight; for the
+    per-sequence losses it must be 1/K for every kept row, wherever the padding lands (today: 0.25/0.25/0.5 for
+    K=3, spg=2; a process holding only padding shrank the gradient to 2/3 for P=3, K=4)."""
+    N = 8 * P
+    keep = torch.zeros(N, dtype=torch.bool)
+    keep[torch.randperm(N, generator=torch.Generator().manual_seed(kept_rows))[:kept_rows]] = True
+    advantages = torch.where(keep, torch.linspace(1, 2, N), 0.0)
+    completion_mask = torch.ones(N, 4, dtype=torch.int32)  # a dtype of its own: the fake gather matches by it
+    weight_of_row = {}
+    for rank in range(P):
+        trainer = types.SimpleNamespace(
+            accelerator=_FakeAccelerator(P, rank, {"mask": completion_mask, "tokens": completion_mask.sum(1),
+                                                   "ids": torch.arange(N * 4).view(N, 4)}),
+            args=types.SimpleNamespace(steps_per_generation=spg), loss_type=loss_type, _metrics={"train": {}},
+            _tokenizer=types.SimpleNamespace(pad_token_id=0),
+        )
+        local = slice(rank * 8, (rank + 1) * 8)
+        output = {"completion_mask": completion_mask[local], "completion_ids": torch.arange(N * 4).view(N, 4)[local]}
+        rows.take_trained_rows(trainer, output, keep, advantages, skip_zero=False)
+        B = output["completion_ids"].shape[0] // spg  # rows per micro-batch
+        for i, row in enumerate((output["completion_ids"][:, 0] // 4).tolist()):
+            if output[rows.REAL_ROW_KEY][i]:
+                trl_weight = 1 / B if loss_type in rows.PER_SEQUENCE_LOSSES else 1.0
+                # spg micro-batches of one optimizer step (GA = spg), averaged over P processes by DDP
+                weight_of_row[row] = trl_weight * float(output[rows.ROW_WEIGHT_KEY][i]) / (P * spg)
+        assert float(output["num_items_in_batch"]) == 4 * kept_rows  # the tokens of every kept row
+    assert sorted(weight_of_row) == keep.nonzero().squeeze(1).tolist()
+    if loss_type in rows.PER_SEQUENCE_LOSSES:
+        assert weight_of_row == pytest.approx({r: 1 / kept_rows for r in weight_of_row})
+
+
+def _constant_for_some_prompts(prompts, completions, **kwargs):
+    """Half the prompts get one reward for every completion: zero-variance groups (advantage exactly 0)."""
+    return [1.0 if p in PROMPTS[::2] else sum(ch.isdigit() for ch in c) - 0.05 * len(c)
+            for p, c in zip(prompts, completions)]
+
+
+def _train(model_dir, tokenizer, tmp_path, skip, count_rows=False, **overrides):  # noqa: F811
+    options = dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-2,
+                   reward=_constant_for_some_prompts, skip_zero_gradient_rows=skip, beta=0.0)
+    options.update(overrides)
+    max_steps = options.pop("max_steps") * options.get("num_iterations", 1)
+    trainer = make_trainer(model_dir, tokenizer, tmp_path / f"skip{int(skip)}", max_steps=max_steps, **options)
+    seen = []
+    if count_rows:  # rows through the training forward of the policy
+        trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]) if module.training else None,
+            with_kwargs=True)
+    trainer.train()
+    return trainer, seen
+
+
+SKIP_CASES = [
+    dict(loss_type="grpo"), dict(loss_type="dr_grpo"), dict(loss_type="dapo"), dict(loss_type="cispo"),
+    dict(loss_type="sapo"), dict(loss_type="luspo"),
+    dict(loss_type="grpo", num_iterations=2), dict(loss_type="dapo", num_iterations=2),
+    dict(loss_type="grpo", num_remains_in_group=None, group_filter=None),  # plain GRPO: GFPOTrainer as a faster GRPO
+    dict(loss_type="dapo", use_gfpo_kernels=True),
+]
+
+
+@pytest.mark.parametrize("case", SKIP_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_skipping_zero_gradient_rows_changes_no_parameter(model_dir, tokenizer, tmp_path, case):  # noqa: F811
+    on, rows_on = _train(model_dir, tokenizer, tmp_path, True, count_rows=True, **case)
+    off, rows_off = _train(model_dir, tokenizer, tmp_path, False, count_rows=True, **case)
+    for (name, a), b in zip(on.model.named_parameters(), off.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    skipped = [h["gfpo/skipped_zero_gradient_fraction"] for h in on.state.log_history
+               if "gfpo/skipped_zero_gradient_fraction" in h]
+    assert skipped and skipped[0] > 0
+    assert sum(rows_on) < sum(rows_off)  # fewer rows went through the training forward
+
+
+@pytest.mark.parametrize("case", [dict(loss_type="bnpo"), dict(loss_type="grpo", beta=0.04),
+                                  dict(loss_type="grpo", steps_per_generation=4)],
+                         ids=["bnpo", "beta", "spg>ga"])
+def test_no_skip_where_it_would_change_the_update(model_dir, tokenizer, tmp_path, case):  # noqa: F811
+    on, rows_on = _train(model_dir, tokenizer, tmp_path, True, count_rows=True, **case)
+    off, rows_off = _train(model_dir, tokenizer, tmp_path, False, count_rows=True, **case)
+    assert rows_on == rows_off
+    for a, b in zip(on.model.parameters(), off.model.parameters()):
+        assert torch.equal(a, b)
+    assert not any("gfpo/skipped_zero_gradient_fraction" in h for h in on.state.log_history)
+
+
+def test_batch_of_only_zero_advantages_trains_nothing(model_dir, tokenizer, tmp_path):  # noqa: F811
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, reward=lambda completions, **k: [1.0] * len(completions))
+    output, _ = scored_batch(trainer)
+    assert not output[rows.REAL_ROW_KEY].any() and output["completion_mask"].sum() == 0
+    loss = trainer.compute_loss(trainer.model, output)
+    assert loss.item() == 0.0
