@@ -56,14 +56,18 @@ def fused_compute_loss(trainer, model, inputs) -> torch.Tensor:
         sapo_temperature_neg=trainer.args.sapo_temperature_neg,
     )
     with trainer.accelerator.autocast():
-        loss, stats = model(
+        loss, stats, aux_loss = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             gfpo_loss_fn=loss_fn,
             gfpo_logits_to_keep=completion_ids.size(1),
+            gfpo_aux_loss=trainer.aux_loss_enabled,
         )
     if trainer.loss_type not in ("cispo", "dapo"):
         loss = loss / accumulation
+    if aux_loss is not None:  # an MoE model's router load-balancing loss, added as TRL adds it
+        loss = loss + trainer.router_aux_loss_coef * aux_loss / accumulation
+        trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather(aux_loss.detach()).mean().item())
     _log_loss_stats(trainer, mode, stats, mask)
     return loss
 
@@ -83,23 +87,89 @@ def _fused_loss_on_head(hidden, weight, bias, **kwargs):
                                                kwargs.pop("advantages"), bias=bias, **kwargs)
 
 
+def logit_scale_of(model) -> float:
+    """The factor the model's own forward multiplies its logits by (1.0 for most models), read from the config keys
+    TRL's fused head reads; the fused path folds it into the hidden states, which scales h W^T but not a head bias
+    (a model with both is refused by the probe). A logit transform the fused loss cannot apply yet (Gemma2's
+    final_logit_softcapping) raises ValueError naming the model class."""
+    config = model.config.get_text_config()
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"use_gfpo_kernels=True cannot train {type(model).__name__}: its forward soft-caps the logits "
+            f"(final_logit_softcapping={softcap}), which the fused linear GRPO loss does not apply yet, so it would "
+            "train on a different loss. Use use_gfpo_kernels=False (TRL's loss applies the cap)."
+        )
+    for key in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if getattr(config, key, None) is not None:
+            return float(getattr(config, key))
+    if getattr(config, "logits_scaling", None) is not None:
+        return config.logits_scaling if config.model_type == "hyperclovax" else 1.0 / config.logits_scaling
+    return 1.0
+
+
+def _router_aux_loss(model, backbone_outputs, attention_mask):
+    """The MoE load-balancing loss the model's own forward adds (the Mixtral form every MoE family shares)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = model.config.get_text_config()
+    return load_balancing_loss_func(backbone_outputs.router_logits, config.num_experts, config.num_experts_per_tok,
+                                    attention_mask)
+
+
 def install_fused_loss_forward(model) -> None:
-    """model(..., gfpo_loss_fn=f, gfpo_logits_to_keep=n) runs the backbone and returns f(hidden, weight, bias) on
-    the hidden states that predict the last n tokens: the loss is computed inside the forward, so DDP/FSDP see
-    every parameter used. Without gfpo_loss_fn the forward is the one before (TRL's fused head included)."""
+    """model(..., gfpo_loss_fn=f, gfpo_logits_to_keep=n, gfpo_aux_loss=b) runs the backbone and returns
+    (*f(hidden, weight, bias), aux_loss) on the hidden states that predict the last n tokens, with the model's logit
+    scale applied and, when b, the MoE router auxiliary loss (else None): the loss is computed inside the forward,
+    so DDP/FSDP see every parameter used. Without gfpo_loss_fn the forward is the one before (TRL's fused head
+    included). Refuses (ValueError naming the model class) a model whose logits the fused path cannot reproduce:
+    a known transform it lacks, or a mismatch on a probe of a few tokens."""
+    scale = logit_scale_of(model)
     original = model.forward
 
     @functools.wraps(original)
-    def forward(self, *args, gfpo_loss_fn=None, gfpo_logits_to_keep=None, **kwargs):
+    def forward(self, *args, gfpo_loss_fn=None, gfpo_logits_to_keep=None, gfpo_aux_loss=False, **kwargs):
         if gfpo_loss_fn is None:
             return original(*args, **kwargs)
         kwargs["use_cache"] = False
-        hidden = self.base_model(*args, **kwargs).last_hidden_state
-        hidden = hidden[:, -gfpo_logits_to_keep - 1 : -1]
+        if gfpo_aux_loss:
+            kwargs["output_router_logits"] = True
+        outputs = self.base_model(*args, **kwargs)
+        hidden = outputs.last_hidden_state[:, -gfpo_logits_to_keep - 1 : -1]
+        if scale != 1.0:
+            hidden = hidden * scale
         head = self.get_output_embeddings()
-        return gfpo_loss_fn(hidden.to(head.weight.dtype), head.weight, head.bias)
+        aux_loss = _router_aux_loss(self, outputs, kwargs.get("attention_mask")) if gfpo_aux_loss else None
+        return (*gfpo_loss_fn(hidden.to(head.weight.dtype), head.weight, head.bias), aux_loss)
 
     model.forward = types.MethodType(forward, model)
+    _probe(model, original)
+
+
+@torch.no_grad()
+def _probe(model, original_forward, num_tokens: int = 8) -> None:
+    """Checks on a few tokens that the fused path's logits are the model's own: a model that transforms its logits
+    in a way not read from its config would otherwise train on a different loss, silently."""
+    device = model.get_output_embeddings().weight.device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    input_ids = torch.randint(0, vocab, (2, num_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        want = original_forward(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
+        got, _, _ = model(input_ids=input_ids, gfpo_loss_fn=lambda h, w, b: (
+            torch.nn.functional.linear(h, w, b).float(), None), gfpo_logits_to_keep=num_tokens - 1)
+    finally:
+        model.train(was_training)
+    tolerance = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 2e-2
+    scale = want.abs().max().clamp(min=1.0)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=tolerance, atol=tolerance * scale):
+        difference = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
+        raise ValueError(
+            f"use_gfpo_kernels=True cannot train {type(model).__name__}: on a probe of {num_tokens} tokens the fused "
+            f"path's logits differ from the model's own by up to {difference:.3g} (its forward transforms the "
+            "logits in a way the fused loss does not reproduce). Use use_gfpo_kernels=False."
+        )
 
 
 def check_fused_loss_supported(args: GFPOConfig) -> None:
