@@ -136,6 +136,7 @@ PROGRESS_FIGURES = (
     ("reward", "reward", "{:.2f}"),
     ("kept len", "gfpo/kept_completion_length", "{:.1f}"),
     ("len", "completions/mean_length", "{:.1f}"),
+    ("skipped", "gfpo/skipped_zero_gradient_fraction", "{:.0%}"),
 )
 
 
@@ -263,13 +264,15 @@ def _plot(runs: dict, path: str) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["run", "accuracy", "mean length", "length inflation", "tokens/s", "wall time (s)"]
+    header = ["run", "accuracy", "mean length", "length inflation", "tokens/s", "wall time (s)",
+              "zero-gradient rows skipped"]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
         lines.append(" | ".join([
             r["run"], f"{r['accuracy']:.3f}", f"{r['mean_length']:.2f}", f"{r['inflation']:+.1%}",
             "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.0f}",
             "-" if r["wall_time"] is None else f"{r['wall_time']:.1f}",
+            "-" if r.get("skipped_fraction") is None else f"{r['skipped_fraction']:.0%}",
         ]))
     return "\n".join(lines)
 
@@ -309,8 +312,11 @@ def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_k
         run = run_rl(name, start_dir, tokenizer, train_pairs, settings, output_dir, use_kernels, verbose, **dict(gfpo))
         result = evaluate(run["trainer"].model, tokenizer, eval_pairs, settings, device, f"evaluate {name}")
         runs[name] = run
+        skipped = [h["gfpo/skipped_zero_gradient_fraction"] for h in run["history"]
+                   if "gfpo/skipped_zero_gradient_fraction" in h]
         rows.append(dict(run=name, **result, inflation=result["mean_length"] / base["mean_length"] - 1,
-                         tokens_per_second=run["tokens_per_second"], wall_time=run["wall_time"]))
+                         tokens_per_second=run["tokens_per_second"], wall_time=run["wall_time"],
+                         skipped_fraction=sum(skipped) / len(skipped) if skipped else None))
     table = format_table(rows)
     print("\n" + table)
     plot_path = os.path.join(output_dir, "demo.png")

@@ -27,7 +27,10 @@ def test_correctness_reward():
 def test_format_table():
     table = format_table([dict(run="grpo", accuracy=0.5, mean_length=4.0, inflation=0.25, tokens_per_second=100.0,
                                wall_time=2.0)])
-    assert table.splitlines()[2] == "grpo | 0.500 | 4.00 | +25.0% | 100 | 2.0"
+    assert table.splitlines()[2] == "grpo | 0.500 | 4.00 | +25.0% | 100 | 2.0 | -"
+    table = format_table([dict(run="gfpo", accuracy=0.5, mean_length=4.0, inflation=0.25, tokens_per_second=100.0,
+                               wall_time=2.0, skipped_fraction=0.375)])
+    assert table.splitlines()[2] == "gfpo | 0.500 | 4.00 | +25.0% | 100 | 2.0 | 38%"
 
 
 def test_demo_smoke(tmp_path):
@@ -36,7 +39,8 @@ def test_demo_smoke(tmp_path):
     done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "demo", "--smoke", "--output-dir", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "run | accuracy | mean length | length inflation | tokens/s | wall time (s)" in done.stdout
+    assert "run | accuracy | mean length | length inflation | tokens/s | wall time (s) | zero-gradient rows skipped" \
+        in done.stdout
     for run in ("warm-up", "grpo", "gfpo-length", "gfpo-token-efficiency"):
         assert f"\n{run} | " in done.stdout
     results = json.loads((out / "results.json").read_text())
