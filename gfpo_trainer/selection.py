@@ -74,7 +74,6 @@ def _token_efficiency_rank(rewards: torch.Tensor, lengths: torch.Tensor, G: int)
     and this sends the shorter of them through, as DESIGN asks. Unscorable rows (NaN reward) rank last."""
     efficiency = rewards / lengths.clamp(min=1.0)
     efficiency = torch.nan_to_num(efficiency, nan=-torch.inf)  # NaN sorts above +inf; unscorable must rank last
-    efficiency = torch.where(torch.isnan(rewards), -torch.inf, efficiency)
     # stable sorts, least significant key first: index (given), length ascending, efficiency descending, group
     order = torch.argsort(lengths, stable=True)
     order = order[torch.argsort(efficiency[order], descending=True, stable=True)]

@@ -11,12 +11,12 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
    `gfpo_filter_advantages` (the fused kernel, or the reference with use_gfpo_kernels=False).
 2. `_get_per_token_logps_and_entropies` (wrapped): during scoring, the no-grad passes of the old policy and the
    reference model are deferred and later run on the kept rows only.
-3. `_generate_and_score_completions` (post-processed): its dict keeps only the kept rows, with GFPO's
-   advantages, rebalanced so every process holds the same number of rows and that number divides by
+3. `_generate_and_score_completions` (post-processed): its dict keeps only the rows to train (the kept rows with
+   GFPO's advantages; less those of advantage exactly 0 where skip_zero_gradient_rows applies, also without a
+   filter), rebalanced so every process holds the same number of rows and that number divides by
    steps_per_generation (TRL's split_tensor_dict would drop a remainder; its loss gathers per-sequence metrics
    across processes and hangs on unequal sizes). Missing rows are copies of a kept row with an all-zero
-   completion mask and advantage 0: they add nothing to the loss, whose per-sequence normalisation is
-   corrected for them in `compute_loss` (rows.py).
+   completion mask and advantage 0; every row is weighed as in an evenly divided batch (rows.py).
 4. `compute_loss` (overridden): TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
    model's LM head.
 5. `_generate` (wrapped): reads the tool masks, so the length filters count the model's tokens only.
