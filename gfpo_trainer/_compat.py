@@ -11,13 +11,20 @@ batch.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import trl
+from packaging.version import Version
 from trl import GRPOTrainer
 
-SUPPORTED_TRL = (">=1.16", "<1.17")
+SUPPORTED_TRL = (">=1.14", "<1.17")
+# releases the trainer tests ran against (CI: 1.14.0 via scripts/test_oldest_trl.sh, 1.16.0 in .venv)
+KNOWN_WORKING_TRL = ("1.14.0", "1.14.1", "1.14.2", "1.15.0", "1.16.0")
+_warned_untested: set[str] = set()
 
-# method -> parameters it must accept, in order (after self)
+# method -> parameters it must accept, in order (after self). A method may instead forward the tail of these as
+# `*args` (TRL 1.14's `_get_per_token_logps_and_entropies(model, *args, batch_size=None, ...)`); GFPO therefore
+# always passes `batch_size` by keyword.
 _SURFACES = {
     "_calculate_rewards": ["inputs", "prompts", "completions", "completion_ids_list"],
     "_generate_and_score_completions": ["inputs"],
@@ -51,27 +58,60 @@ class TRLSurfaceError(RuntimeError):
     """A TRL internal that GFPOTrainer hooks into has changed shape."""
 
 
+def _supported() -> str:
+    return f"supported trl {','.join(SUPPORTED_TRL)}, known to work: {', '.join(KNOWN_WORKING_TRL)}"
+
+
+def is_supported_trl(version: str) -> bool:
+    """Whether `version` lies in SUPPORTED_TRL (the range CI tests at both ends); a pre-release of the excluded
+    upper release (1.17.0.dev0) is outside it, since its internals are the next release's."""
+    low, high = (Version(bound.lstrip("<>=")) for bound in SUPPORTED_TRL)
+    return low <= Version(Version(version).base_version) < high
+
+
+def _accepts(method, expected: list[str]) -> bool:
+    """`method` takes `expected` in order after self, or takes a prefix of them and forwards the rest through
+    `*args` while still naming the others as keywords (so GFPO's keyword `batch_size` reaches the same place)."""
+    params = list(inspect.signature(method).parameters.values())[1:]
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if named[: len(expected)] == expected:
+        return True
+    forwards = any(p.kind is p.VAR_POSITIONAL for p in params)
+    keywords = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+    prefix = len(named)
+    return forwards and named == expected[:prefix] and expected[-1] in keywords | set(named)
+
+
 def check_trl_surfaces(trainer_cls=GRPOTrainer) -> None:
-    """Raises TRLSurfaceError naming the first GRPOTrainer surface that no longer looks as GFPO expects."""
+    """Raises TRLSurfaceError naming the first GRPOTrainer surface that no longer looks as GFPO expects. A TRL
+    outside SUPPORTED_TRL whose surfaces all pass gets a one-time warning that it is untested."""
     for name, expected in _SURFACES.items():
         method = getattr(trainer_cls, name, None)
         if method is None:
-            raise TRLSurfaceError(
-                f"trl {trl.__version__}: GRPOTrainer.{name} no longer exists; GFPOTrainer supports trl "
-                f"{','.join(SUPPORTED_TRL)}"
-            )
-        params = list(inspect.signature(method).parameters)[1 : 1 + len(expected)]
-        if params != expected:
+            raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer.{name} no longer exists; {_supported()}")
+        if not _accepts(method, expected):
+            params = list(inspect.signature(method).parameters)[1:]
             raise TRLSurfaceError(
                 f"trl {trl.__version__}: GRPOTrainer.{name} takes {params}, GFPOTrainer expects {expected}; "
-                f"supported trl {','.join(SUPPORTED_TRL)}"
+                f"{_supported()}"
             )
+    if not is_supported_trl(trl.__version__) and trl.__version__ not in _warned_untested:
+        _warned_untested.add(trl.__version__)
+        warnings.warn(
+            f"gfpo: trl {trl.__version__} is untested; its GRPOTrainer surfaces match, but the loss math and "
+            f"batch semantics are only verified for {_supported()}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def check_trainer_attributes(trainer) -> None:
+    """Raises TRLSurfaceError naming the first GRPOTrainer attribute GFPO reads that the trainer no longer sets."""
     for name in _ATTRIBUTES:
         if not hasattr(trainer, name):
-            raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer no longer sets self.{name}, which GFPO reads")
+            raise TRLSurfaceError(
+                f"trl {trl.__version__}: GRPOTrainer no longer sets self.{name}, which GFPO reads; {_supported()}"
+            )
 
 
 def check_output(output: dict, num_rows: int) -> None:

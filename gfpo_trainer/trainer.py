@@ -154,7 +154,7 @@ class GFPOTrainer(GRPOTrainer):
             self._deferred.append((placeholder, model, batch_size))
             return placeholder, None, None
         return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
         )
 
     def _can_defer(self) -> bool:
