@@ -24,9 +24,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    B, T, H, V = ((16, 256, 2048, 151936) if args.fast else (32, 512, 4096, 151936)) if cuda else (2, 8, 32, 500)
+    B, T, H, V = (
+        ((16, 256, 2048, 151936) if args.fast else (32, 512, 4096, 151936))
+        if cuda
+        else (2, 8, 32, 500)
+    )
     g = torch.Generator(device=device).manual_seed(0)
-    hidden = (torch.randn(B, T, H, generator=g, device=device) / H**0.5).to(dtype).requires_grad_()
+    hidden = (
+        (torch.randn(B, T, H, generator=g, device=device) / H**0.5)
+        .to(dtype)
+        .requires_grad_()
+    )
     weight = torch.randn(V, H, generator=g, device=device).to(dtype).requires_grad_()
     target = torch.randint(0, V, (B, T), generator=g, device=device)
     mask = (torch.rand(B, T, generator=g, device=device) < 0.9).float()
@@ -37,7 +45,9 @@ def main(argv=None) -> None:
         loss.backward()
         hidden.grad = weight.grad = None
 
-    for _ in range(2):  # warm-up: Triton compilation and cuBLAS handles stay out of the trace
+    for _ in range(
+        2
+    ):  # warm-up: Triton compilation and cuBLAS handles stay out of the trace
         step()
     if cuda:
         torch.cuda.synchronize()
@@ -49,16 +59,28 @@ def main(argv=None) -> None:
         if cuda:
             torch.cuda.synchronize()
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(f"fused_linear_grpo_loss fwd+bwd, 3 steps, B={B} T={T} H={H} V={V} {dtype} on {device}")
+    print(
+        f"fused_linear_grpo_loss fwd+bwd, 3 steps, B={B} T={T} H={H} V={V} {dtype} on {device}"
+    )
     if cuda:
         print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))
+    print(
+        prof.key_averages().table(
+            sort_by=sort, row_limit=args.rows, max_name_column_width=60
+        )
+    )
     events = prof.key_averages()
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     total = sum(getattr(e, attr, 0) for e in events)
-    gemm = sum(getattr(e, attr, 0) for e in events if any(s in e.key.lower() for s in ("gemm", "mm", "matmul", "cutlass", "nvjet")))
+    gemm = sum(
+        getattr(e, attr, 0)
+        for e in events
+        if any(s in e.key.lower() for s in ("gemm", "mm", "matmul", "cutlass", "nvjet"))
+    )
     if total:
-        print(f"share of self time in GEMM-like ops: {gemm / total:.1%}; the rest ({(total - gemm) / total:.1%}) is row kernels, copies, reductions")
+        print(
+            f"share of self time in GEMM-like ops: {gemm / total:.1%}; the rest ({(total - gemm) / total:.1%}) is row kernels, copies, reductions"
+        )
 
 
 if __name__ == "__main__":
