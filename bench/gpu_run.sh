@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# The whole GPU run (issue 12), in steps that each fit one device call (10 min): see docs/gpu-run.md.
+#
+#   bash bench/gpu_run.sh OUTDIR [--fast] [STEP...]
+#
+# STEPs (default: all, in this order): setup tests bench-group bench-loss bench-train profile tune
+#   setup        install .whl/ into /tmp/site, build the extension with CUDA, print the environment (env.txt)
+#   tests        pytest tests/ on CUDA (gpu-marked tests included)          -> tests.log
+#   bench-group  pytest bench/test_bench_group_ops.py                         -> STEM-group.{json,md,png}
+#   bench-loss   pytest bench/test_bench_linear_grpo.py                       -> STEM-loss.{json,md,png}
+#   bench-train  pytest bench/test_bench_train_step.py test_bench_early_stop  -> STEM-train.{json,md,png}
+#   profile      bench/profile_fused_loss.py (torch.profiler top ops)         -> profile.txt
+#   tune         bench/tune.py (tile size, row block/warps, chunk budget)     -> tune.txt
+#   merge        (here, after the calls) one STEM.json from the STEM-*.json, then its .md and .png
+# STEM = <date>-<gpu>-<commit>; every file lands directly in OUTDIR (the device returns 8 files, 2 folders deep).
+# --fast: fewer sizes (the issue's goal sizes only) and fewer rounds.
+# GFPO_GPU_RUN_ON_CPU=1: rehearsal on a machine without CUDA: no wheels, no build, Triton interpreter, small
+# sizes, tests/test_gpu.py only with GFPO_TEST_DEVICE=cpu.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:?usage: bench/gpu_run.sh OUTDIR [--fast] [STEP...]}
+shift
+FAST=0
+STEPS=()
+for arg in "$@"; do
+  case $arg in
+    --fast) FAST=1 ;;
+    setup|tests|bench-group|bench-loss|bench-train|profile|tune|merge) STEPS+=("$arg") ;;
+    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(setup tests bench-group bench-loss bench-train profile tune)
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+ON_CPU=${GFPO_GPU_RUN_ON_CPU:-0}
+if [ "$ON_CPU" = 1 ]; then
+  PY=${PYTHON:-python3}
+  export TRITON_INTERPRET=1 GFPO_TEST_DEVICE=cpu
+else
+  PY=${PYTHON:-python3}
+  unset TRITON_INTERPRET  # compiled Triton on CUDA: the interpreter would time Python, not kernels
+  [ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
+fi
+STEP_TIMEOUT=${GFPO_STEP_TIMEOUT:-570}  # under the device's 600 s per command
+
+commit=${GFPO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo nocommit)}
+gpu() {
+  "$PY" -c 'import torch,re; n=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"; m=re.search(r"[A-Z]\d{2,4}", n); print((m.group(0) if m else re.sub(r"[^A-Za-z0-9]+","-",n)).lower())' 2>/dev/null || echo unknown
+}
+STEM="$(date -u +%F)-$(gpu)-$commit"
+
+run_step() {  # name, command...: runs under a timeout, log in OUTDIR/<name>.log, never stops the other steps
+  local name=$1; shift
+  echo "=== $name: $* (timeout ${STEP_TIMEOUT}s)"
+  local t0=$SECONDS
+  timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$OUTDIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s"
+  return "$rc"
+}
+
+step_setup() {
+  if [ "$ON_CPU" != 1 ]; then
+    if [ ! -f /tmp/site/.installed ]; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+      # Packages that PyPI has as sdists only (accumulation-tree, pyudorandom): built here, with the image's
+      # setuptools and Cython (no isolation: nothing can be fetched).
+      for sdist in .whl/*.tar.gz; do
+        [ -e "$sdist" ] || continue
+        "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site "$sdist" || return 1
+      done
+      touch /tmp/site/.installed
+    fi
+    export PYTHONPATH=$PWD:/tmp/site
+    # Against the machine's torch, no isolation; TORCH_CUDA_ARCH_LIST=9.0 builds sm_90 code only (fast build).
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 "$PY" setup.py -q build_ext --inplace || return 1
+  fi
+  {
+    echo "stem: $STEM"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>/dev/null
+    "$PY" - <<'EOF'
+import importlib.metadata as md, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "SMs", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30, 1))
+for d in ("triton", "transformers", "trl", "accelerate", "datasets", "liger-kernel", "tdigest", "pytest-benchmark", "hypothesis"):
+    try:
+        print(d, md.version(d))
+    except md.PackageNotFoundError:
+        print(d, "MISSING")
+import gfpo_kernels, trl, datasets, liger_kernel, tdigest  # noqa: the imports the suites need
+from gfpo_kernels import _dispatch
+print("HAS_TRITON", _dispatch.HAS_TRITON, "HAS_CPP", getattr(_dispatch, "HAS_CPP", None), "HAS_CPP_CUDA", getattr(_dispatch, "HAS_CPP_CUDA", None))
+print("group backends", gfpo_kernels.available_backends("group", "cuda" if torch.cuda.is_available() else "cpu"))
+EOF
+  } 2>&1 | tee "$OUTDIR/env.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+step_tests() {
+  if [ "$ON_CPU" = 1 ]; then
+    run_step tests "$PY" -m pytest -q -x tests/test_gpu.py -p no:cacheprovider
+  else
+    run_step tests "$PY" -m pytest -q -ra tests/ -p no:cacheprovider --timeout=300
+  fi
+}
+
+bench_step() {  # part, test files...
+  local part=$1; shift
+  local json="$OUTDIR/$STEM-$part.json" extra=()
+  if [ "$ON_CPU" = 1 ]; then
+    extra=(--benchmark-min-rounds=1 --benchmark-max-time=0.01 --benchmark-warmup=off)
+  elif [ "$FAST" = 1 ]; then
+    extra=(--benchmark-min-rounds=5 --benchmark-max-time=0.2)
+  else
+    extra=(--benchmark-min-rounds=10 --benchmark-max-time=1.0)
+  fi
+  run_step "bench-$part" "$PY" -m pytest -q "$@" -p no:cacheprovider --benchmark-json "$json" "${extra[@]}" || true
+  [ -s "$json" ] && "$PY" bench/report.py "$json"
+}
+
+step_bench_group() {
+  local sel=()
+  { [ "$FAST" = 1 ] || [ "$ON_CPU" = 1 ]; } && sel=(-k "4096x16 or 8192x64")
+  [ "$ON_CPU" = 1 ] && sel=(-k "64x8")
+  bench_step group bench/test_bench_group_ops.py "${sel[@]}"
+}
+
+step_bench_loss() {
+  local sel=()
+  [ "$FAST" = 1 ] && sel=(-k "151936")
+  bench_step loss bench/test_bench_linear_grpo.py "${sel[@]}"
+}
+
+step_bench_train() {
+  local files=(bench/test_bench_train_step.py bench/test_bench_early_stop.py)
+  [ "$FAST" = 1 ] && files=(bench/test_bench_train_step.py)
+  [ "$ON_CPU" = 1 ] && files=(bench/test_bench_early_stop.py -k "k4 and rule-on" --benchmark-disable)
+  bench_step train "${files[@]}"
+}
+
+fast_flag() { { [ "$FAST" = 1 ] || [ "$ON_CPU" = 1 ]; } && echo --fast; }
+step_profile() { run_step profile "$PY" bench/profile_fused_loss.py $(fast_flag); }
+step_tune() { run_step tune "$PY" bench/tune.py $(fast_flag); }
+
+step_merge() {  # here, over the files the device calls brought back into OUTDIR
+  local parts stem
+  parts=($(ls "$OUTDIR"/*-group.json "$OUTDIR"/*-loss.json "$OUTDIR"/*-train.json 2>/dev/null))
+  [ ${#parts[@]} -gt 0 ] || { echo "no STEM-{group,loss,train}.json in $OUTDIR"; return 1; }
+  stem=$(basename "${parts[0]}" .json); stem=${stem%-*}
+  "$PY" - "$OUTDIR/$stem.json" "${parts[@]}" <<'EOF'
+import json, sys
+out, parts = sys.argv[1], sys.argv[2:]
+merged = None
+for p in parts:
+    data = json.load(open(p))
+    if merged is None:
+        merged = data
+    else:
+        merged["benchmarks"] += data["benchmarks"]
+json.dump(merged, open(out, "w"), indent=2)
+print("merged", len(merged["benchmarks"]), "cases into", out)
+EOF
+  "$PY" bench/report.py "$OUTDIR/$stem.json"
+}
+
+status=0
+for step in "${STEPS[@]}"; do
+  t0=$SECONDS
+  case $step in
+    setup) step_setup ;;
+    tests) step_tests ;;
+    bench-group) step_bench_group ;;
+    bench-loss) step_bench_loss ;;
+    bench-train) step_bench_train ;;
+    profile) step_profile ;;
+    tune) step_tune ;;
+    merge) step_merge ;;
+  esac
+  rc=$?
+  echo ">>> step $step: rc=$rc, $((SECONDS - t0))s"
+  [ $rc -ne 0 ] && status=$rc
+  if [ "$step" = setup ] && [ $rc -ne 0 ]; then echo "setup failed: stopping"; exit $rc; fi
+done
+ls -la "$OUTDIR"
+exit $status

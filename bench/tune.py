@@ -1,0 +1,214 @@
+"""Sweeps the knobs issue 12 names and prints a table and the best value of each (CUDA only; --fast: fewer
+values). Knobs are module attributes read at call time, set here and restored after each sweep:
+
+- gfpo_kernels.group_ops_triton._TILE_ELEMENTS: elements per program of the group kernel (4096x16, 8192x64);
+- gfpo_kernels.linear_grpo_triton.BLOCK_V (and NUM_WARPS when the module has one): the row kernels' block;
+- gfpo_kernels.fused_linear_grpo._CHUNK_BYTES["cuda"]: the fp32 logits chunk budget of the fused loss.
+
+Times are medians of triton.testing.do_bench (CUDA events). Each value is checked against the default's output
+first, so a knob that breaks the result is reported, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _sweep(title, module, attr, values, make_fn, check, key=None):
+    """Times make_fn() for each value of module.attr (or module.attr[key]); restores the default."""
+    default = getattr(module, attr) if key is None else getattr(module, attr)[key]
+    reference_out = make_fn()()
+    rows = []
+    try:
+        for value in values:
+            if key is None:
+                setattr(module, attr, value)
+            else:
+                getattr(module, attr)[key] = value
+            fn = make_fn()
+            try:
+                check(fn(), reference_out)
+                rows.append((value, _median_ms(fn), ""))
+            except Exception as exc:  # noqa: BLE001  (a value that fails, a Triton compile error too, is a finding)
+                rows.append(
+                    (value, float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}")
+                )
+    finally:
+        if key is None:
+            setattr(module, attr, default)
+        else:
+            getattr(module, attr)[key] = default
+    print(f"\n## {title} (default {default})")
+    print("| value | median ms | note |\n|---|---|---|")
+    for value, ms, note in rows:
+        print(
+            f"| {value}{' (default)' if value == default else ''} | {ms:.4f} | {note} |"
+        )
+    timed = [r for r in rows if r[1] == r[1]]
+    if timed:
+        best = min(timed, key=lambda r: r[1])
+        base = next((r[1] for r in timed if r[0] == default), float("nan"))
+        print(f"best: {best[0]} at {best[1]:.4f} ms ({base / best[1]:.2f}x vs default)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fast", action="store_true", help="fewer values and sizes")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "bench/tune.py: no CUDA device; the knobs are tuned only on a GPU (nothing done)"
+        )
+        return
+    import gfpo_kernels
+    from gfpo_kernels import fused_linear_grpo as flg
+    from gfpo_kernels import group_ops_triton as got
+    from gfpo_kernels import linear_grpo_triton as lgt
+
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def same_group(out, want):
+        assert torch.equal(out[0], want[0]) and torch.allclose(
+            out[1], want[1], rtol=1e-5, atol=1e-6
+        )
+
+    for n, G in [(4096, 16), (8192, 64)]:
+        rewards = torch.rand(n * G, generator=g, device="cuda")
+        lengths = torch.randint(16, 4096, (n * G,), generator=g, device="cuda").float()
+
+        def make(rewards=rewards, lengths=lengths, G=G):
+            def fn():
+                with gfpo_kernels.use_backend("triton"):
+                    return gfpo_kernels.gfpo_filter_advantages(
+                        rewards, lengths, G, G // 2, largest=False, scale="batch"
+                    )
+
+            return fn
+
+        tiles = (
+            [256, 1024, 4096] if args.fast else [128, 256, 512, 1024, 2048, 4096, 8192]
+        )
+        _sweep(
+            f"group kernel _TILE_ELEMENTS at {n}x{G}",
+            got,
+            "_TILE_ELEMENTS",
+            tiles,
+            make,
+            same_group,
+        )
+
+    n_rows, V = (1024, 151936) if args.fast else (4096, 151936)
+    logits = torch.randn(n_rows, V, generator=g, device="cuda") * 3
+    targets = torch.randint(0, V, (n_rows,), generator=g, device="cuda")
+    upstream = torch.randn(n_rows, generator=g, device="cuda")
+
+    def same_rows(out, want):
+        for a, b in zip(out, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+    def make_fwd():
+        return lambda: lgt.logprob_entropy_triton(logits, targets, 1.0)
+
+    lse = make_fwd()()[2] if len(make_fwd()()) > 2 else None
+    blocks = [512, 1024, 4096] if args.fast else [256, 512, 1024, 2048, 4096, 8192]
+    _sweep(
+        f"row kernel BLOCK_V, log-prob+entropy pass, {n_rows}x{V}",
+        lgt,
+        "BLOCK_V",
+        blocks,
+        make_fwd,
+        same_rows,
+    )
+    if lse is not None:
+
+        def make_bwd():
+            return lambda: (
+                lgt.grad_logits_triton(logits, targets, lse, upstream, 1.0),
+            )
+
+        _sweep(
+            f"row kernel BLOCK_V, grad-logits pass, {n_rows}x{V}",
+            lgt,
+            "BLOCK_V",
+            blocks,
+            make_bwd,
+            same_rows,
+        )
+    if hasattr(lgt, "NUM_WARPS"):
+        _sweep(
+            "row kernels NUM_WARPS (log-prob pass)",
+            lgt,
+            "NUM_WARPS",
+            [2, 4, 8, 16],
+            make_fwd,
+            same_rows,
+        )
+    else:
+        print(
+            "\n(linear_grpo_triton has no NUM_WARPS attribute: the row kernels use Triton's default warps)"
+        )
+
+    B, T, H = (16, 256, 2048) if args.fast else (32, 512, 4096)
+    hidden = (
+        (torch.randn(B, T, H, generator=g, device="cuda") / H**0.5)
+        .bfloat16()
+        .requires_grad_()
+    )
+    weight = torch.randn(V, H, generator=g, device="cuda").bfloat16().requires_grad_()
+    target = torch.randint(0, V, (B, T), generator=g, device="cuda")
+    mask = torch.ones(B, T, device="cuda")
+    adv = torch.randn(B, generator=g, device="cuda")
+
+    def make_loss():
+        def fn():
+            loss, _ = gfpo_kernels.fused_linear_grpo_loss(
+                hidden, weight, target, mask, adv
+            )
+            loss.backward()
+            out = (
+                loss.detach(),
+                hidden.grad.float().norm(),
+                weight.grad.float().norm(),
+            )
+            hidden.grad = weight.grad = None
+            return out
+
+        return fn
+
+    def same_loss(out, want):
+        for a, b in zip(out, want):
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+    budgets = (
+        [256 << 20, 1 << 30, 4 << 30]
+        if args.fast
+        else [128 << 20, 256 << 20, 512 << 20, 1 << 30, 2 << 30, 4 << 30]
+    )
+    torch.cuda.reset_peak_memory_stats()
+    _sweep(
+        f"fused loss _CHUNK_BYTES['cuda'], fwd+bwd, B={B} T={T} H={H} V={V} bf16",
+        flg,
+        "_CHUNK_BYTES",
+        budgets,
+        make_loss,
+        same_loss,
+        key="cuda",
+    )
+    print(
+        f"peak memory over the sweep {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+    )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
