@@ -17,6 +17,7 @@ import gfpo_kernels
 from gfpo_kernels.grpo_loss_math import LOSS_TYPES
 
 from .config import GFPOConfig
+from .sharded_head import full_head_parameters
 
 
 def fused_compute_loss(trainer, model, inputs) -> torch.Tensor:
@@ -96,8 +97,8 @@ def install_fused_loss_forward(model) -> None:
         kwargs["use_cache"] = False
         hidden = self.base_model(*args, **kwargs).last_hidden_state
         hidden = hidden[:, -gfpo_logits_to_keep - 1 : -1]
-        head = self.get_output_embeddings()
-        return gfpo_loss_fn(hidden.to(head.weight.dtype), head.weight, head.bias)
+        with full_head_parameters(self.get_output_embeddings()) as (weight, bias):
+            return gfpo_loss_fn(hidden.to(weight.dtype), weight, bias)
 
     model.forward = types.MethodType(forward, model)
 
