@@ -150,3 +150,28 @@ def tool_mask_of(generate_result) -> list | None:
         raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer._generate's third output is not one tool mask per "
                               "completion")
     return tool_mask
+
+
+def lm_head_gather_context(*params):
+    """A context in which ZeRO-3 partitioned LM-head parameters are gathered (a null context otherwise): TRL's
+    `maybe_gather_lm_head_ctx` where this TRL has it, else the same gather done here."""
+    try:
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+    except ImportError:
+        return _gather_zero3_params(params)
+    return maybe_gather_lm_head_ctx(*params)
+
+
+def _gather_zero3_params(params):
+    import contextlib
+
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return contextlib.nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    # once each (tied or shared parameters repeat), and only those not already gathered by their owning module
+    to_gather = {id(p): p for p in params if p is not None and p.ds_status != ZeroParamStatus.AVAILABLE}
+    return deepspeed.zero.GatheredParameters(list(to_gather.values())) if to_gather else contextlib.nullcontext()

@@ -17,6 +17,7 @@ import gfpo_kernels
 from gfpo_kernels.grpo_loss_math import LOSS_TYPES
 
 from .config import GFPOConfig
+from .sharded_head import full_head_parameters
 
 
 def fused_compute_loss(trainer, model, inputs) -> torch.Tensor:
@@ -138,9 +139,9 @@ def install_fused_loss_forward(model) -> None:
         hidden = outputs.last_hidden_state[:, -gfpo_logits_to_keep - 1 : -1]
         if scale != 1.0:
             hidden = hidden * scale
-        head = self.get_output_embeddings()
         aux_loss = _router_aux_loss(self, outputs, kwargs.get("attention_mask")) if gfpo_aux_loss else None
-        return (*gfpo_loss_fn(hidden.to(head.weight.dtype), head.weight, head.bias), aux_loss)
+        with full_head_parameters(self.get_output_embeddings()) as (weight, bias):
+            return (*gfpo_loss_fn(hidden.to(weight.dtype), weight, bias), aux_loss)
 
     model.forward = types.MethodType(forward, model)
     _probe(model, original)
@@ -150,8 +151,10 @@ def install_fused_loss_forward(model) -> None:
 def _probe(model, original_forward, num_tokens: int = 8) -> None:
     """Checks on a few tokens that the fused path's logits are the model's own: a model that transforms its logits
     in a way not read from its config would otherwise train on a different loss, silently."""
-    device = model.get_output_embeddings().weight.device
-    vocab = model.get_output_embeddings().weight.shape[0]
+    weight = model.get_output_embeddings().weight
+    if weight.numel() == 0:  # partitioned at load time (ZeRO-3 zero.Init): only the config checks above apply
+        return
+    device, vocab = weight.device, weight.shape[0]
     input_ids = torch.randint(0, vocab, (2, num_tokens), generator=torch.Generator().manual_seed(0)).to(device)
     was_training = model.training
     model.eval()

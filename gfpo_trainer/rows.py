@@ -71,7 +71,7 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
     n_real = mine.numel()
     # padding rows copy a kept row (a valid forward) and are masked out below
     rows = torch.cat([mine, kept[:1].expand(share - n_real)])
-    # every process holds the global advantages already; the other row tensors are gathered
+    # every process holds the global advantages already; the other row tensors are exchanged
     output["advantages"] = advantages[rows]
     row_keys = [k for k in output if k in ROW_KEYS and k != "advantages" and isinstance(output[k], torch.Tensor)]
     for key in row_keys:
@@ -98,15 +98,75 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
 
 
 def take_global_rows(trainer, key: str, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """tensor's rows at global indices `rows` (local rows of every process, in process order)."""
+    """tensor's rows at global indices `rows` (local rows of every process, in process order).
+
+    Only the requested rows travel (an all-to-all), so a process receives its own rows, not the global batch;
+    tensors of different widths are padded to the widest process's width first (on the left for prompts)."""
     if trainer.accelerator.num_processes == 1:
         return tensor[rows]
     pad_value, pad_left = ROW_KEYS[key]
     if pad_value is None:
         pad_value = trainer._tokenizer.pad_token_id
-    if tensor.dim() > 1:
-        tensor = trainer.accelerator.pad_across_processes(tensor, dim=1, pad_index=pad_value, pad_first=pad_left)
-    return trainer.accelerator.gather(tensor.contiguous())[rows]
+    plan = getattr(trainer, "_gfpo_row_exchange_plan", None)
+    if plan is None or plan.rows is not rows:  # `rows` is the same object for every key of one batch
+        plan = RowExchangePlan(rows, tensor.size(0))
+        trainer._gfpo_row_exchange_plan = plan
+    return plan.exchange(tensor, pad_value, pad_left)
+
+
+class RowExchangePlan:
+    """Who sends which local rows to whom, so that this process receives the global rows `rows`; built once per
+    batch from two tiny collectives (the local row counts, the requested indices), reused for every tensor."""
+
+    def __init__(self, rows: torch.Tensor, num_local_rows: int):
+        import torch.distributed as dist
+
+        self.rows = rows
+        world = dist.get_world_size()
+        device = rows.device
+        counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([num_local_rows], dtype=torch.long, device=device))
+        ends = torch.cat(counts).cumsum(0)
+        if rows.numel() and int(rows.max()) >= int(ends[-1]):
+            raise ValueError(f"rows asks for global row {int(rows.max())}; the processes hold {int(ends[-1])} rows")
+        owner = torch.searchsorted(ends, rows.long(), right=True)
+        local = rows.long() - (ends - torch.cat(counts))[owner]
+        # requests grouped by owning process; `order` puts the received rows back in the order of `rows`
+        self.order = torch.argsort(owner, stable=True)
+        self.recv_splits = torch.bincount(owner, minlength=world).tolist()
+        send_counts = torch.empty(world, dtype=torch.long, device=device)
+        dist.all_to_all_single(send_counts, torch.tensor(self.recv_splits, dtype=torch.long, device=device))
+        self.send_splits = send_counts.tolist()
+        self.send_index = torch.empty(sum(self.send_splits), dtype=torch.long, device=device)
+        dist.all_to_all_single(self.send_index, local[self.order].contiguous(), output_split_sizes=self.send_splits,
+                               input_split_sizes=self.recv_splits)
+
+    def exchange(self, tensor: torch.Tensor, pad_value, pad_left: bool) -> torch.Tensor:
+        """This process's rows of `tensor` (its local rows on every process), padded to the widest width."""
+        import torch.distributed as dist
+
+        if tensor.dim() > 1:
+            width = torch.tensor([tensor.size(1)], dtype=torch.long, device=tensor.device)
+            dist.all_reduce(width, op=dist.ReduceOp.MAX)
+            tensor = pad_to_width(tensor, int(width), pad_value, pad_left)
+        dtype = tensor.dtype
+        if dtype == torch.bool:  # not every backend reduces or moves bool: move bytes
+            tensor = tensor.to(torch.uint8)
+        received = tensor.new_empty((len(self.rows),) + tuple(tensor.shape[1:]))
+        dist.all_to_all_single(received, tensor[self.send_index].contiguous(), output_split_sizes=self.recv_splits,
+                               input_split_sizes=self.send_splits)
+        out = torch.empty_like(received)
+        out[self.order] = received
+        return out.to(dtype)
+
+
+def pad_to_width(tensor: torch.Tensor, width: int, pad_value, pad_left: bool) -> torch.Tensor:
+    """`tensor` padded along dim 1 to `width` with `pad_value`, on the left or the right."""
+    missing = width - tensor.size(1)
+    if missing <= 0:
+        return tensor
+    pad = tensor.new_full((tensor.size(0), missing) + tuple(tensor.shape[2:]), pad_value)
+    return torch.cat([pad, tensor] if pad_left else [tensor, pad], dim=1)
 
 
 def weight_loss(loss: torch.Tensor, inputs: dict, loss_type: str) -> torch.Tensor:

@@ -31,7 +31,7 @@ class _FakeAccelerator:
 
 @pytest.mark.parametrize("P, kept_rows, spg", [(3, 4, 1), (1, 3, 2), (2, 9, 1), (2, 5, 2)])
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
-def test_row_weights_equal_an_even_split(P, kept_rows, spg, loss_type):
+def test_row_weights_equal_an_even_split(P, kept_rows, spg, loss_type, monkeypatch):
     """Weight of a row in the update = (1/P) (1/GA) (its micro-batch's TRL normaliser) x GFPO's row weight; for the
     per-sequence losses it must be 1/K for every kept row, wherever the padding lands (today: 0.25/0.25/0.5 for
     K=3, spg=2; a process holding only padding shrank the gradient to 2/3 for P=3, K=4)."""
@@ -41,6 +41,9 @@ def test_row_weights_equal_an_even_split(P, kept_rows, spg, loss_type):
     advantages = torch.where(keep, torch.linspace(1, 2, N), 0.0)
     completion_mask = torch.ones(N, 4, dtype=torch.int32)  # a dtype of its own: the fake gather matches by it
     weight_of_row = {}
+    global_rows = {"completion_mask": completion_mask, "completion_ids": torch.arange(N * 4).view(N, 4)}
+    # the row exchange between processes (tested on real processes in test_row_exchange.py): the global rows
+    monkeypatch.setattr(rows, "take_global_rows", lambda trainer, key, tensor, wanted: global_rows[key][wanted])
     for rank in range(P):
         trainer = types.SimpleNamespace(
             accelerator=_FakeAccelerator(P, rank, {"mask": completion_mask, "tokens": completion_mask.sum(1),
