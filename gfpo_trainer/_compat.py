@@ -17,9 +17,9 @@ import trl
 from packaging.version import Version
 from trl import GRPOTrainer
 
-SUPPORTED_TRL = (">=1.14", "<1.17")
-# releases the trainer tests ran against (CI: 1.14.0 via scripts/test_oldest_trl.sh, 1.16.0 in .venv)
-KNOWN_WORKING_TRL = ("1.14.0", "1.14.1", "1.14.2", "1.15.0", "1.16.0")
+SUPPORTED_TRL = (">=1.14.2", "<1.17")
+# releases the trainer tests ran against (CI: 1.14.2 via scripts/test_oldest_trl.sh, 1.16.0 in .venv)
+KNOWN_WORKING_TRL = ("1.14.2", "1.15.0", "1.16.0")
 _warned_untested: set[str] = set()
 
 # method -> parameters it must accept, in order (after self). A method may instead forward the tail of these as

@@ -6,7 +6,7 @@
 # Every install is safe under PIP_NO_CACHE_DIR (nothing relies on pip's cache). Usage: scripts/test_oldest_trl.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OLDEST_TRL="${GFPO_OLDEST_TRL:-1.14.0}"
+OLDEST_TRL="${GFPO_OLDEST_TRL:-1.14.2}"
 VENV=.venv-trl-oldest
 [ -d "$VENV" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"

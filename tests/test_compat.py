@@ -6,8 +6,8 @@ import pytest
 
 trl = pytest.importorskip("trl")
 
-from gfpo_trainer import _compat  # noqa: E402
-from gfpo_trainer._compat import TRLSurfaceError, check_trl_surfaces, is_supported_trl  # noqa: E402
+from gfpo_trainer import _compat
+from gfpo_trainer._compat import TRLSurfaceError, check_trl_surfaces, is_supported_trl
 
 
 @pytest.fixture
@@ -21,7 +21,8 @@ def _grpo_like(**overrides):
 
 
 def test_supported_range_bounds():
-    assert is_supported_trl("1.14.0") and is_supported_trl("1.15.0") and is_supported_trl("1.16.0")
+    assert not is_supported_trl("1.14.1") and is_supported_trl("1.14.2")
+    assert is_supported_trl("1.15.0") and is_supported_trl("1.16.0")
     assert is_supported_trl("1.16.3")
     assert not is_supported_trl("1.13.0")
     assert not is_supported_trl("1.17.0")
@@ -71,7 +72,7 @@ def test_untested_version_with_moved_surface_raises_naming_it(monkeypatch, fresh
         check_trl_surfaces(_grpo_like(_calculate_rewards=rewards))
     message = str(info.value)
     assert "trl 1.17.0" in message and "GRPOTrainer._calculate_rewards" in message
-    assert ">=1.14,<1.17" in message and "1.14.0" in message and "1.16.0" in message
+    assert ">=1.14.2,<1.17" in message and "1.14.2" in message and "1.16.0" in message
 
 
 def test_untested_version_with_removed_surface_raises(monkeypatch, fresh_warnings):
