@@ -87,6 +87,12 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
         trainer._metrics["train"]["gfpo/skipped_zero_gradient_fraction"].append(
             1.0 - trained.numel() / max(kept.numel(), 1)
         )
+        unskipped_share = math.ceil(math.ceil(max(kept.numel(), 1) / P) / spg) * spg
+        if unskipped_share != share:
+            # TRL's shuffle draws a permutation of this process's rows from the CPU generator, and a shorter one
+            # leaves another state: the next generation would sample differently than with the skip off.
+            # restore_shuffle_rng puts back the state the unskipped batch's shuffle leaves.
+            trainer._gfpo_rng_after_shuffle = rng_state_after_shuffle(unskipped_share)
     # Drop the padding columns past the longest trained completion: less work in the loss, and the batch no
     # longer depends on how long the dropped completions ran (see gfpo_stop_dropped_generations).
     T = output["completion_ids"].size(1)
@@ -95,6 +101,25 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
         if not ROW_KEYS[key][1] and output[key].dim() > 1 and output[key].size(1) == T:
             output[key] = output[key][:, :width]
     return n_real
+
+
+def rng_state_after_shuffle(num_rows: int) -> torch.Tensor:
+    """The CPU random state once TRL's `shuffle_sequence_dict` has drawn its permutation of `num_rows` rows from
+    the current state (which is left as it was)."""
+    state = torch.get_rng_state()
+    torch.randperm(num_rows)
+    after = torch.get_rng_state()
+    torch.set_rng_state(state)
+    return after
+
+
+def restore_shuffle_rng(trainer) -> None:
+    """Called before the loss of a batch: after a batch with skipped rows, the CPU random state becomes the one an
+    unskipped batch's shuffle leaves, so every later draw is what it would be with the skip off."""
+    state = getattr(trainer, "_gfpo_rng_after_shuffle", None)
+    if state is not None:
+        torch.set_rng_state(state)
+        trainer._gfpo_rng_after_shuffle = None
 
 
 def take_global_rows(trainer, key: str, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward
-from .rows import take_trained_rows, weight_loss, zero_gradient_skip_applies
+from .rows import restore_shuffle_rng, take_trained_rows, weight_loss, zero_gradient_skip_applies
 from .selection import log_selection, select
 from .state import SaveGFPOState, load_gfpo_state
 
@@ -291,6 +291,7 @@ class GFPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        restore_shuffle_rng(self)  # after skipped rows, later draws as with the skip off (see rows.py)
         if self.args.use_gfpo_kernels:
             if return_outputs:
                 raise ValueError("The GFPOTrainer does not support returning outputs")

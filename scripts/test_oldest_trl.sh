@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# CI step: the trainer tests against the OLDEST supported TRL (the main venv, .venv, carries the newest).
-# Builds .venv-trl-oldest (git-ignored) like scripts/setup.sh builds .venv -- CPU torch, this package built
-# without isolation and without deps so its extension compiles against that torch, then the dependencies with
-# trl pinned to the oldest supported release -- and runs the tests that exercise the TRL hooks.
-# Every install is safe under PIP_NO_CACHE_DIR (nothing relies on pip's cache). Usage: scripts/test_oldest_trl.sh
+# CI step: the trainer tests against the OLDEST supported TRL. The main venv (.venv, made by scripts/setup.sh)
+# carries the newest; TRL is pure Python and the oldest release accepts the same transformers, accelerate and
+# torch, so only TRL itself is installed apart, into a folder (.venv-trl-oldest, git-ignored) that is put ahead of
+# .venv's site-packages: no second torch, no second build of the extension. Safe under PIP_NO_CACHE_DIR.
+# Usage: scripts/test_oldest_trl.sh [pytest args]   (GFPO_OLDEST_TRL overrides the version)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST_TRL="${GFPO_OLDEST_TRL:-1.14.2}"
-VENV=.venv-trl-oldest
-[ -d "$VENV" ] || python3 -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade "pip>=23.1"
-"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
-"$PY" -m pip install -q "setuptools>=64" wheel
-"$PY" -m pip show gfpo >/dev/null 2>&1 || "$PY" -m pip install -q --no-build-isolation --no-deps -e .
-"$PY" scripts/requirements.py trainer,test >"$VENV/gfpo-requirements.txt"
-"$PY" -m pip install -q -r "$VENV/gfpo-requirements.txt" "trl==$OLDEST_TRL"
-"$PY" -c "import trl, transformers, accelerate, torch; print('oldest-TRL venv: trl', trl.__version__,
-'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'torch', torch.__version__)"
-"$PY" -m pytest -q -x tests/test_trainer.py tests/test_trainer_multiprocess.py tests/test_early_stop.py \
-  tests/test_grpo_loss_math.py tests/test_compat.py
+TARGET=.venv-trl-oldest
+PY=.venv/bin/python
+if ! PYTHONPATH="$TARGET" "$PY" -c "import trl, sys; sys.exit(trl.__version__ != '$OLDEST_TRL')" 2>/dev/null; then
+  rm -rf "$TARGET"
+  "$PY" -m pip install -q --no-deps --target "$TARGET" "trl==$OLDEST_TRL"
+fi
+export PYTHONPATH="$PWD/$TARGET${PYTHONPATH:+:$PYTHONPATH}"
+# the dependencies TRL declares must hold with what .venv has (pip check of the shadowing release)
+"$PY" - "$OLDEST_TRL" <<'PY'
+import sys
+from importlib.metadata import requires, version
+
+from packaging.requirements import Requirement
+
+import trl
+
+assert trl.__version__ == sys.argv[1], f"expected trl {sys.argv[1]}, imported {trl.__version__} from {trl.__file__}"
+missing = [str(r) for r in map(Requirement, requires("trl") or []) if r.marker is None
+           and not r.specifier.contains(version(r.name), prereleases=True)]
+assert not missing, f"trl {trl.__version__} needs {missing}"
+import accelerate, torch, transformers  # noqa: E401
+print("oldest-TRL check: trl", trl.__version__, "transformers", transformers.__version__, "accelerate",
+      accelerate.__version__, "torch", torch.__version__)
+PY
+"$PY" -m pytest -q -x -p no:cacheprovider tests/test_trainer.py tests/test_trainer_multiprocess.py \
+  tests/test_early_stop.py tests/test_grpo_loss_math.py tests/test_compat.py tests/test_trainer_semantics.py \
+  tests/test_rows.py "$@"
