@@ -83,6 +83,20 @@ def test_bash_examples_are_the_ci_commands():
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
     for block in _blocks("bash"):
         command = block.strip()
+        if command.startswith("accelerate launch"):
+            continue  # multi-GPU launches: test_multi_gpu_launch_configs_exist
         assert command.startswith("bash scripts/setup.sh && .venv/bin/python -m ")
         if "pytest" in command:
             assert command.split(" && ", 1)[1] in ci  # CI runs the README's test command
+
+
+def test_multi_gpu_launch_configs_exist():
+    """The multi-GPU launches name accelerate configs that exist and say which engine they use (the launches
+    themselves need several GPUs)."""
+    launches = [line for block in _blocks("bash") for line in block.splitlines() if line.startswith("accelerate launch")]
+    engines = set()
+    for line in launches:
+        assert line.split()[-4:] == ["gfpo_trainer", "train", "--config", "run.yaml"], line
+        config = yaml.safe_load((Path(__file__).parents[1] / line.split("--config_file")[1].split()[0]).read_text())
+        engines.add(config["distributed_type"])
+    assert engines == {"MULTI_GPU", "DEEPSPEED", "FSDP"}
