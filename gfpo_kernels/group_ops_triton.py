@@ -104,6 +104,16 @@ def _batch_std(rewards: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor
     return torch.where(n >= 2, var.sqrt(), 0.0)
 
 
+def launch_config(num_groups: int, G: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_G, num_warps) of the group kernel for `num_groups` groups of G. A tile holds _TILE_ELEMENTS (or
+    one group when G is larger), and the warps grow with the tile so that each thread keeps at most 8 elements: with
+    4 warps a 4096-wide group spills registers on sm_90 (scripts/triton_aot.py)."""
+    block_g = triton.next_power_of_2(G)
+    rows = max(1, min(triton.next_power_of_2(max(num_groups, 1)), _TILE_ELEMENTS // block_g))
+    num_warps = max(4, min(16, rows * block_g // 256))
+    return rows, block_g, num_warps
+
+
 def group_filter_advantages(
     *,
     scores: torch.Tensor | None,
@@ -122,8 +132,7 @@ def group_filter_advantages(
     if G > MAX_GROUP_SIZE:
         raise ValueError(f"the Triton group kernel supports group_size <= {MAX_GROUP_SIZE}, got {G}")
     device = src.device
-    block_g = triton.next_power_of_2(G)
-    rows = max(1, min(triton.next_power_of_2(max(num_groups, 1)), _TILE_ELEMENTS // block_g))
+    rows, block_g, num_warps = launch_config(num_groups, G)
 
     if scores is not None:
         scores = scores.contiguous()
@@ -159,6 +168,7 @@ def group_filter_advantages(
         UPCAST_SCORES=scores is not None and scores.dtype in (torch.float16, torch.bfloat16),
         ROWS=rows,
         BLOCK_G=block_g,
+        num_warps=num_warps,
     )
     if adv is not None and scale == "batch":
         adv = adv / (_batch_std(rewards, keep_out if (scores is not None or keep is not None) else None) + eps)

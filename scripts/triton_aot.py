@@ -1,0 +1,145 @@
+"""Ahead-of-time compilation of every Triton kernel configuration the wrappers launch, for GPUs this machine does
+not have: compile errors, registers and spills (local memory) per kernel, for sm_90 (H100/H200) and sm_80 (A100).
+
+Triton compiles to PTX and runs its bundled ptxas without a GPU; `ptxas -v` (the same bundled ptxas) reports registers and spills. Run: `python scripts/triton_aot.py [--arch 90 80] [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+import warnings
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from gfpo_kernels import group_ops_triton, linear_grpo_triton
+
+
+@dataclasses.dataclass
+class Launch:
+    """One configuration of a kernel as a wrapper launches it: argument types and constexpr values."""
+
+    name: str
+    kernel: object
+    signature: dict
+    constexprs: dict
+    num_warps: int = 4
+
+
+def _group_launches(group_sizes) -> list[Launch]:
+    """The group kernel's modes (filter + advantages, advantages only, filter only) at the tile shape the wrapper
+    picks for each group size G, with many groups (the widest ROWS)."""
+    kernel = group_ops_triton._group_filter_advantages_kernel
+    modes = {
+        "filter+adv fp32, k int": dict(scores="*fp32", k=None, keep_in=None, rewards="*fp32", std=True),
+        "filter+adv bf16, k per group": dict(scores="*bf16", k="*i64", keep_in=None, rewards="*fp32", std=True),
+        "adv only, keep in": dict(scores=None, k=None, keep_in="*i1", rewards="*fp32", std=True),
+        "filter only": dict(scores="*fp32", k=None, keep_in=None, rewards=None, std=False),
+    }
+    launches = []
+    for G in group_sizes:
+        rows, block_g, num_warps = group_ops_triton.launch_config(1 << 20, G)  # many groups: the widest tile
+        for mode, m in modes.items():
+            pointers = {"scores_ptr": m["scores"], "k_ptr": m["k"], "keep_in_ptr": m["keep_in"],
+                        "rewards_ptr": m["rewards"], "keep_out_ptr": "*i1", "adv_ptr": "*fp32" if m["rewards"] else None}
+            signature = {name: (kind or "constexpr") for name, kind in pointers.items()}
+            signature.update(num_groups="i32", G="i32", k_scalar="i32", eps="fp32")
+            constexprs = {name: None for name, kind in pointers.items() if kind is None}
+            constexprs.update(LARGEST=False, HAS_SCORES=m["scores"] is not None, K_IS_TENSOR=m["k"] is not None,
+                              HAS_KEEP_IN=m["keep_in"] is not None, HAS_REWARDS=m["rewards"] is not None,
+                              DIVIDE_BY_STD=m["std"], UPCAST_SCORES=m["scores"] == "*bf16", ROWS=rows,
+                              BLOCK_G=block_g)
+            signature.update({name: "constexpr" for name in constexprs})
+            launches.append(Launch(f"group G={G} ({mode})", kernel, signature, constexprs, num_warps))
+    return launches
+
+
+def _row_launches(vocab_sizes) -> list[Launch]:
+    """The fused loss's row passes (log-prob/entropy, grad-logits) at the block size the wrapper picks."""
+    launches = []
+    for V in vocab_sizes:
+        block = min(linear_grpo_triton.BLOCK_V, triton.next_power_of_2(V))
+        common = {"logits_ptr": "*fp32", "stride": "i32", "targets_ptr": "*i64", "lse_ptr": "*fp32", "V": "i32",
+                  "inv_t": "fp32", "BLOCK": "constexpr"}
+        launches.append(Launch(f"logprob/entropy V={V}", linear_grpo_triton._logprob_entropy_kernel,
+                               {**common, "logp_ptr": "*fp32", "entropy_ptr": "*fp32"}, {"BLOCK": block}))
+        launches.append(Launch(f"grad-logits V={V}", linear_grpo_triton._grad_logits_kernel,
+                               {**common, "g_ptr": "*fp32"}, {"BLOCK": block}))
+    return launches
+
+
+def launches(quick: bool = False) -> list[Launch]:
+    """Every kernel configuration to compile (`quick`: the smallest and largest group size and vocabulary)."""
+    group_sizes = (16, 4096) if quick else (2, 8, 16, 64, 256, 1024, 4096)
+    vocab_sizes = (151936,) if quick else (1000, 32000, 151936)
+    return _group_launches(group_sizes) + _row_launches(vocab_sizes)
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton itself assembles sm_<arch> with (it bundles two)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(arch).path
+
+
+def _resource_usage(ptx: str, arch: int) -> dict:
+    """Registers, stack frame and spill bytes per thread, as ptxas reports them (`-v`) for the kernel's PTX."""
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([_ptxas(arch), "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"ptxas failed for sm_{arch}:\n{run.stderr}")
+    text = run.stdout + run.stderr
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    registers = re.search(r"Used (\d+) registers", text)
+    if frame is None or registers is None:
+        raise RuntimeError(f"ptxas -v printed no resource usage:\n{text}")
+    stack, stores, loads = map(int, frame.groups())
+    return {"registers": int(registers.group(1)), "stack": stack, "spill_stores": stores, "spill_loads": loads}
+
+
+def compile_launch(launch: Launch, arch: int) -> dict:
+    """Compiles `launch` for sm_<arch>; returns its registers, stack frame and spill bytes per thread."""
+    # the launch's argument order is the kernel's: ASTSource expects the signature in that order
+    kernel = launch.kernel
+    if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 (the CPU tests) @triton.jit interprets
+        kernel = JITFunction(kernel.fn)
+    signature = {name: launch.signature[name] for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=launch.constexprs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": launch.num_warps})
+    return _resource_usage(compiled.asm["ptx"], arch)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (default 90 80)")
+    parser.add_argument("--quick", action="store_true", help="only the smallest and largest shapes")
+    args = parser.parse_args(argv)
+    print("| kernel | sm | warps | registers | stack frame | spill stores / loads (bytes) |\n|---|---|---|---|---|---|")
+    spilled = 0
+    for launch in launches(args.quick):
+        for arch in args.arch:
+            usage = compile_launch(launch, arch)
+            spilled += usage["spill_stores"] > 0
+            print(f"| {launch.name} | {arch} | {launch.num_warps} | {usage['registers']} | {usage['stack']} | "
+                  f"{usage['spill_stores']} / {usage['spill_loads']} |")
+    print(f"\n{spilled} configuration(s) spill to local memory")
+    return 1 if spilled else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
