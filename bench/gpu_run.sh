@@ -8,7 +8,8 @@
 #   tests        pytest tests/ on CUDA (gpu-marked tests included)          -> tests.log
 #   bench-group  pytest bench/test_bench_group_ops.py                         -> STEM-group.{json,md,png}
 #   bench-loss   pytest bench/test_bench_linear_grpo.py                       -> STEM-loss.{json,md,png}
-#   bench-train  pytest bench/test_bench_train_step.py test_bench_early_stop  -> STEM-train.{json,md,png}
+#   bench-train  pytest bench/test_bench_train_step.py test_bench_early_stop test_bench_skip_zero_rows
+#                                                                             -> STEM-train.{json,md,png}
 #   profile      bench/profile_fused_loss.py (torch.profiler top ops)         -> profile.txt
 #   tune         bench/tune.py (tile size, row block/warps, chunk budget)     -> tune.txt
 #   merge        (here, after the calls) one STEM.json from the STEM-*.json, then its .md and .png
@@ -134,7 +135,7 @@ step_bench_loss() {
 }
 
 step_bench_train() {
-  local files=(bench/test_bench_train_step.py bench/test_bench_early_stop.py)
+  local files=(bench/test_bench_train_step.py bench/test_bench_early_stop.py bench/test_bench_skip_zero_rows.py)
   [ "$FAST" = 1 ] && files=(bench/test_bench_train_step.py)
   [ "$ON_CPU" = 1 ] && files=(bench/test_bench_early_stop.py -k "k4 and rule-on" --benchmark-disable)
   bench_step train "${files[@]}"
