@@ -38,7 +38,7 @@ from ._dispatch import select_backend
 from ._validation import linear_grpo_call_options
 from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 
-__all__ = ["fused_linear_grpo_loss", "FusedLinearGRPOLoss"]
+__all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
 
 # Budget of the fp32 logits chunk, per device type; tests shrink it to force many chunks.
 _CHUNK_BYTES = {"cuda": 1 << 30}
@@ -106,83 +106,97 @@ def _row_ops(backend: str):
     return _logprob_entropy_torch, _grad_logits_torch
 
 
-class _FusedLinearGRPOFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target_ids, mask, loss_inputs, options, backend):
-        B, T, H = hidden.shape
-        V = weight.shape[0]
-        device = hidden.device
-        inv_t = 1.0 / options.temperature
-        logprob_entropy, grad_logits = _row_ops(backend)
+def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, needs_grad):
+    """The chunked sweep: (loss, logps, entropy, grads) with grads the finished gradients of hidden, weight and
+    bias where `needs_grad` asks for them (None where not; all None without gradients: forward-only work)."""
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+    device = hidden.device
+    inv_t = 1.0 / options.temperature
+    logprob_entropy, grad_logits = _row_ops(backend)
 
-        # Only the scored tokens are projected.
-        rows = (mask.reshape(-1) != 0).nonzero().squeeze(1)
-        n = rows.numel()
-        h, w = _gemm_operands(hidden.reshape(-1, H).index_select(0, rows), weight)
-        targets = target_ids.reshape(-1).index_select(0, rows).long()
-        flat_logps = torch.zeros(B * T, dtype=torch.float32, device=device)
-        flat_entropy = torch.zeros(B * T, dtype=torch.float32, device=device)
-        lse = torch.empty(n, dtype=torch.float32, device=device)
+    # Only the scored tokens are projected.
+    rows = (mask.reshape(-1) != 0).nonzero().squeeze(1)
+    n = rows.numel()
+    h, w = _gemm_operands(hidden.reshape(-1, H).index_select(0, rows), weight)
+    targets = target_ids.reshape(-1).index_select(0, rows).long()
+    flat_logps = torch.zeros(B * T, dtype=torch.float32, device=device)
+    flat_entropy = torch.zeros(B * T, dtype=torch.float32, device=device)
+    lse = torch.empty(n, dtype=torch.float32, device=device)
 
-        def loss_of(logps_2d):
-            return grpo_loss_from_logps(logps_2d, mask, options=options, with_stats=False, **loss_inputs)[0]
+    def loss_of(logps_2d):
+        return grpo_loss_from_logps(logps_2d, mask, options=options, with_stats=False, **loss_inputs)[0]
 
-        def dloss_dlogp(logp_rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-            """d(loss)/d(logp) at flat positions `at`, the other positions holding flat_logps' values."""
-            with torch.enable_grad():
-                x = logp_rows.detach().requires_grad_()
-                logps = flat_logps.index_put((at,), x).view(B, T)
-                return torch.autograd.grad(loss_of(logps), x)[0]
+    def dloss_dlogp(logp_rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """d(loss)/d(logp) at flat positions `at`, the other positions holding flat_logps' values."""
+        with torch.enable_grad():
+            x = logp_rows.detach().requires_grad_()
+            logps = flat_logps.index_put((at,), x).view(B, T)
+            return torch.autograd.grad(loss_of(logps), x)[0]
 
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        want_grad = need_h or need_w or (bias is not None and need_b)
-        grad_h = torch.zeros(n, H, dtype=torch.float32, device=device) if need_h else None
-        grad_w = torch.zeros(V, H, dtype=torch.float32, device=device) if need_w else None
-        grad_b = torch.zeros(V, dtype=torch.float32, device=device) if bias is not None and need_b else None
+    need_h, need_w, need_b = needs_grad
+    want_grad = need_h or need_w or (bias is not None and need_b)
+    grad_h = torch.zeros(n, H, dtype=torch.float32, device=device) if need_h else None
+    grad_w = torch.zeros(V, H, dtype=torch.float32, device=device) if need_w else None
+    grad_b = torch.zeros(V, dtype=torch.float32, device=device) if bias is not None and need_b else None
 
-        def accumulate(start, end, logits, g):
-            dlogits = grad_logits(logits, targets[start:end], lse[start:end], g, inv_t)
-            if grad_h is not None:
-                _addmm_fp32(grad_h[start:end], dlogits, w)
-            if grad_w is not None:
-                _addmm_fp32(grad_w, dlogits.t(), h[start:end])
-            if grad_b is not None:
-                grad_b.add_(dlogits.sum(0))
+    def accumulate(start, end, logits, g):
+        dlogits = grad_logits(logits, targets[start:end], lse[start:end], g, inv_t)
+        if grad_b is not None:
+            grad_b.add_(dlogits.sum(0))
+        if w.dtype != torch.float32:
+            dlogits = dlogits.to(w.dtype)  # one rounding per chunk, shared by both gradient GEMMs
+        if grad_h is not None:
+            _addmm_fp32(grad_h[start:end], dlogits, w)
+        if grad_w is not None:
+            _addmm_fp32(grad_w, dlogits.t(), h[start:end])
 
-        step = _chunk_rows(n, V, device)
-        buffer = torch.empty(min(step, n), V, dtype=torch.float32, device=device)
-        single_sweep = want_grad and options.token_local
+    step = _chunk_rows(n, V, device)
+    buffer = torch.empty(min(step, n), V, dtype=torch.float32, device=device)
+    single_sweep = want_grad and options.token_local
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        logits = _project(h[start:end], w, bias, buffer[: end - start])
+        logp, entropy, lse[start:end] = logprob_entropy(logits, targets[start:end], inv_t)
+        flat_logps[rows[start:end]] = logp
+        flat_entropy[rows[start:end]] = entropy
+        if single_sweep:
+            accumulate(start, end, logits, dloss_dlogp(logp, rows[start:end]))
+    if want_grad and not single_sweep:
+        g_all = dloss_dlogp(flat_logps[rows], rows)
         for start in range(0, n, step):
             end = min(start + step, n)
             logits = _project(h[start:end], w, bias, buffer[: end - start])
-            logp, entropy, lse[start:end] = logprob_entropy(logits, targets[start:end], inv_t)
-            flat_logps[rows[start:end]] = logp
-            flat_entropy[rows[start:end]] = entropy
-            if single_sweep:
-                accumulate(start, end, logits, dloss_dlogp(logp, rows[start:end]))
-        if want_grad and not single_sweep:
-            g_all = dloss_dlogp(flat_logps[rows], rows)
-            for start in range(0, n, step):
-                end = min(start + step, n)
-                logits = _project(h[start:end], w, bias, buffer[: end - start])
-                accumulate(start, end, logits, g_all[start:end])
-        del buffer
+            accumulate(start, end, logits, g_all[start:end])
+    del buffer
 
-        logps, entropy = flat_logps.view(B, T), flat_entropy.view(B, T)
-        loss = loss_of(logps)
-        if want_grad:
-            full_grad_h = None
-            if grad_h is not None:
-                full_grad_h = torch.zeros(B * T, H, dtype=hidden.dtype, device=device)
-                full_grad_h.index_copy_(0, rows, grad_h.to(hidden.dtype))
-                full_grad_h = full_grad_h.view(B, T, H)
-            ctx.grads = (
-                full_grad_h,
-                None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype),
-            )
+    logps, entropy = flat_logps.view(B, T), flat_entropy.view(B, T)
+    loss = loss_of(logps)
+    grads = (None, None, None)
+    if want_grad:
+        full_grad_h = None
+        if grad_h is not None:
+            full_grad_h = torch.zeros(B * T, H, dtype=hidden.dtype, device=device)
+            full_grad_h.index_copy_(0, rows, grad_h.to(hidden.dtype))
+            full_grad_h = full_grad_h.view(B, T, H)
+        grads = (
+            full_grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+        )
+    return loss, logps, entropy, grads
+
+
+class _FusedLinearGRPOFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target_ids, mask, loss_inputs, options, backend):
+        needs_grad = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        loss, logps, entropy, ctx.grads = _fused_forward(
+            hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, needs_grad
+        )
         ctx.mark_non_differentiable(logps, entropy)
         return loss, logps, entropy
+
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logps, _grad_entropy):
@@ -250,16 +264,19 @@ def fused_linear_grpo_loss(
             hidden, weight, target_ids, mask, advantages, bias=bias, old_logps=old_logps, ref_logps=ref_logps,
             num_items_in_batch=num_items_in_batch, vllm_is_ratio=vllm_is_ratio, **options.as_kwargs(),
         )
-    loss_inputs = dict(
-        advantages=advantages.float(),
-        old_logps=None if old_logps is None else old_logps.float(),
-        ref_logps=None if ref_logps is None else ref_logps.float(),
-        vllm_is_ratio=None if vllm_is_ratio is None else vllm_is_ratio.float(),
-        num_items_in_batch=num_items_in_batch,
-    )
-    loss, logps, entropy = _FusedLinearGRPOFunction.apply(
-        hidden, weight, bias, target_ids, mask.float(), loss_inputs, options, backend
-    )
+    loss_inputs = {
+        "advantages": advantages.float(),
+        "old_logps": None if old_logps is None else old_logps.float(),
+        "ref_logps": None if ref_logps is None else ref_logps.float(),
+        "vllm_is_ratio": None if vllm_is_ratio is None else vllm_is_ratio.float(),
+        "num_items_in_batch": num_items_in_batch,
+    }
+    args = (hidden, weight, bias, target_ids, mask.float(), loss_inputs, options, backend)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        loss, logps, entropy = _FusedLinearGRPOFunction.apply(*args)
+    else:
+        # no_grad / inference_mode (TRL's eval prediction_step): forward-only work, no gradient GEMMs or buffers
+        loss, logps, entropy, _ = _fused_forward(*args, needs_grad=(False, False, False))
     with torch.no_grad():
         _, stats = grpo_loss_from_logps(logps, mask.float(), options=options, **loss_inputs)
     stats["logps"] = logps

@@ -146,6 +146,36 @@ def test_no_grad_and_eval(backend):
     torch.testing.assert_close(stats["logps"], want_stats["logps"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_no_gradient_work_without_grad_mode(backend, context, monkeypatch):
+    """Parameters that require grad, called under no_grad (TRL's eval prediction_step) or inference_mode: the
+    forward values only, with no gradient GEMM and no (V, H) fp32 accumulator."""
+    p = _problem(14)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    gemm_calls = []
+    monkeypatch.setattr(flg, "_addmm_fp32", lambda *args: gemm_calls.append(args))
+
+    class _Allocations(TorchDispatchMode):
+        shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.data_ptr() != weight.data_ptr():  # new memory, not a view
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    with context(), _Allocations() as seen:
+        loss, stats = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
+                                                          old_logps=p["old"])
+    want, want_stats = ref.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"],
+                                                  old_logps=p["old"])
+    assert gemm_calls == []
+    assert tuple(weight.shape) not in seen.shapes
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["logps"], want_stats["logps"], rtol=1e-5, atol=1e-5)
+
+
 def test_gradient_only_where_asked(backend):
     """A frozen LM head (weight without grad) still gives grads for hidden, and the other way round."""
     p = _problem(17)
