@@ -179,7 +179,9 @@ def install_fused_loss_forward(model) -> None:
             hidden = hidden * scale
         aux_loss = _router_aux_loss(self, outputs, kwargs.get("attention_mask")) if gfpo_aux_loss else None
         with full_head_parameters(self.get_output_embeddings()) as (weight, bias):
-            return (*gfpo_loss_fn(hidden.to(weight.dtype), weight, bias), aux_loss)
+            # hidden as the backbone gives it: the fused loss runs its GEMMs in the dtype TRL's head would (the
+            # autocast dtype under autocast), not cast to the head's dtype (an fp32 head would run fp32 GEMMs)
+            return (*gfpo_loss_fn(hidden, weight, bias), aux_loss)
 
     model.forward = types.MethodType(forward, model)
     _probe(model, original)
