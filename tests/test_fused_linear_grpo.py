@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gfpo_kernels
 from gfpo_kernels import fused_linear_grpo as flg
 from gfpo_kernels import reference as ref
+from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 
 from gfpo_test_utils import DEVICE, LOSS_BACKENDS
 
@@ -354,6 +355,57 @@ def test_one_host_read_per_forward(backend, monkeypatch):
                                             num_items_in_batch=20)
     host_reads = transfers + [op for op, _, _ in log.ops if op in ("_local_scalar_dense", "nonzero", "index_bool")]
     assert host_reads == ["tolist"]
+
+
+class _RoundGradToBF16(torch.autograd.Function):
+    """Identity whose backward rounds the incoming gradient to bf16 once."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(torch.bfloat16).to(grad.dtype)
+
+
+def test_logits_gradient_rounded_once_per_chunk(backend, monkeypatch):
+    """bf16 operands (CUDA's path; emulated on CPU, whose torch.mm has no out_dtype): the fp32 logits gradient of a
+    chunk is converted to bf16 once and both gradient GEMMs use it (before: once per GEMM); the gradients equal a
+    float64 reference whose logits gradient is rounded to bf16 once."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter copies argument storages through torch ops")
+    if DEVICE == "cpu":
+        monkeypatch.setattr(flg, "_gemm_operands", lambda h, w, dtype=None: (h.bfloat16(), w.bfloat16()))
+
+        def project(h, w, b, out):
+            torch.mm(h.float(), w.float().t(), out=out)
+            return out if b is None else out.add_(b)
+
+        monkeypatch.setattr(flg, "_project", project)
+        # a.to(b.dtype): what main's _addmm_fp32 did per GEMM; a no-op once the chunk's gradient is already bf16
+        monkeypatch.setattr(flg, "_addmm_fp32", lambda acc, a, b: acc.addmm_(a.to(b.dtype).float(), b.float()))
+    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 6 * 4 * V})  # 4 tokens per chunk (fp32 + bf16 rows)
+    p = _problem(53, dtype=torch.bfloat16, bias=False)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    with _OpLog() as log:
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
+                                                      old_logps=p["old"])
+    chunks = -(-int(p["mask"].sum()) // 4)
+    roundings = [op for op, shape, dt in log.ops
+                 if op == "_to_copy" and dt == torch.bfloat16 and shape is not None and V in shape]  # (rows, V), (V, rows)
+    assert chunks >= 3 and len(roundings) == chunks
+    got = torch.autograd.grad(loss, (hidden, weight))
+
+    h64, w64 = p["hidden"].double().requires_grad_(), p["weight"].double().requires_grad_()
+    logits = _RoundGradToBF16.apply(h64 @ w64.t())
+    logps = torch.log_softmax(logits, -1).gather(-1, p["target"].unsqueeze(-1)).squeeze(-1)
+    want_loss, _ = grpo_loss_from_logps(logps, p["mask"].double(), p["adv"].double(), GRPOLossOptions(),
+                                        old_logps=p["old"].double())
+    want = torch.autograd.grad(want_loss, (h64, w64))
+    for g, w in zip(got, want):
+        scale = w.abs().max()
+        torch.testing.assert_close(g.double() / scale, w / scale, rtol=0, atol=1e-2)
 
 
 def test_gradient_only_where_asked(backend):
