@@ -6,12 +6,15 @@ identical inputs. One pytest-benchmark group per (size, pass).
 
 Logits are realistic, i.e. peaked: each hidden state leans towards its target's weight row, so the softmax
 is concentrated as in a trained LM rather than flat as with N(0, 1) inputs. On CUDA every case records its
-peak extra memory (torch.cuda.max_memory_allocated above the inputs) and achieved TFLOP/s (8*N*H*V FLOPs for
-forward+backward, 2*N*H*V for forward), and a plain cuBLAS GEMM of the same shape is timed in the same run.
+peak extra memory (torch.cuda.max_memory_allocated above the inputs); every case records the GEMM FLOPs its
+implementation executes (`executed_flops`, checked against the GEMMs actually run by
+test_executed_flops_match_the_gemms_run) and the TFLOP/s achieved on them, and a plain cuBLAS GEMM of the same
+shape is timed in the same run.
 """
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gfpo_kernels
 from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
@@ -78,6 +81,24 @@ def _eager(hidden, weight, target, mask, adv):
 FNS = {"gfpo": _gfpo, "trl": _trl, "liger": _liger, "eager": _eager}
 
 
+def executed_flops(impl: str, backward: bool, n_scored: int, n_all: int, H: int, V: int) -> int:
+    """GEMM FLOPs over the vocabulary that `impl` executes (2*rows*H*V per GEMM), token-level IS as benchmarked:
+    - gfpo projects the scored tokens only: 1 GEMM forward-only, 3 with gradients (projection and the two gradient
+      GEMMs, all in the forward; sequence-level IS would add a second projection sweep: 4).
+    - trl (its chunked fused head) projects the scored tokens: 1 GEMM forward, and its backward recomputes the
+      projection before the two gradient GEMMs: 4.
+    - liger runs every token, padding included; its forward always takes the input gradient through a recomputing
+      log-prob backward (3 GEMMs even when nothing requires grad), and the weight gradient adds one: 4.
+    - eager: full logits of every token: 1 GEMM forward, 2 more backward."""
+    gemms, rows = {
+        "gfpo": ((1, 3), n_scored),
+        "trl": ((1, 4), n_scored),
+        "liger": ((3, 4), n_all),
+        "eager": ((1, 3), n_all),
+    }[impl]
+    return gemms[backward] * 2 * rows * H * V
+
+
 def _ids(sizes):
     return [f"N{b * t}-H{h}-V{v}" for b, t, h, v in sizes]
 
@@ -115,7 +136,9 @@ def test_linear_grpo_loss(benchmark, impl, passes, B, T, H, V):
             pytest.skip(f"{impl} runs out of GPU memory at this size")
         benchmark.extra_info["peak_extra_memory_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     loss = benchmark.pedantic(step, rounds=5 if ON_GPU else 3, warmup_rounds=1)
-    record_tflops(benchmark, (8 if backward else 2) * B * T * H * V)  # N = B*T, the same for every implementation
+    flops = executed_flops(impl, backward, int(mask.sum()), B * T, H, V)
+    benchmark.extra_info["executed_tflop"] = flops / 1e12
+    record_tflops(benchmark, flops)
     benchmark.extra_info["loss"] = float(loss)
     with torch.no_grad():
         want = _gfpo(hidden.detach(), weight.detach(), target, mask, adv)
@@ -130,3 +153,39 @@ def test_cublas_gemm(benchmark, B, T, H, V):
     h2 = hidden.reshape(-1, H)
     benchmark.pedantic(lambda: (h2 @ weight.t(), sync()), rounds=5 if ON_GPU else 3, warmup_rounds=1)
     record_tflops(benchmark, 2 * B * T * H * V)
+
+
+class _GemmFlops(TorchDispatchMode):
+    """Sums 2*M*K*N over every matrix product an op runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = args[-2:] if name.startswith("addmm") else args[:2]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("backward", [False, True])
+def test_executed_flops_match_the_gemms_run(impl, backward):
+    """executed_flops equals the FLOPs of the matrix products each implementation really dispatches (tiny shapes)."""
+    if impl == "liger":
+        pytest.importorskip("liger_kernel")
+    if impl == "trl":
+        pytest.importorskip("trl")
+    B, T, H, V = 4, 32, 64, 1000
+    hidden, weight, target, mask, adv, _ = _inputs(B, T, H, V)
+    hidden.requires_grad_(backward)
+    weight.requires_grad_(backward)
+    with _GemmFlops() as counted:
+        loss = FNS[impl](hidden, weight, target, mask, adv)
+        if backward:
+            loss.backward()
+    n_scored = int(mask.sum())
+    assert n_scored < B * T  # the ragged ends leave padding, so scored-only and all-token counts differ
+    assert counted.flops == executed_flops(impl, backward, n_scored, B * T, H, V)

@@ -25,7 +25,8 @@ def _median_ms(fn) -> float:
 
 def _sweep(title, module, attr, values, make_fn, check, key=None):
     """Times make_fn() for each value of module.attr (or module.attr[key]); restores the default."""
-    default = getattr(module, attr) if key is None else getattr(module, attr)[key]
+    # a dict entry may be absent (the fused loss's _CHUNK_BYTES: absent = derived from free memory)
+    default = getattr(module, attr) if key is None else getattr(module, attr).get(key)
     reference_out = make_fn()()
     rows = []
     try:
@@ -45,6 +46,8 @@ def _sweep(title, module, attr, values, make_fn, check, key=None):
     finally:
         if key is None:
             setattr(module, attr, default)
+        elif default is None:
+            getattr(module, attr).pop(key, None)
         else:
             getattr(module, attr)[key] = default
     print(f"\n## {title} (default {default})")

@@ -81,8 +81,9 @@ def check_scale_eps(scale, eps) -> None:
 
 def check_linear_grpo_inputs(
     hidden, weight, target_ids, mask, advantages, *, bias, old_logps, ref_logps, vllm_is_ratio, beta
-) -> None:
-    """Shapes, dtypes and target ids of fused_linear_grpo_loss (both implementations)."""
+) -> int:
+    """Shapes, dtypes and target ids of fused_linear_grpo_loss (both implementations); returns the number of scored
+    tokens (mask != 0)."""
     for x, name in ((hidden, "hidden"), (weight, "weight"), (target_ids, "target_ids"), (mask, "mask"),
                     (advantages, "advantages")):
         if not isinstance(x, torch.Tensor):
@@ -112,23 +113,27 @@ def check_linear_grpo_inputs(
         raise ValueError(f"vllm_is_ratio must have shape (B, T) or (B, 1), got {tuple(vllm_is_ratio.shape)}")
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (the reference model's per-token log-probabilities)")
+    # One host transfer for the count of scored tokens and their target range (the fused loss sizes its work by
+    # the count): not the four syncs of any(), a boolean index, min() and max().
     live = mask != 0
-    if live.any():
-        ids = target_ids[live]
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= V:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"target_ids where mask is set must lie in [0, V={V}), got target id {bad}")
+    live_targets = torch.where(live, target_ids, torch.zeros_like(target_ids)).long()
+    num_scored, lo, hi = (
+        torch.stack([live.sum(), live_targets.min(), live_targets.max()]).tolist() if live.numel() else (0, 0, 0)
+    )
+    if lo < 0 or hi >= V:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"target_ids where mask is set must lie in [0, V={V}), got target id {bad}")
+    return num_scored
 
 
-def linear_grpo_call_options(arguments: dict) -> GRPOLossOptions:
+def linear_grpo_call_options(arguments: dict) -> tuple[GRPOLossOptions, int]:
     """Checks a fused_linear_grpo_loss call (reference or kernel) from its arguments (the function's locals())
-    and returns its loss options."""
+    and returns its loss options and the number of scored tokens."""
     names = {field.name for field in dataclasses.fields(GRPOLossOptions)}
     options = GRPOLossOptions(**{name: value for name, value in arguments.items() if name in names})
     a = arguments
-    check_linear_grpo_inputs(
+    num_scored = check_linear_grpo_inputs(
         a["hidden"], a["weight"], a["target_ids"], a["mask"], a["advantages"], bias=a["bias"],
         old_logps=a["old_logps"], ref_logps=a["ref_logps"], vllm_is_ratio=a["vllm_is_ratio"], beta=options.beta,
     )
-    return options
+    return options, num_scored

@@ -160,14 +160,20 @@ def grpo_loss_from_logps(
     stats: dict[str, torch.Tensor] = {}
     if with_stats:
         with torch.no_grad():
+            # per-token values (B, T), or (B, 1) at sequence level, under "per_token/...": the trainer averages
+            # them over every process as TRL does; the scalars are this process's means
+            per_token = {}
             if o.beta != 0.0:
-                stats["kl"] = _global_masked_mean(per_token_kl, mask)
+                per_token["kl"] = per_token_kl
             if o.loss_type in CLIPPED_LOSS_TYPES:
                 low = ((coef_1 < 1 - o.epsilon_low) & (adv < 0)).to(logps.dtype)
                 high = ((coef_1 > 1 + o.eps_high) & (adv > 0)).to(logps.dtype)
-                stats["clip_ratio/low_mean"] = _global_masked_mean(low, mask)
-                stats["clip_ratio/high_mean"] = _global_masked_mean(high, mask)
-                stats["clip_ratio/region_mean"] = _global_masked_mean(torch.maximum(low, high), mask)
+                per_token["clip_ratio/low_mean"] = low
+                per_token["clip_ratio/high_mean"] = high
+                per_token["clip_ratio/region_mean"] = torch.maximum(low, high)
             elif o.loss_type == "cispo":
-                stats["cispo_clip_ratio"] = _global_masked_mean(((coef_1 > o.eps_high) & (adv > 0)).to(logps.dtype), mask)
+                per_token["cispo_clip_ratio"] = ((coef_1 > o.eps_high) & (adv > 0)).to(logps.dtype)
+            for name, value in per_token.items():
+                stats[name] = _global_masked_mean(value, mask)
+                stats["per_token/" + name] = value.detach()
     return loss, stats

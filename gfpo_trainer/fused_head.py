@@ -73,14 +73,52 @@ def fused_compute_loss(trainer, model, inputs) -> torch.Tensor:
     return loss
 
 
+# TRL's token-weighted loss metrics, in the order they are reduced; kl and the clip ratios where the loss has them
+_TOKEN_WEIGHTED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                           "cispo_clip_ratio")
+
+
 def _log_loss_stats(trainer, mode: str, stats: dict, mask: torch.Tensor) -> None:
-    """TRL's loss metrics: entropy as a token-weighted mean over every process, the rest averaged."""
+    """The loss metrics TRL's `_compute_loss` logs, with its names and reductions: kl, entropy and the clip ratios as
+    token-weighted means over every process (one value per sequence at sequence-level importance sampling), and the
+    extreme per-sequence clip ratios clip_ratio/low_min and clip_ratio/high_max over every process. One all-reduce
+    and one gather per call (TRL: one collective per metric), and one host transfer for all the values."""
     mask = mask.float()
-    totals = trainer.accelerator.reduce(torch.stack([(stats["entropy"] * mask).sum(), mask.sum()]), reduction="sum")
-    trainer._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
-    for name, value in stats.items():
-        if value.dim() == 0:
-            trainer._metrics[mode][name].append(trainer.accelerator.gather(value.reshape(1)).nanmean().item())
+    per_token = {"entropy": stats["entropy"]}
+    per_token.update({name: stats["per_token/" + name] for name in _TOKEN_WEIGHTED_METRICS
+                      if "per_token/" + name in stats})
+    names = [name for name in _TOKEN_WEIGHTED_METRICS if name in per_token]
+    sums_and_counts = []
+    for name in names:
+        x = per_token[name].float()
+        if x.shape[1] == 1:  # sequence-level importance sampling: one value per sequence
+            sums_and_counts += [x.sum(), x.new_tensor(float(x.shape[0]))]
+        else:
+            sums_and_counts += [(x * mask).sum(), mask.sum()]
+    totals = trainer.accelerator.reduce(torch.stack(sums_and_counts), reduction="sum").view(-1, 2)
+    values = totals[:, 0] / totals[:, 1].clamp(min=1.0)
+    if "clip_ratio/low_mean" in per_token:
+        per_sequence = torch.stack([_sequence_means(per_token[name].float(), mask)
+                                    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean")], dim=1)
+        gathered = trainer.accelerator.gather(per_sequence)
+        names += ["clip_ratio/low_min", "clip_ratio/high_max"]
+        values = torch.cat([values, _nan_extreme(gathered[:, 0], "min"), _nan_extreme(gathered[:, 1], "max")])
+    for name, value in zip(names, values.tolist()):
+        trainer._metrics[mode][name].append(value)
+
+
+def _sequence_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence masked means, NaN for a sequence without scored tokens (as TRL's masked_seq_mean)."""
+    return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+
+def _nan_extreme(values: torch.Tensor, which: str) -> torch.Tensor:
+    """min or max over the non-NaN values, NaN when there are none, as a 1-element tensor (no host sync)."""
+    finite = ~torch.isnan(values)
+    fill = float("inf") if which == "min" else float("-inf")
+    masked = torch.where(finite, values, torch.full_like(values, fill))
+    extreme = masked.amin() if which == "min" else masked.amax()
+    return torch.where(finite.any(), extreme, torch.full_like(extreme, float("nan"))).reshape(1)
 
 
 def _fused_loss_on_head(hidden, weight, bias, **kwargs):
@@ -141,7 +179,9 @@ def install_fused_loss_forward(model) -> None:
             hidden = hidden * scale
         aux_loss = _router_aux_loss(self, outputs, kwargs.get("attention_mask")) if gfpo_aux_loss else None
         with full_head_parameters(self.get_output_embeddings()) as (weight, bias):
-            return (*gfpo_loss_fn(hidden.to(weight.dtype), weight, bias), aux_loss)
+            # hidden as the backbone gives it: the fused loss runs its GEMMs in the dtype TRL's head would (the
+            # autocast dtype under autocast), not cast to the head's dtype (an fp32 head would run fp32 GEMMs)
+            return (*gfpo_loss_fn(hidden, weight, bias), aux_loss)
 
     model.forward = types.MethodType(forward, model)
     _probe(model, original)

@@ -2,6 +2,10 @@
 model's own logits, adds an MoE model's router auxiliary loss as TRL does, and refuses a model whose logits it
 cannot reproduce, naming its class (issue 11, point 1)."""
 
+import collections
+import threading
+import types
+
 import pytest
 import torch
 
@@ -120,3 +124,107 @@ def test_a_model_with_unknown_logit_transform_is_refused(tmp_path):
                     args=GFPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=8,
                                     use_cpu=True, report_to="none", use_gfpo_kernels=True),
                     train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]))
+
+
+def test_trainer_logs_the_metrics_trl_logs(tmp_path):
+    """On the same batch, use_gfpo_kernels=True logs TRL's loss metrics (kl, entropy, the clip ratios, low_min and
+    high_max among them) with the values TRL's own path logs."""
+    from test_trainer import make_trainer, scored_batch
+
+    tokenizer = make_tokenizer()
+    model_dir = str(tmp_path / "model")
+    make_tiny_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    logged = []
+    for use_kernels in (False, True):
+        trainer = make_trainer(model_dir, tokenizer, tmp_path, use_gfpo_kernels=use_kernels, beta=0.04,
+                               loss_type="grpo", per_device_train_batch_size=16)
+        output, _ = scored_batch(trainer, seed=5)
+        g = torch.Generator().manual_seed(1)
+        output["old_per_token_logps"] = output["ref_per_token_logps"] + 0.5 * torch.randn(
+            output["ref_per_token_logps"].shape, generator=g)
+        trainer._metrics["train"].clear()
+        trainer.compute_loss(trainer.model, output)
+        logged.append({k: v[-1] for k, v in trainer._metrics["train"].items()})
+    trl_metrics, ours = logged
+    names = ["kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+             "clip_ratio/low_min", "clip_ratio/high_max"]
+    for name in names:
+        assert name in ours, name
+        assert ours[name] == pytest.approx(trl_metrics[name], rel=1e-4, abs=1e-6), name
+    assert trl_metrics["clip_ratio/region_mean"] > 0  # the perturbed old log-probs clip some tokens
+
+
+class _TwoProcesses:
+    """Two fake processes in two threads: reduce sums and gather concatenates what both pass."""
+
+    def __init__(self):
+        self.barrier = threading.Barrier(2, timeout=30)
+        self.slots = [None, None]
+
+    def accelerator(self, rank):
+        def collective(x, combine):
+            self.slots[rank] = x
+            self.barrier.wait()
+            out = combine(self.slots)
+            self.barrier.wait()
+            return out
+
+        return types.SimpleNamespace(
+            num_processes=2,
+            reduce=lambda x, reduction="sum": collective(x, lambda xs: xs[0] + xs[1]),
+            gather=lambda x: collective(x, torch.cat),
+        )
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_metrics_over_two_processes_weigh_tokens_as_trl(level):
+    """Two processes with very different token counts: the fused path's metrics equal TRL's `_compute_loss` metrics
+    on the whole batch (token-weighted over every process; extremes over every process's sequences), not the
+    average of each process's own mean."""
+    from test_grpo_loss_math import _trl_loss
+
+    from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
+    from gfpo_trainer.fused_head import _log_loss_stats
+
+    opts = GRPOLossOptions(loss_type="grpo", beta=0.04, importance_sampling_level=level)
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 7
+    logps = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    mask = torch.ones(B, T, dtype=torch.float64)
+    mask[3:, 2:] = 0.0  # process 1 holds few tokens
+    mask[5] = 0.0  # and a sequence without any
+    old = logps + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = logps + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.7, 1.2, 0.3], dtype=torch.float64)
+    entropy = torch.rand(B, T, generator=g, dtype=torch.float64) * mask
+
+    inputs = {"prompt_ids": torch.zeros(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "num_items_in_batch": mask.sum(), "old_per_token_logps": old, "ref_per_token_logps": ref}
+    _, trl_metrics = _trl_loss(logps, entropy, inputs, opts, use_vllm=False)
+
+    world = _TwoProcesses()
+    logged = [None, None]
+
+    def process(rank):
+        rows = slice(3 * rank, 3 * rank + 3)
+        _, stats = grpo_loss_from_logps(logps[rows], mask[rows], adv[rows], opts, old_logps=old[rows],
+                                        ref_logps=ref[rows])
+        stats["entropy"] = entropy[rows]
+        trainer = types.SimpleNamespace(accelerator=world.accelerator(rank),
+                                        _metrics={"train": collections.defaultdict(list)})
+        _log_loss_stats(trainer, "train", stats, mask[rows])
+        logged[rank] = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert logged[0] == logged[1]
+    assert set(logged[0]) == {"kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                              "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max"}
+    for name, value in logged[0].items():
+        assert value == pytest.approx(trl_metrics[name][-1], rel=1e-6, abs=1e-9), name  # logged in fp32
+    assert logged[0]["clip_ratio/region_mean"] > 0

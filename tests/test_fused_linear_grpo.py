@@ -1,6 +1,8 @@
 """fused_linear_grpo_loss (every backend: Triton, chunked torch) against gfpo_kernels.reference, which takes
 the full logits in float64; and against Liger-Kernel's LigerFusedLinearGRPOLoss where both implement a loss."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -8,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gfpo_kernels
 from gfpo_kernels import fused_linear_grpo as flg
 from gfpo_kernels import reference as ref
+from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 
 from gfpo_test_utils import DEVICE, LOSS_BACKENDS
 
@@ -62,7 +65,10 @@ def _compare(p, rtol=1e-5, atol=1e-5, grad_rtol=1e-4, grad_atol=1e-5, **options)
     torch.testing.assert_close(loss, want_loss, rtol=rtol, atol=atol)
     assert set(stats) == set(want_stats)
     for name in stats:
-        torch.testing.assert_close(stats[name], want_stats[name], rtol=rtol, atol=atol, msg=name)
+        got, want = stats[name], want_stats[name]
+        if name.startswith("per_token/") and got.shape[1] != 1:  # only scored tokens carry a value
+            got, want = got * p["mask"], want * p["mask"]
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=name)
     for got, want in zip(grads, want_grads):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.isfinite(got).all()
@@ -144,6 +150,262 @@ def test_no_grad_and_eval(backend):
     assert not loss.requires_grad
     torch.testing.assert_close(loss, want)
     torch.testing.assert_close(stats["logps"], want_stats["logps"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_no_gradient_work_without_grad_mode(backend, context, monkeypatch):
+    """Parameters that require grad, called under no_grad (TRL's eval prediction_step) or inference_mode: the
+    forward values only, with no gradient GEMM and no (V, H) fp32 accumulator."""
+    p = _problem(14)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    gemm_calls = []
+    monkeypatch.setattr(flg, "_addmm_fp32", lambda *args: gemm_calls.append(args))
+
+    class _Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.data_ptr() != weight.data_ptr():  # new memory, not a view
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    with context(), _Allocations() as seen:
+        loss, stats = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
+                                                          old_logps=p["old"])
+    want, want_stats = ref.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"],
+                                                  old_logps=p["old"])
+    assert gemm_calls == []
+    assert tuple(weight.shape) not in seen.shapes
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats["logps"], want_stats["logps"], rtol=1e-5, atol=1e-5)
+
+
+class _OpLog(TorchDispatchMode):
+    """Records (op name, output shape, output dtype) of every op, and "index_bool" for a boolean-mask index."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        name = func.overloadpacket.__name__
+        if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+            name = "index_bool"
+        if isinstance(first, torch.Tensor):
+            self.ops.append((name, tuple(first.shape), first.dtype))
+        else:
+            self.ops.append((name, None, None))
+        return out
+
+    def count(self, *names):
+        return sum(op in names for op, _, _ in self.ops)
+
+
+GEMMS = ("mm", "addmm", "addmm_")
+
+
+@pytest.mark.parametrize(
+    "mode, level, gemms_per_chunk",
+    [("grad", "token", 3), ("grad", "sequence", 4), ("no_grad", "token", 1), ("no_grad", "sequence", 1),
+     ("inference_mode", "token", 1)],
+)
+def test_gemm_count_per_chunk(backend, monkeypatch, mode, level, gemms_per_chunk):
+    """Token-level IS: one projection and two gradient GEMMs per chunk (6*N*H*V FLOPs); sequence level: a second
+    sweep that projects again (8*N*H*V); without grad mode (parameters requiring grad): the projection only."""
+    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 4 * 4 * V})  # 4 tokens per chunk
+    p = _problem(31)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    with context(), _OpLog() as log:
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
+                                                      old_logps=p["old"], importance_sampling_level=level)
+        if mode == "grad":
+            loss.backward()
+    chunks = -(-int(p["mask"].sum()) // 4)
+    assert chunks >= 3
+    assert log.count(*GEMMS) == gemms_per_chunk * chunks
+
+
+def test_inference_mode_equals_grad_mode(backend):
+    p = _problem(33)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    loss, stats = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
+                                                      old_logps=p["old"], beta=0.04, ref_logps=p["ref"])
+    with torch.inference_mode():
+        inf_loss, inf_stats = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
+                                                                  old_logps=p["old"], beta=0.04, ref_logps=p["ref"])
+    assert inf_loss.item() == loss.item()
+    assert set(inf_stats) == set(stats)
+    for name in stats:
+        assert torch.equal(inf_stats[name], stats[name]), name
+
+
+@pytest.mark.parametrize("dtype, passes", [(torch.float32, 0), (torch.bfloat16, 1)])
+def test_weight_gradient_finished_in_at_most_one_pass(backend, dtype, passes):
+    """Past the GEMMs that accumulate it, the (V, H) gradient takes no elementwise pass for an fp32 weight when the
+    incoming gradient is 1 (no rescale by 1, and autograd takes the tensor without a copy), and exactly one for a bf16
+    weight (the scale rides on the fp32 -> bf16 conversion; before: a conversion and a multiply)."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter copies argument storages through torch ops")
+    p = _problem(37, dtype=dtype, bias=False)
+    weight = p["weight"].clone().requires_grad_()
+    with _OpLog() as log:
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(p["hidden"], weight, p["target"], p["mask"], p["adv"],
+                                                      old_logps=p["old"])
+        loss.backward()
+    elementwise = ("mul", "_to_copy", "copy_", "clone", "add", "add_", "div", "mul_")
+    passes_seen = [op for op, shape, dt in log.ops if shape == tuple(weight.shape) and dt == dtype and op in elementwise]
+    assert len(passes_seen) == passes, passes_seen
+    w2 = p["weight"].clone().requires_grad_()
+    want, _ = ref.fused_linear_grpo_loss(p["hidden"], w2, p["target"], p["mask"], p["adv"], old_logps=p["old"])
+    want.backward()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(weight.grad.float(), w2.grad.float(), rtol=tol, atol=tol * w2.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.7, -2.0, 0.0])
+def test_any_incoming_gradient(backend, scale):
+    p = _problem(39)
+    _, _, grads = _run(lambda *a, **k: _scaled_loss(gfpo_kernels.fused_linear_grpo_loss, scale, *a, **k), p,
+                          loss_type="grpo", old_logps=p["old"])
+    _, _, want = _run(lambda *a, **k: _scaled_loss(ref.fused_linear_grpo_loss, scale, *a, **k), p,
+                      loss_type="grpo", old_logps=p["old"])
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+def _scaled_loss(fn, scale, *args, **kwargs):
+    loss, stats = fn(*args, **kwargs)
+    return loss * scale, stats
+
+
+def test_second_backward_through_one_call_is_refused(backend):
+    p = _problem(43)
+    weight = p["weight"].clone().requires_grad_()
+    loss, _ = gfpo_kernels.fused_linear_grpo_loss(p["hidden"], weight, p["target"], p["mask"], p["adv"])
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice through the same call"):
+        loss.backward()
+
+
+def test_autocast_runs_the_gemms_in_the_autocast_dtype(backend):
+    """fp32 hidden and head under bf16 autocast: the GEMM operands are bf16, as F.linear (TRL's path) would make
+    them: the log-probs equal the reference's on bf16-rounded inputs, not its fp32 ones; gradients stay fp32."""
+    p = _problem(41)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert flg._operand_dtype(p["hidden"], p["weight"]) == torch.bfloat16
+        loss, stats, grads = _run(gfpo_kernels.fused_linear_grpo_loss, p, loss_type="dapo", old_logps=p["old"])
+    rounded = dict(p, hidden=p["hidden"].bfloat16().float(), weight=p["weight"].bfloat16().float(),
+                   bias=p["bias"].bfloat16().float())
+    want_loss, want_stats, want_grads = _run(ref.fused_linear_grpo_loss, rounded, loss_type="dapo", old_logps=p["old"])
+    _, fp32_stats, _ = _run(ref.fused_linear_grpo_loss, p, grads=False, loss_type="dapo", old_logps=p["old"])
+    torch.testing.assert_close(stats["logps"], want_stats["logps"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    assert (stats["logps"] - fp32_stats["logps"]).abs().max() > 1e-3  # the bf16 rounding shows
+    for got, expected in zip(grads, want_grads):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_chunk_budget_follows_free_cuda_memory(monkeypatch):
+    """CUDA: a quarter of the memory free for new tensors (device free + allocator cache), within
+    [256 MiB, 4 GiB]; other devices a constant; a fixed budget in _CHUNK_BYTES overrides."""
+    memory = {"free": 0, "reserved": 0, "allocated": 0}
+    monkeypatch.setattr(flg, "_CHUNK_BYTES", {})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (memory["free"], 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: memory["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
+    cuda = torch.device("cuda")
+    memory.update(free=8 << 30)
+    assert flg._chunk_budget(cuda) == 2 << 30
+    # bf16 operands: fp32 logits + their bf16 copy, 6 bytes per vocabulary entry
+    assert flg._chunk_rows(16384, 151936, cuda, torch.bfloat16) == (2 << 30) // (6 * 151936) == 2355
+    assert flg._chunk_rows(16384, 151936, cuda, torch.float32) == (2 << 30) // (4 * 151936)
+    memory.update(free=8 << 30, reserved=6 << 30, allocated=2 << 30)  # 4 GiB cached but unused count as free
+    assert flg._chunk_budget(cuda) == 3 << 30
+    memory.update(free=100 << 20, reserved=0, allocated=0)
+    assert flg._chunk_budget(cuda) == 256 << 20
+    memory.update(free=64 << 30)
+    assert flg._chunk_budget(cuda) == 4 << 30
+    assert flg._chunk_budget(torch.device("cpu")) == 64 << 20
+    monkeypatch.setattr(flg, "_CHUNK_BYTES", {"cuda": 1 << 20})
+    assert flg._chunk_budget(cuda) == 1 << 20
+    assert flg._chunk_rows(3, 1000, cuda) == 3  # never more rows than tokens, never fewer than one
+    assert flg._chunk_rows(100, 1 << 20, cuda) == 1
+
+
+def test_one_host_read_per_forward(backend, monkeypatch):
+    """The forward reads the device once (the count of scored tokens and the target-id range, in one transfer):
+    no any(), boolean index, int(), item() or data-dependent nonzero besides."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter reads tensors on the host")
+    p = _problem(47)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    transfers = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: transfers.append("tolist") or tolist(self))
+    with _OpLog() as log:
+        gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"], old_logps=p["old"],
+                                            num_items_in_batch=20)
+    host_reads = transfers + [op for op, _, _ in log.ops if op in ("_local_scalar_dense", "nonzero", "index_bool")]
+    assert host_reads == ["tolist"]
+
+
+class _RoundGradToBF16(torch.autograd.Function):
+    """Identity whose backward rounds the incoming gradient to bf16 once."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(torch.bfloat16).to(grad.dtype)
+
+
+def test_logits_gradient_rounded_once_per_chunk(backend, monkeypatch):
+    """bf16 operands (CUDA's path; emulated on CPU, whose torch.mm has no out_dtype): the fp32 logits gradient of a
+    chunk is converted to bf16 once and both gradient GEMMs use it (before: once per GEMM); the gradients equal a
+    float64 reference whose logits gradient is rounded to bf16 once."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter copies argument storages through torch ops")
+    if DEVICE == "cpu":
+        monkeypatch.setattr(flg, "_gemm_operands", lambda h, w, dtype=None: (h.bfloat16(), w.bfloat16()))
+
+        def project(h, w, b, out):
+            torch.mm(h.float(), w.float().t(), out=out)
+            return out if b is None else out.add_(b)
+
+        monkeypatch.setattr(flg, "_project", project)
+        # a.to(b.dtype): what main's _addmm_fp32 did per GEMM; a no-op once the chunk's gradient is already bf16
+        monkeypatch.setattr(flg, "_addmm_fp32", lambda acc, a, b: acc.addmm_(a.to(b.dtype).float(), b.float()))
+    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 6 * 4 * V})  # 4 tokens per chunk (fp32 + bf16 rows)
+    p = _problem(53, dtype=torch.bfloat16, bias=False)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    with _OpLog() as log:
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
+                                                      old_logps=p["old"])
+    chunks = -(-int(p["mask"].sum()) // 4)
+    roundings = [op for op, shape, dt in log.ops
+                 if op == "_to_copy" and dt == torch.bfloat16 and shape is not None and V in shape]  # (rows, V), (V, rows)
+    assert chunks >= 3 and len(roundings) == chunks
+    got = torch.autograd.grad(loss, (hidden, weight))
+
+    h64, w64 = p["hidden"].double().requires_grad_(), p["weight"].double().requires_grad_()
+    logits = _RoundGradToBF16.apply(h64 @ w64.t())
+    logps = torch.log_softmax(logits, -1).gather(-1, p["target"].unsqueeze(-1)).squeeze(-1)
+    want_loss, _ = grpo_loss_from_logps(logps, p["mask"].double(), p["adv"].double(), GRPOLossOptions(),
+                                        old_logps=p["old"].double())
+    want = torch.autograd.grad(want_loss, (h64, w64))
+    for g, w in zip(got, want):
+        scale = w.abs().max()
+        torch.testing.assert_close(g.double() / scale, w / scale, rtol=0, atol=1e-2)
 
 
 def test_gradient_only_where_asked(backend):

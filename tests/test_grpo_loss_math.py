@@ -129,14 +129,16 @@ def test_matches_trl_compute_loss(config, with_old, with_vllm, with_num_items):
     torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, trl_grad, rtol=1e-12, atol=1e-12)
     assert torch.isfinite(loss)
-    for name, value in stats.items():
+    scalars = {name: value for name, value in stats.items() if not name.startswith("per_token/")}
+    for name, value in scalars.items():
         assert trl_metrics[name] == [pytest.approx(value.item(), rel=1e-9, abs=1e-12)], name
+        assert stats["per_token/" + name].shape[0] == logps.shape[0]  # the per-token values the trainer reduces
     expected_names = {"kl"} if opts.beta != 0.0 else set()
     if opts.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         expected_names |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
     elif opts.loss_type == "cispo":
         expected_names |= {"cispo_clip_ratio"}
-    assert set(stats) == expected_names
+    assert set(scalars) == expected_names
 
 
 def test_token_local_gradient():
