@@ -1,6 +1,7 @@
 """Fused linear GRPO loss, forward and forward+backward: ours, TRL's own GRPO path (its chunked fused LM head
 log-probs + TRL's loss math), Liger-Kernel's LigerFusedLinearGRPOLoss, and eager torch with full logits, on
-identical inputs. One pytest-benchmark group per (size, pass).
+identical inputs. One pytest-benchmark group per (size, pass, mask): the mask is either ragged ends or GRPO-like
+completion lengths (long-tailed, about a third of the positions scored, see _completion_mask).
 
     pytest bench/test_bench_linear_grpo.py --benchmark-json=out.json
 
@@ -28,14 +29,30 @@ IMPLS = ["gfpo", "trl", "liger", "eager"]
 LOSS = dict(loss_type="dapo", beta=0.0, epsilon_low=0.2, epsilon_high=0.28)
 
 
-def _inputs(B, T, H, V):
+MASKS = ["ragged-ends", "grpo-lengths"]
+
+
+def _completion_mask(kind, B, T, g):
+    """ragged-ends: every sequence scored but for a random half of its last quarter. grpo-lengths: completion
+    lengths as in GRPO batches padded to the longest, long-tailed: 15% run to the maximum length T (truncated), the
+    rest are exponential with mean T/4, so about a third of the (B, T) positions are scored."""
+    if kind == "ragged-ends":
+        mask = torch.ones(B, T, device=DEVICE)
+        mask[:, T - T // 4 :] = (torch.rand(B, T // 4, generator=g, device=DEVICE) < 0.5).float()
+        return mask
+    exponential = -torch.log1p(-torch.rand(B, generator=g, device=DEVICE))
+    lengths = torch.where(torch.rand(B, generator=g, device=DEVICE) < 0.15, float(T), (T / 4) * exponential)
+    lengths = lengths.ceil().clamp(1, T)
+    return (torch.arange(T, device=DEVICE)[None, :] < lengths[:, None]).float()
+
+
+def _inputs(B, T, H, V, mask_kind="ragged-ends"):
     g = torch.Generator(device=DEVICE).manual_seed(0)
     weight = torch.randn(V, H, generator=g, device=DEVICE, dtype=torch.float32) / H**0.5
     target = torch.randint(0, V, (B, T), generator=g, device=DEVICE)
     # peaked logits: h = 3 * w[target] + noise puts the target ~3 sqrt(H) standard deviations up
     hidden = 3.0 * weight[target] + torch.randn(B, T, H, generator=g, device=DEVICE) / H**0.5
-    mask = torch.ones(B, T, device=DEVICE)
-    mask[:, T - T // 4 :] = (torch.rand(B, T // 4, generator=g, device=DEVICE) < 0.5).float()  # ragged ends
+    mask = _completion_mask(mask_kind, B, T, g)
     adv = torch.randn(B, generator=g, device=DEVICE)
     old = None  # on-policy: old = this policy (TRL's num_iterations=1)
     return hidden.to(DTYPE), weight.to(DTYPE), target, mask, adv, old
@@ -105,14 +122,16 @@ def _ids(sizes):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("passes", ["forward", "forward+backward"])
+@pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("B, T, H, V", SIZES, ids=_ids(SIZES))
-def test_linear_grpo_loss(benchmark, impl, passes, B, T, H, V):
+def test_linear_grpo_loss(benchmark, impl, passes, mask_kind, B, T, H, V):
     if impl == "liger":
         pytest.importorskip("liger_kernel")
     if impl == "trl":
         pytest.importorskip("trl")
-    benchmark.group = f"linear_grpo {passes} N{B * T}-H{H}-V{V} {str(DTYPE).removeprefix('torch.')}"
-    hidden, weight, target, mask, adv, _ = _inputs(B, T, H, V)
+    benchmark.group = f"linear_grpo {passes} {mask_kind} N{B * T}-H{H}-V{V} {str(DTYPE).removeprefix('torch.')}"
+    hidden, weight, target, mask, adv, _ = _inputs(B, T, H, V, mask_kind)
+    benchmark.extra_info["scored_fraction"] = float(mask.mean())
     fn = FNS[impl]
     backward = passes == "forward+backward"
     hidden.requires_grad_(backward)
