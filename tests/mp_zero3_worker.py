@@ -1,12 +1,13 @@
 """torchrun worker (gloo, CPU): a tiny Qwen2 under real DeepSpeed ZeRO-3 (`deepspeed.initialize`, every parameter
 partitioned), the fused loss through the patched forward on a different batch per process, `engine.backward`
-and one SGD step after clipping the gradient norm; writes the loss, the full head-weight gradient and the parameters after the step to rank<r>.pt,
-with the unsharded model's (the losses of every process's batch, their mean's gradient = the DDP average, one
-plain torch clipped SGD step) for comparison.
+and one SGD step after clipping the gradient norm; writes the loss, the full head-weight gradient and the
+parameters after the step, with the unsharded model's (the losses of every process's batch, their mean's gradient =
+the DDP average, one plain torch clipped SGD step) for comparison.
 
-argv: out_dir. Two engines in turn, written to <load>_rank<r>.pt: load "init", the model loaded by `from_pretrained`
-under a live ZeRO-3 config (so inside `deepspeed.zero.Init`: partitioned when the fused forward is installed), and
-"plain", a model built outside it (partitioned by `deepspeed.initialize` after the install)."""
+argv: out_dir. Four engines in turn, written to <head>_<load>/rank<r>.pt: head "untied" or "tied" (lm_head.weight
+is embed_tokens.weight); load "init", the model loaded by `from_pretrained` under a live ZeRO-3 config (so inside
+`deepspeed.zero.Init`: partitioned when the fused forward is installed), or "plain", a model built outside it
+(partitioned by `deepspeed.initialize` after the install)."""
 
 import functools
 import sys
@@ -58,41 +59,57 @@ def run(model, rank, vocab_size):
     return loss
 
 
+def make_model(tokenizer, tied):
+    """The tiny Qwen2, its LM head tied to the input embedding or not, the same weights on every call."""
+    model = make_tiny_model(tokenizer, seed=0)
+    if tied:  # the LM head's weight is embed_tokens' (as in Qwen2.5 0.5B-3B): the embedding's own hooks gather it
+        model.config.tie_word_embeddings = True
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(model.config)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
 def main(out_dir):
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     config = ds_config(world)
     # what accelerate/transformers hold under a ZeRO-3 config: is_deepspeed_zero3_enabled() reads it
     hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841 (a weak reference is kept: it must stay alive)
-    tokenizer = make_tokenizer()
+    for head in ("untied", "tied"):
+        expected = unsharded_expected(head == "tied", world)
+        for load in ("init", "plain"):
+            train_zero3(Path(out_dir, f"{head}_{load}"), load, head == "tied", config, expected)
+            dist.barrier()
+    dist.destroy_process_group()
 
-    # the unsharded model on every process's batch: the mean's gradient is what data parallelism averages to
-    reference = make_tiny_model(tokenizer, seed=0)
+
+def unsharded_expected(tied, world):
+    """The unsharded model on every process's batch: the losses, the mean's gradient (what data parallelism
+    averages to) and the parameters after one clipped SGD step."""
+    reference = make_model(make_tokenizer(), tied)
     install_fused_loss_forward(reference)
-    vocab = reference.config.vocab_size
-    losses = [run(reference, r, vocab) for r in range(world)]
+    losses = [run(reference, r, reference.config.vocab_size) for r in range(world)]
     torch.stack(losses).mean().backward()
     expected = {"losses": torch.stack(losses).detach(), "head_grad": reference.lm_head.weight.grad.clone()}
     torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_GRAD_NORM)
     torch.optim.SGD(reference.parameters(), lr=LR).step()
     expected["params"] = {name: p.detach().clone() for name, p in reference.named_parameters()}
-
-    for load in ("init", "plain"):
-        train_zero3(out_dir, load, config, expected)
-    dist.destroy_process_group()
+    return expected
 
 
-def train_zero3(out_dir, load, config, expected):
+def train_zero3(out_dir, load, tied, config, expected):
     rank, tokenizer = dist.get_rank(), make_tokenizer()
+    out_dir.mkdir(exist_ok=True)
     if load == "init":
         # from_pretrained under a live ZeRO-3 HfDeepSpeedConfig builds the model inside deepspeed.zero.Init
         path = Path(out_dir, "model")
         if rank == 0:  # save_pretrained writes on the main process only
-            make_tiny_model(tokenizer, seed=0).save_pretrained(path)
+            make_model(tokenizer, tied).save_pretrained(path)
         dist.barrier()
         model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
-        model = make_tiny_model(tokenizer, seed=0)
+        model = make_model(tokenizer, tied)
     partitioned_at_install = model.lm_head.weight.numel() == 0
     install_fused_loss_forward(model)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
@@ -107,7 +124,7 @@ def train_zero3(out_dir, load, config, expected):
     with deepspeed.zero.GatheredParameters(list(named.values())):
         params = {name: p.detach().clone() for name, p in named.items()}
     torch.save({"loss": loss.detach(), "head_grad": head_grad, "params": params, "expected": expected,
-                "partitioned_at_install": partitioned_at_install}, Path(out_dir, f"{load}_rank{rank}.pt"))
+                "partitioned_at_install": partitioned_at_install}, Path(out_dir, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":
