@@ -10,6 +10,7 @@ is embed_tokens.weight); load "init", the model loaded by `from_pretrained` unde
 (partitioned by `deepspeed.initialize` after the install)."""
 
 import functools
+import importlib
 import sys
 from pathlib import Path
 
@@ -71,6 +72,9 @@ def make_model(tokenizer, tied):
 
 
 def main(out_dir):
+    # DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce (deepspeed_shm_comm, with ninja) on the
+    # first init, minutes on 2 cores; without it the communication is gloo's, which is all this test needs
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # (deepspeed.comm.torch is torch)
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     config = ds_config(world)
