@@ -154,7 +154,14 @@ def tool_mask_of(generate_result) -> list | None:
 
 def lm_head_gather_context(*params):
     """A context in which ZeRO-3 partitioned LM-head parameters are gathered (a null context otherwise): TRL's
-    `maybe_gather_lm_head_ctx` where this TRL has it, else the same gather done here."""
+    `maybe_gather_lm_head_ctx` where this TRL has it, else the same gather done here. Only ZeRO-3 parameters (those
+    with a `ds_status`) are passed on: under a ZeRO-3 config a model built outside `zero.Init` holds plain
+    parameters until `deepspeed.initialize`, and TRL's context reads `ds_status` on every parameter."""
+    params = tuple(p for p in params if p is not None and hasattr(p, "ds_status"))
+    if not params:
+        import contextlib
+
+        return contextlib.nullcontext()
     try:
         from trl.trainer.utils import maybe_gather_lm_head_ctx
     except ImportError:

@@ -103,3 +103,16 @@ def test_no_gather_when_already_available(zero3):
     with _compat._gather_zero3_params((param, None)):
         pass
     assert zero3.gathered == []
+
+
+def test_plain_parameters_under_a_zero3_config_are_not_gathered(zero3):
+    # a model built outside zero.Init while a ZeRO-3 config is live (is_deepspeed_zero3_enabled() is True) holds
+    # plain parameters until deepspeed.initialize: the probe's fused call must read them as they are (TRL's gather
+    # context read their missing ds_status and raised AttributeError)
+    model = make_tiny_model(make_tokenizer(), seed=0)
+    install_fused_loss_forward(model)
+    seen = []
+    with torch.no_grad():
+        _fused_call(model, seen, zero3)
+    torch.testing.assert_close(seen[0]["weight"], model.get_output_embeddings().weight, rtol=0, atol=0)
+    assert zero3.gathered == [] and seen[0]["inside"] == 0
