@@ -4,10 +4,11 @@ use_gfpo_kernels, and print one table: test -> pass / skip (reason) / refused (G
 TRL's test files are not part of this repository. They are looked for, in this order, in
   1. $GFPO_TRL_TESTS_DIR (a folder holding TRL's tests/: test_grpo_trainer.py, testing_utils.py, __init__.py,
      conftest.py),
-  2. the git-ignored cache .trl_tests/src/tests (filled by 3 or 4),
-  3. the sdist of the installed trl release on PyPI (`pip download --no-binary`), where it ships tests/
+  2. the git-ignored cache .trl_tests/src/tests (filled by 4 or 5),
+  3. ../shared/trl_tests/tests beside the clone (where CI has shared/), with its SOURCE.json,
+  4. the sdist of the installed trl release on PyPI (`pip download --no-binary`), where it ships tests/
      (trl 1.16.0's sdist does not),
-  4. `--from-git DIR[@REF]`: a local clone of huggingface/trl, copied into the cache.
+  5. `--from-git DIR[@REF]`: a local clone of huggingface/trl, copied into the cache.
 With none of them the check skips, saying so. The cache records the trl version its tests come from; a version
 other than the installed one is reported, and the "trl" baseline mode (TRL's own GRPOTrainer on the same local
 stand-ins) tells such drift from a GFPO failure: a test that fails under TRL's trainer too is "fails in TRL too".
@@ -33,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".trl_tests" / "src"
+SHARED = REPO.parent / "shared" / "trl_tests"
 PLUGIN_DIR = REPO / "tests" / "trl_suite"
 TRL_TEST_FILES = ("__init__.py", "conftest.py", "testing_utils.py", "test_grpo_trainer.py")
 GFPO_MODES = ("gfpo", "gfpo-kernels")
@@ -121,8 +123,11 @@ def obtain_trl_tests(from_git: str | None = None) -> tuple[Path | None, dict]:
         if not _has_trl_tests(Path(env_dir)):
             return None, {"reason": f"GFPO_TRL_TESTS_DIR={env_dir} lacks one of {TRL_TEST_FILES}"}
         return Path(env_dir), {"trl_version": "unknown", "origin": f"GFPO_TRL_TESTS_DIR={env_dir}"}
-    if _has_trl_tests(CACHE / "tests"):
-        return CACHE / "tests", json.loads((CACHE / "SOURCE.json").read_text())
+    for folder in (CACHE, SHARED):
+        if _has_trl_tests(folder / "tests"):
+            source = folder / "SOURCE.json"
+            info = json.loads(source.read_text()) if source.is_file() else {"trl_version": "unknown"}
+            return folder / "tests", {**info, "origin": f"{info.get('origin', '?')} via {folder}"}
     try:
         tests_dir, why = _from_sdist(installed)
     except (OSError, subprocess.SubprocessError) as error:
@@ -133,8 +138,9 @@ def obtain_trl_tests(from_git: str | None = None) -> tuple[Path | None, dict]:
     return tests_dir, json.loads((CACHE / "SOURCE.json").read_text())
 
 
-def run_mode(tests_dir: Path, mode: str, subset: str) -> tuple[dict[str, dict], float]:
-    """Runs TRL's GRPO test file under the plugin in one mode; returns {test id: record} and the wall time."""
+def run_mode(tests_dir: Path, mode: str, subset: str, only: list[str] | None = None) -> tuple[dict[str, dict], float]:
+    """Runs TRL's GRPO test file (the subset, or the tests named in `only`) under the plugin in one mode; returns
+    {test id: record} and the wall time."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.jsonl"
         env = {
@@ -144,8 +150,10 @@ def run_mode(tests_dir: Path, mode: str, subset: str) -> tuple[dict[str, dict], 
             "PYTHONPATH": os.pathsep.join([str(REPO), str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]),
         }
         command = [sys.executable, "-m", "pytest", "-p", "gfpo_trl_plugin", "-p", "no:cacheprovider", "-q",
-                   "--rootdir", str(tests_dir.parent), str(tests_dir / "test_grpo_trainer.py")]
-        if subset == "ci":
+                   "--rootdir", str(tests_dir.parent)]
+        test_file = str(tests_dir / "test_grpo_trainer.py")
+        command += [f"{test_file}::{test}" for test in only] if only else [test_file]
+        if subset == "ci" and not only:
             command += ["-k", CI_SUBSET]
         start = time.monotonic()
         run = subprocess.run(command, check=False, cwd=tests_dir.parent, env=env, capture_output=True, text=True)
