@@ -9,8 +9,8 @@ Loaded with `-p tests.trl_suite.gfpo_trl_plugin` before TRL's test module is imp
    - "gfpo-kernels": the same with use_gfpo_kernels=True;
 2. resolves the Hub ids TRL's tests load (a tiny Qwen2 causal LM, a tiny Qwen2 reward model, the "zen" prompt
    data set) to stand-ins built here in code; any other Hub model or data set skips the test, naming it;
-3. writes one JSON line per test (outcome, reason, and whether a failure is a GFPO refusal: a ValueError raised
-   inside gfpo_trainer/) to GFPO_TRL_SUITE_REPORT, for scripts/trl_grpo_suite.py's table.
+3. writes one JSON line per test (outcome, reason, seconds, and whether a failure is a GFPO refusal: a ValueError
+   raised at one of REFUSAL_SITES) to GFPO_TRL_SUITE_REPORT, for scripts/trl_grpo_suite.py's table.
 """
 
 from __future__ import annotations
@@ -216,11 +216,24 @@ if MODE != "trl":
     _install_gfpo()
 
 
+# Where GFPO refuses an option with a ValueError naming it (README, "TRL's own GRPO tests against GFPOTrainer"):
+# the config's checks, the trainer's construction checks, the fused loss's option and model checks
+REFUSAL_SITES = {
+    ("config.py", "__post_init__"),
+    ("trainer.py", "__init__"),
+    ("fused_head.py", "check_fused_loss_supported"),
+    ("fused_head.py", "logit_scale_of"),
+    ("fused_head.py", "_probe"),
+}
+
+
 def _is_gfpo_refusal(excinfo) -> bool:
-    """A ValueError raised by gfpo_trainer's own code: GFPO refusing an option, not a crash."""
+    """A ValueError raised at one of GFPO's refusal sites: GFPO declining an option, not a crash."""
     if not excinfo.errisinstance(ValueError):
         return False
-    return str(excinfo.traceback[-1].path).startswith(GFPO_PACKAGE_DIR)
+    raised_at = excinfo.traceback[-1]
+    path = Path(str(raised_at.path))
+    return str(path.parent) == GFPO_PACKAGE_DIR and (path.name, raised_at.name) in REFUSAL_SITES
 
 
 def pytest_collection_modifyitems(config, items):
