@@ -41,7 +41,8 @@ GFPO_MODES = ("gfpo", "gfpo-kernels")
 
 # The CI subset: one test per GRPO feature GFPO touches: construction, the high-entropy mask helper, training on
 # standard and conversational prompts, every loss type, eval, several iterations (old-policy log-probs), beta > 0
-# (reference model), weighted reward functions, mask_truncated_completions, and more generations than the batch
+# (reference model), weighted reward functions, mask_truncated_completions (not its all-masked variant: it needs
+# a model that never ends a completion, which the stand-in is not), and more generations than the batch
 CI_SUBSET = " or ".join(  # noqa: FLY002 (one -k term a line)
     [
         "TestGetHighEntropyMask",
@@ -52,7 +53,7 @@ CI_SUBSET = " or ".join(  # noqa: FLY002 (one -k term a line)
         "test_train_multiple_iterations",
         "test_train_beta_non_zero",
         "test_train_multiple_reward_funcs_with_weights",
-        "test_train_with_mask_truncated_completions",
+        "(test_train_with_mask_truncated_completions and not all_masked)",
         "test_train_num_generations_larger_than_batch_size",
     ]
 )
