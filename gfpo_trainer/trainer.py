@@ -65,7 +65,7 @@ class GFPOTrainer(GRPOTrainer):
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: GFPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
