@@ -20,9 +20,9 @@ import torch.distributed as dist
 from transformers import Qwen2ForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
-import gfpo_kernels
 from gfpo_trainer.fused_head import install_fused_loss_forward
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+from mp_fsdp2_worker import _loss, batch_for_rank  # the same batches and loss as the FSDP2 check
 
 LR = 0.5
 MAX_GRAD_NORM = 1.0  # TRL's default max_grad_norm: the clip by the global norm over the shards is compared too
@@ -38,19 +38,6 @@ def ds_config(world):
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "model_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
     }
-
-
-def batch_for_rank(rank, vocab_size, completion=4):
-    gen = torch.Generator().manual_seed(10 + rank)  # a different batch on every process
-    input_ids = torch.randint(0, vocab_size, (3, 9), generator=gen)
-    extra = {"target_ids": input_ids[:, -completion:], "mask": torch.ones(3, completion),
-             "advantages": torch.randn(3, generator=gen)}
-    return input_ids, extra
-
-
-def _loss(hidden, weight, bias, **extra):
-    return gfpo_kernels.fused_linear_grpo_loss(hidden, weight, extra["target_ids"], extra["mask"],
-                                               extra["advantages"], bias=bias, loss_type="grpo")
 
 
 def run(model, rank, vocab_size):
