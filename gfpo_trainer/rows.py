@@ -66,7 +66,7 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
     row_tokens = trainer.accelerator.gather(loss_mask.sum(dim=1))
     kept = keep.nonzero().squeeze(1)
     trained = kept[advantages[kept] != 0] if skip_zero else kept
-    share = math.ceil(math.ceil(max(trained.numel(), 1) / P) / spg) * spg
+    share = _share_per_process(trained.numel(), P, spg)
     mine = trained[rank * share : (rank + 1) * share]
     n_real = mine.numel()
     # padding rows copy a kept row (a valid forward) and are masked out below
@@ -87,7 +87,7 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
         trainer._metrics["train"]["gfpo/skipped_zero_gradient_fraction"].append(
             1.0 - trained.numel() / max(kept.numel(), 1)
         )
-        unskipped_share = math.ceil(math.ceil(max(kept.numel(), 1) / P) / spg) * spg
+        unskipped_share = _share_per_process(kept.numel(), P, spg)
         if unskipped_share != share:
             # TRL's shuffle draws a permutation of this process's rows from the CPU generator, and a shorter one
             # leaves another state: the next generation would sample differently than with the skip off.
@@ -101,6 +101,11 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
         if not ROW_KEYS[key][1] and output[key].dim() > 1 and output[key].size(1) == T:
             output[key] = output[key][:, :width]
     return n_real
+
+
+def _share_per_process(num_rows: int, P: int, spg: int) -> int:
+    """Rows each of P processes trains for `num_rows` rows in all: an equal share, a multiple of spg, at least spg."""
+    return math.ceil(math.ceil(max(num_rows, 1) / P) / spg) * spg
 
 
 def rng_state_after_shuffle(num_rows: int) -> torch.Tensor:
