@@ -18,6 +18,8 @@ _PACKAGES = ("gfpo", "torch", "triton", "trl", "transformers", "accelerate", "li
 
 
 def _version(package: str) -> str:
+    if package == "torch":  # with its local tag (+cu130, +cpu): which build it is matters in a bug report
+        return torch.__version__
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

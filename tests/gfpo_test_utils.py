@@ -15,3 +15,25 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Every backend that can run here, except the reference itself (it is the oracle).
 KERNEL_BACKENDS = [b for b in gfpo_kernels.available_backends("group", DEVICE) if b != "reference"]
 LOSS_BACKENDS = [b for b in gfpo_kernels.available_backends("linear_grpo", DEVICE) if b != "reference"]
+
+
+def launch_cpu_workers(script: str, nproc: int, *args: str, timeout: int = 300, **extra_env: str) -> None:
+    """Runs tests/<script> under torchrun on `nproc` CPU processes (gloo) and fails with the workers' stderr.
+
+    The workers import this checkout first and then whatever the caller's PYTHONPATH holds (a GPU run's wheels in
+    /tmp/site, the oldest-TRL folder): replacing PYTHONPATH instead would hide packages the parent can import."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    pythonpath = os.pathsep.join(p for p in (str(here.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, **extra_env}
+    with socket.socket() as probe:  # a free port for the rendezvous (torchrun's port 0 does not rendezvous)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
+               "--master_addr=127.0.0.1", str(here / script), *map(str, args)]
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]

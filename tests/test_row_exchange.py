@@ -2,24 +2,14 @@
 all-gather of the batch returned, and a process receives only the bytes of its own rows."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from gfpo_test_utils import launch_cpu_workers
+
 
 def _launch(tmp_path, world):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={port}",
-               "--master_addr=127.0.0.1", str(Path(__file__).with_name("mp_row_exchange_worker.py")), str(tmp_path)]
-    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch_cpu_workers("mp_row_exchange_worker.py", world, tmp_path, timeout=240)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

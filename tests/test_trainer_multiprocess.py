@@ -2,14 +2,11 @@
 holding exactly the global top-k rows, and training must not hang."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from gfpo_test_utils import launch_cpu_workers
 
 pytest.importorskip("trl")
 
@@ -20,15 +17,7 @@ from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 def _launch(tmp_path, model_dir, use_kernels, stop_dropped, name, *extra):
     out_dir = tmp_path / name
     out_dir.mkdir()
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    with socket.socket() as probe:  # a free port for the rendezvous (torchrun's port 0 does not rendezvous)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-               "--master_addr=127.0.0.1", str(Path(__file__).with_name("mp_gfpo_worker.py")), str(out_dir),
-               str(model_dir), use_kernels, stop_dropped, *extra]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch_cpu_workers("mp_gfpo_worker.py", 2, out_dir, model_dir, use_kernels, stop_dropped, *extra)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -6,30 +6,18 @@ the LM head its own parameter or tied to the input embedding.
 DeepSpeed is not a dependency: scripts/test_zero3_cpu.sh installs it in .venv-deepspeed and runs this test."""
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from gfpo_test_utils import launch_cpu_workers
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed (scripts/test_zero3_cpu.sh installs it and runs this)")
 
 
 def test_zero3_fused_loss_gradient_and_step_match_unsharded(tmp_path):
-    pythonpath = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": pythonpath}
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-               "--master_addr=127.0.0.1", str(Path(__file__).with_name("mp_zero3_worker.py")), str(tmp_path)]
-    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    launch_cpu_workers("mp_zero3_worker.py", 2, tmp_path, DS_ACCELERATOR="cpu")
     for run in ("untied_init", "untied_plain", "tied_init", "tied_plain"):
         for rank in range(2):
             got = torch.load(tmp_path / run / f"rank{rank}.pt")
