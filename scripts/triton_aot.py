@@ -1,13 +1,16 @@
 """Ahead-of-time compilation of every Triton kernel configuration the wrappers launch, for GPUs this machine does
 not have: compile errors, registers and spills (local memory) per kernel, for sm_90 (H100/H200) and sm_80 (A100).
 
-Triton compiles to PTX and runs its bundled ptxas without a GPU; `ptxas -v` (the same bundled ptxas) reports registers and spills. Run: `python scripts/triton_aot.py [--arch 90 80] [--quick]`.
+Triton compiles to PTX and runs its bundled ptxas without a GPU; `ptxas -v` (the same bundled ptxas) reports
+registers and spills. Run: `python scripts/triton_aot.py [--arch 90 80] [--quick] [--json FILE]`, without
+TRITON_INTERPRET=1 (Triton 3.9's interpreter mode breaks compilation in the same process).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -70,8 +73,10 @@ def _row_launches(vocab_sizes) -> list[Launch]:
                   "inv_t": "fp32", "BLOCK": "constexpr"}
         launches.append(Launch(f"logprob/entropy V={V}", linear_grpo_triton._logprob_entropy_kernel,
                                {**common, "logp_ptr": "*fp32", "entropy_ptr": "*fp32"}, {"BLOCK": block}))
-        launches.append(Launch(f"grad-logits V={V}", linear_grpo_triton._grad_logits_kernel,
-                               {**common, "g_ptr": "*fp32"}, {"BLOCK": block}))
+        for out in ("fp32", "bf16", "fp16"):  # in place, or rounded into the gradient GEMMs' operand dtype
+            launches.append(Launch(f"grad-logits V={V} -> {out}", linear_grpo_triton._grad_logits_kernel,
+                                   {**common, "out_ptr": f"*{out}", "out_stride": "i32", "g_ptr": "*fp32"},
+                                   {"BLOCK": block}))
     return launches
 
 
@@ -110,7 +115,17 @@ def _resource_usage(ptx: str, arch: int) -> dict:
 
 
 def compile_launch(launch: Launch, arch: int) -> dict:
-    """Compiles `launch` for sm_<arch>; returns its registers, stack frame and spill bytes per thread."""
+    """Compiles `launch` for sm_<arch>; returns its registers, stack frame and spill bytes per thread, and the
+    PTX conversions to half precision (`half_conversions`: their opcodes, which name the rounding mode)."""
+    ptx = compile_ptx(launch, arch)
+    usage = _resource_usage(ptx, arch)
+    usage["half_conversions"] = sorted({line.split()[0] for line in ptx.splitlines()
+                                        if re.match(r"\s*cvt\.\w+\.(bf16|f16)", line)})
+    return usage
+
+
+def compile_ptx(launch: Launch, arch: int) -> str:
+    """The PTX Triton generates for `launch` on sm_<arch>."""
     # the launch's argument order is the kernel's: ASTSource expects the signature in that order
     kernel = launch.kernel
     if not isinstance(kernel, JITFunction):  # under TRITON_INTERPRET=1 (the CPU tests) @triton.jit interprets
@@ -121,23 +136,29 @@ def compile_launch(launch: Launch, arch: int) -> dict:
         warnings.simplefilter("ignore")  # Triton's notice about its FP-fusion default
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": launch.num_warps})
-    return _resource_usage(compiled.asm["ptx"], arch)
+    return compiled.asm["ptx"]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (default 90 80)")
     parser.add_argument("--quick", action="store_true", help="only the smallest and largest shapes")
+    parser.add_argument("--json", help="also write every result to this file (tests/test_triton_aot.py reads it)")
     args = parser.parse_args(argv)
+    results = []
     print("| kernel | sm | warps | registers | stack frame | spill stores / loads (bytes) |\n|---|---|---|---|---|---|")
     spilled = 0
     for launch in launches(args.quick):
         for arch in args.arch:
             usage = compile_launch(launch, arch)
             spilled += usage["spill_stores"] > 0
+            results.append({"name": launch.name, "arch": arch, "num_warps": launch.num_warps, **usage})
             print(f"| {launch.name} | {arch} | {launch.num_warps} | {usage['registers']} | {usage['stack']} | "
                   f"{usage['spill_stores']} / {usage['spill_loads']} |")
     print(f"\n{spilled} configuration(s) spill to local memory")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     return 1 if spilled else 0
 
 

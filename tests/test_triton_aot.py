@@ -1,7 +1,12 @@
 """The Triton kernels compile for the GPUs CI does not have (sm_90: H100/H200, sm_80: A100), at the configurations
-the wrappers launch, without spilling registers: ahead-of-time compilation with Triton's bundled ptxas."""
+the wrappers launch, without spilling registers: ahead-of-time compilation with Triton's bundled ptxas.
 
-import importlib.util
+The compilation runs once, in a process of its own without TRITON_INTERPRET (the CPU tests set it, and Triton 3.9's
+interpreter mode breaks compilation in the process that set it): scripts/triton_aot.py --quick --json."""
+
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,21 +15,55 @@ import pytest
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
-_spec = importlib.util.spec_from_file_location("triton_aot", Path(__file__).parents[1] / "scripts" / "triton_aot.py")
-triton_aot = sys.modules.setdefault("triton_aot", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(triton_aot)
-
-LAUNCHES = triton_aot.launches(quick=True)
+REPO = Path(__file__).parents[1]
+ARCHS = (90, 80)
 
 
-@pytest.mark.parametrize("arch", [90, 80])
-@pytest.mark.parametrize("launch", LAUNCHES, ids=[launch.name for launch in LAUNCHES])
-def test_kernel_compiles_without_spilling(launch, arch):
-    usage = triton_aot.compile_launch(launch, arch)
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """{(launch name, arch): ptxas resource usage and half-precision conversions} for every quick launch."""
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "triton_aot.py"), "--quick", "--json", str(out),
+                           "--arch", *map(str, ARCHS)], env=env, capture_output=True, text=True, timeout=600)
+    if not out.exists():  # a compile error: the script raised before writing
+        pytest.fail(f"scripts/triton_aot.py failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return {(r["name"], r["arch"]): r for r in json.loads(out.read_text())}
+
+
+def _launch_names():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import triton_aot
+    finally:
+        sys.path.pop(0)
+    return [launch.name for launch in triton_aot.launches(quick=True)]
+
+
+NAMES = _launch_names()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", NAMES)
+def test_kernel_compiles_without_spilling(compiled, name, arch):
+    usage = compiled[(name, arch)]
     assert usage["registers"] <= 255
     # ptxas may park one 4-byte value (seen at 48 registers, G=256 on sm_80); more is register pressure. A 4096-wide
     # group at 4 warps spilled 20 bytes on sm_90 before the warps grew with the tile.
     assert usage["spill_stores"] <= 4, usage
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("out", ["bf16", "fp16"])
+def test_grad_logits_rounds_to_nearest_even_on_the_gpu(compiled, arch, out):
+    """The grad-logits kernel rounds the fp32 gradient into a half buffer with round-to-nearest-even conversions, as
+    torch's .to() does (the interpreter the CPU tests run truncates to bf16 instead, so only the PTX can show it)."""
+    name = next(n for n in NAMES if n.startswith("grad-logits") and n.endswith(f"-> {out}"))
+    conversions = compiled[(name, arch)]["half_conversions"]
+    assert conversions and all(c.startswith("cvt.rn.") for c in conversions), conversions
+    in_place = next(n for n in NAMES if n.startswith("grad-logits") and n.endswith("-> fp32"))
+    assert compiled[(in_place, arch)]["half_conversions"] == []
 
 
 def test_wide_groups_get_more_warps():
