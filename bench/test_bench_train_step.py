@@ -1,6 +1,9 @@
 """One GFPO training step (G=16 sampled, k=8 kept) with use_gfpo_kernels on and off: generation and scoring of a
-generation batch, then the loss and its backward over the kept rows. Random-init Qwen2-style models: a tiny one
+generation batch, then the loss and its backward over the kept rows, with the split of a step into generation,
+scoring and loss + backward in extra_info. Random-init Qwen2-style models: a tiny one
 everywhere, and a ~0.5B one (Qwen2-0.5B dimensions) on CUDA."""
+
+import time
 
 import pytest
 import torch
@@ -70,3 +73,38 @@ def test_gfpo_train_step(benchmark, model_dirs, tmp_path, model, use_kernels):
     loss = benchmark.pedantic(step, rounds=3, warmup_rounds=1)
     assert torch.isfinite(loss)
     benchmark.extra_info["kept_fraction"] = trainer._metrics["train"]["gfpo/kept_fraction"][-1]
+    # the split of a step, from one more step synchronised at the phase boundaries (outside the timed rounds)
+    generation, scoring, loss_backward = _step_split(trainer, model_, batch)
+    benchmark.extra_info.update(generation_s=generation, scoring_s=scoring, loss_backward_s=loss_backward)
+    assert min(generation, scoring, loss_backward) > 0
+
+
+def _step_split(trainer, model, batch):
+    """(generation, scoring, loss + backward) seconds of one step: scoring is everything in
+    _generate_and_score_completions besides generation (rewards, filter, advantages, old/reference log-probs)."""
+    phases = {}
+    generate = trainer._generate
+
+    def timed_generate(*args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        out = generate(*args, **kwargs)
+        sync()
+        phases["generation"] = time.perf_counter() - start
+        return out
+
+    trainer._generate = timed_generate
+    try:
+        torch.manual_seed(0)
+        sync()
+        t0 = time.perf_counter()
+        inputs = trainer._generate_and_score_completions(batch)
+        sync()
+        t1 = time.perf_counter()
+        trainer.compute_loss(model, inputs).backward()
+        model.zero_grad(set_to_none=True)
+        sync()
+        t2 = time.perf_counter()
+    finally:
+        del trainer._generate  # the class's method again
+    return phases["generation"], t1 - t0 - phases["generation"], t2 - t1
