@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU run (issue 12), in steps that each fit one device call (10 min): see docs/gpu-run.md.
+# The whole GPU run (issue 12), in steps that each fit one device call (10 min). Wheels the GPU image lacks:
+# scripts/gpu_wheels.sh (carried as .whl/). On an H100 (2026-11-23): setup 55 s (CUDA build included), tests
+# 3.5 min, bench-group 13 s and bench-loss 63 s with --fast, bench-train 3 min, profile 10 s, tune 22 s.
 #
 #   bash bench/gpu_run.sh OUTDIR [--fast] [STEP...]
 #
@@ -7,6 +9,7 @@
 #   setup        install .whl/ into /tmp/site, build the extension with CUDA, print the environment (env.txt)
 #   tests        pytest tests/ on CUDA (gpu-marked tests included)          -> tests.log
 #   bench-group  pytest bench/test_bench_group_ops.py                         -> STEM-group.{json,md,png}
+#                and bench/group_kernel_time.py (device time, CUDA graphs)     -> group-kernel-time.txt
 #   bench-loss   pytest bench/test_bench_linear_grpo.py                       -> STEM-loss.{json,md,png}
 #   bench-train  pytest bench/test_bench_train_step.py test_bench_early_stop test_bench_skip_zero_rows
 #                                                                             -> STEM-train.{json,md,png}
@@ -126,6 +129,9 @@ step_bench_group() {
   { [ "$FAST" = 1 ] || [ "$ON_CPU" = 1 ]; } && sel=(-k "4096x16 or 8192x64")
   [ "$ON_CPU" = 1 ] && sel=(-k "64x8")
   bench_step group bench/test_bench_group_ops.py "${sel[@]}"
+  [ "$ON_CPU" = 1 ] || run_step group-kernel-time "$PY" bench/group_kernel_time.py
+  [ -f "$OUTDIR/group-kernel-time.log" ] && mv "$OUTDIR/group-kernel-time.log" "$OUTDIR/group-kernel-time.txt"
+  return 0
 }
 
 step_bench_loss() {

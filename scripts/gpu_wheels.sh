@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ (git-ignored) every wheel the lent GPU machine lacks for tests/ and bench/:
-# cp312, manylinux x86_64, --no-deps, one version each. That machine (docs/gpu-run.md) has torch 2.11,
+# cp312, manylinux x86_64, --no-deps, one version each. That machine (the device tool's H100/H200 image) has torch 2.11,
 # transformers 5.17, accelerate 1.15, huggingface_hub 1.33, pandas, pyarrow, xxhash, fsspec, pytest-benchmark,
 # hypothesis, py-cpuinfo, sortedcontainers; it lacks trl, datasets (+dill, multiprocess), liger-kernel, tdigest
 # (+accumulation-tree, pyudorandom). accumulation-tree and pyudorandom are published as sdists only: we build
