@@ -68,7 +68,7 @@ def _grad_logits_kernel(
     onehot = (cols == tl.load(targets_ptr + row)).to(tl.float32)
     grad = g * (onehot - p) * inv_t
     # out may be the logits themselves (fp32) or a bf16/fp16 buffer: rounded once to nearest even, as torch's
-    # tensor.to() does (named, not left to the default: the interpreter would otherwise truncate)
+    # tensor.to() does (cvt.rn in the PTX, tests/test_triton_aot.py; Triton's interpreter truncates to bf16)
     if out_ptr.dtype.element_ty == tl.float32:
         tl.store(out_ptr + row * out_stride + cols, grad, mask=ok)
     else:
