@@ -36,7 +36,8 @@ per-token vectors; never a (B*T, V) tensor. Precision: logits and softmax statis
 accumulate in fp32; for bf16/fp16 operands on CUDA the logits gradient is rounded to that dtype once per chunk
 before the two gradient GEMMs (as TRL and Liger do), elsewhere it stays fp32. On CPU (no out_dtype GEMM) the
 operands are rounded to their dtype and then held in fp32. Unlike cut-cross-entropy we do not skip
-vocabulary tiles of negligible softmax mass: the GEMMs are cuBLAS calls over whole chunks.
+vocabulary tiles of negligible softmax mass: the GEMMs are cuBLAS calls over whole chunks (what such a mode would
+gain and cost: docs/cce-gradient-filtering-study.md).
 """
 
 from __future__ import annotations
