@@ -27,3 +27,12 @@ def record_tflops(benchmark, flops: float) -> None:
     """extra_info["tflops"] from the median time (nothing when timing is off, as with --benchmark-disable)."""
     if benchmark.stats is not None:
         benchmark.extra_info["tflops"] = flops / benchmark.stats.stats.median / 1e12
+
+
+def group_inputs(num_groups: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards, completion lengths) on DEVICE for the group benchmarks: 0/1 correctness plus a little noise, and
+    lengths distinct within a group (every implementation keeps the same rows)."""
+    g = torch.Generator().manual_seed(0)
+    rewards = (torch.rand(num_groups * G, generator=g) < 0.4).float() + 0.01 * torch.randn(num_groups * G, generator=g)
+    lengths = torch.stack([torch.randperm(4000, generator=g)[:G] for _ in range(num_groups)]).flatten() + 16
+    return rewards.to(DEVICE), lengths.float().to(DEVICE)

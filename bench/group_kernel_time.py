@@ -19,15 +19,10 @@ import torch
 import gfpo_kernels
 from gfpo_kernels import _dispatch, reference
 
+from bench_utils import group_inputs
+
 SIZES = [(4096, 16), (8192, 64)]
 CALLS = 20
-
-
-def _inputs(num_groups, G):
-    g = torch.Generator().manual_seed(0)
-    rewards = (torch.rand(num_groups * G, generator=g) < 0.4).float() + 0.01 * torch.randn(num_groups * G, generator=g)
-    lengths = torch.stack([torch.randperm(4000, generator=g)[:G] for _ in range(num_groups)]).flatten() + 16
-    return rewards.cuda(), lengths.float().cuda()
 
 
 def _graph_us(fn, replays: int = 50) -> float:
@@ -88,7 +83,7 @@ def main(argv=None) -> int:
     floor_kernel, _ = _kernel_us(lambda: _empty_kernel[(1,)](x))
     backends = [b for b in ("triton", "cpp") if b in _dispatch.available_backends("group", "cuda")]
     for num_groups, G in SIZES:
-        rewards, lengths = _inputs(num_groups, G)
+        rewards, lengths = group_inputs(num_groups, G)
         k = G // 2
         want_keep, want_adv = reference.gfpo_filter_advantages(rewards, lengths, G, k, largest=False)
         for backend in backends:

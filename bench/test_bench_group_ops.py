@@ -14,19 +14,12 @@ import torch
 import gfpo_kernels
 from gfpo_kernels import _dispatch, reference
 
-from bench_utils import DEVICE, ON_GPU
+from bench_utils import DEVICE, ON_GPU, group_inputs
 
 SIZES = [(64, 8), (1024, 16), (4096, 16), (8192, 64)]
 IMPLS = ["reference", "trl-gfpo"] + [b for b in ("cpp", "triton") if b in _dispatch.available_backends("group", DEVICE)]
 if not ON_GPU:
     IMPLS = [i for i in IMPLS if i != "triton"]  # the interpreter measures Python, not the kernel
-
-
-def _inputs(num_groups, G):
-    g = torch.Generator().manual_seed(0)
-    rewards = (torch.rand(num_groups * G, generator=g) < 0.4).float() + 0.01 * torch.randn(num_groups * G, generator=g)
-    lengths = torch.stack([torch.randperm(4000, generator=g)[:G] for _ in range(num_groups)]).flatten() + 16
-    return rewards.to(DEVICE), lengths.float().to(DEVICE)
 
 
 def _shortest_first(group_completions, group_rewards, **kwargs):
@@ -55,7 +48,7 @@ def trl_gfpo_filter_advantages(rewards, completions, G, k, group_filter_func=_sh
 @pytest.mark.parametrize("num_groups, G", SIZES, ids=[f"{n}x{g}" for n, g in SIZES])
 def test_filter_advantages(run, benchmark, impl, num_groups, G):
     benchmark.group = f"filter_advantages {num_groups}x{G}"
-    rewards, lengths = _inputs(num_groups, G)
+    rewards, lengths = group_inputs(num_groups, G)
     k = G // 2
     if impl == "trl-gfpo":
         completions = [range(int(n)) for n in lengths.tolist()]  # stand-ins for token id lists: len() is all it reads

@@ -17,19 +17,26 @@ KERNEL_BACKENDS = [b for b in gfpo_kernels.available_backends("group", DEVICE) i
 LOSS_BACKENDS = [b for b in gfpo_kernels.available_backends("linear_grpo", DEVICE) if b != "reference"]
 
 
-def launch_cpu_workers(script: str, nproc: int, *args: str, timeout: int = 300, **extra_env: str) -> None:
-    """Runs tests/<script> under torchrun on `nproc` CPU processes (gloo) and fails with the workers' stderr.
+def subprocess_env(**overrides: str) -> dict:
+    """The environment for a child Python: this one, with this checkout first on PYTHONPATH and then whatever the
+    caller's PYTHONPATH holds (a GPU run's wheels in /tmp/site, the oldest-TRL folder): replacing PYTHONPATH
+    instead would hide packages the parent can import. `overrides` replace or add variables."""
+    from pathlib import Path
 
-    The workers import this checkout first and then whatever the caller's PYTHONPATH holds (a GPU run's wheels in
-    /tmp/site, the oldest-TRL folder): replacing PYTHONPATH instead would hide packages the parent can import."""
+    repo = str(Path(__file__).parents[1])
+    pythonpath = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": pythonpath, **overrides}
+
+
+def launch_cpu_workers(script: str, nproc: int, *args: str, timeout: int = 300, **extra_env: str) -> None:
+    """Runs tests/<script> under torchrun on `nproc` CPU processes (gloo) and fails with the workers' stderr."""
     import socket
     import subprocess
     import sys
     from pathlib import Path
 
     here = Path(__file__).parent
-    pythonpath = os.pathsep.join(p for p in (str(here.parent), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, **extra_env}
+    env = subprocess_env(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **extra_env)
     with socket.socket() as probe:  # a free port for the rendezvous (torchrun's port 0 does not rendezvous)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -1,16 +1,14 @@
 """`python -m gfpo_kernels`: the environment report for bug reports."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from gfpo_kernels import _dispatch
 from gfpo_kernels.env_report import environment_report
 
-REPO = Path(__file__).parents[1]
+from gfpo_test_utils import subprocess_env
 
 
 def test_report_names_versions_extension_and_backends():
@@ -29,7 +27,7 @@ def test_module_runs_without_trl():
     """A bug report must be possible from a broken install: the report imports no TRL."""
     blocker = "import sys; sys.modules['trl'] = None; sys.modules['transformers'] = None; import runpy; " \
               "runpy.run_module('gfpo_kernels', run_name='__main__')"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert "backend group ops, cpu tensors: " in done.stdout and "torch: " in done.stdout

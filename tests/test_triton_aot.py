@@ -5,12 +5,13 @@ The compilation runs once, in a process of its own without TRITON_INTERPRET (the
 interpreter mode breaks compilation in the process that set it): scripts/triton_aot.py --quick --json."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from gfpo_test_utils import subprocess_env
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
@@ -23,8 +24,8 @@ ARCHS = (90, 80)
 def compiled(tmp_path_factory):
     """{(launch name, arch): ptxas resource usage and half-precision conversions} for every quick launch."""
     out = tmp_path_factory.mktemp("aot") / "aot.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = subprocess_env()
+    env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "triton_aot.py"), "--quick", "--json", str(out),
                            "--arch", *map(str, ARCHS)], env=env, capture_output=True, text=True, timeout=600)
     if not out.exists():  # a compile error: the script raised before writing
