@@ -3,7 +3,10 @@ values). Knobs are module attributes read at call time, set here and restored af
 
 - gfpo_kernels.group_ops_triton._TILE_ELEMENTS: elements per program of the group kernel (4096x16, 8192x64);
 - gfpo_kernels.linear_grpo_triton.BLOCK_V (and NUM_WARPS when the module has one): the row kernels' block;
-- gfpo_kernels.fused_linear_grpo._CHUNK_BYTES["cuda"]: the fp32 logits chunk budget of the fused loss.
+- gfpo_kernels.linear_grpo_triton._TARGET_PROGRAMS: how finely the log-prob pass cuts a 256-row stage's vocabulary;
+- gfpo_kernels.fused_linear_grpo._CHUNK_BYTES["cuda"] and _STAGE_SHARE: the fused loss's buffer budget (default:
+  derived from free memory and the LM head's size) and the share of it that stages fp32 logits, with the peak
+  extra memory of each value beside its time.
 
 Times are medians of triton.testing.do_bench (CUDA events). Each value is checked against the default's output
 first, so a knob that breaks the result is reported, not timed.
@@ -23,8 +26,19 @@ def _median_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _sweep(title, module, attr, values, make_fn, check, key=None):
-    """Times make_fn() for each value of module.attr (or module.attr[key]); restores the default."""
+def _peak_extra_gib(fn) -> float:
+    """GiB allocated by one call of fn beyond what was allocated before it (its outputs included)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
+
+
+def _sweep(title, module, attr, values, make_fn, check, key=None, peak_memory=False):
+    """Times make_fn() for each value of module.attr (or module.attr[key]); restores the default. peak_memory: the
+    note column gives each value's peak extra memory."""
     # a dict entry may be absent (the fused loss's _CHUNK_BYTES: absent = derived from free memory)
     default = getattr(module, attr) if key is None else getattr(module, attr).get(key)
     reference_out = make_fn()()
@@ -38,7 +52,8 @@ def _sweep(title, module, attr, values, make_fn, check, key=None):
             fn = make_fn()
             try:
                 check(fn(), reference_out)
-                rows.append((value, _median_ms(fn), ""))
+                note = f"peak extra {_peak_extra_gib(fn):.2f} GiB" if peak_memory else ""
+                rows.append((value, _median_ms(fn), note))
             except Exception as exc:  # noqa: BLE001  (a value that fails, a Triton compile error too, is a finding)
                 rows.append(
                     (value, float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}")
@@ -149,6 +164,16 @@ def main(argv=None) -> None:
             make_bwd,
             same_rows,
         )
+    # the log-prob pass at the fused loss's stage size (256 rows at H=4096): vocabulary spans per row
+    stage_logits, stage_targets = logits[:256], targets[:256]
+    _sweep(
+        f"log-prob pass _TARGET_PROGRAMS at 256x{V} (256: one program a row)",
+        lgt,
+        "_TARGET_PROGRAMS",
+        [256, 1024, 2048, 8192] if args.fast else [256, 512, 1024, 2048, 4096, 8192],
+        lambda: lambda: lgt.logprob_entropy_triton(stage_logits, stage_targets, 1.0),
+        same_rows,
+    )
     if hasattr(lgt, "NUM_WARPS"):
         _sweep(
             "row kernels NUM_WARPS (log-prob pass)",
@@ -194,10 +219,11 @@ def main(argv=None) -> None:
         for a, b in zip(out, want):
             torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
 
+    # the default at this shape is the LM head's size, 151936 * 4096 * 2 bytes (1.16 GiB)
     budgets = (
         [256 << 20, 1 << 30, 4 << 30]
         if args.fast
-        else [128 << 20, 256 << 20, 512 << 20, 1 << 30, 2 << 30, 4 << 30]
+        else [256 << 20, 512 << 20, 1 << 30, V * H * 2, 2 << 30, 4 << 30]
     )
     torch.cuda.reset_peak_memory_stats()
     _sweep(
@@ -208,6 +234,16 @@ def main(argv=None) -> None:
         make_loss,
         same_loss,
         key="cuda",
+        peak_memory=True,
+    )
+    _sweep(
+        f"fused loss _STAGE_SHARE (1/share of the budget stages fp32 logits), fwd+bwd, B={B} T={T} H={H} V={V} bf16",
+        flg,
+        "_STAGE_SHARE",
+        [4, 8, 16] if args.fast else [2, 4, 8, 16, 32],
+        make_loss,
+        same_loss,
+        peak_memory=True,
     )
     print(
         f"peak memory over the sweep {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"

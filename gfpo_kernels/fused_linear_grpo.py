@@ -5,19 +5,30 @@ Design
 ------
 Only the scored tokens (mask != 0) are projected: they are gathered once into (n, H), in the dtype TRL's head
 would use (the autocast dtype under autocast, else the common dtype of hidden and weight). They are then processed
-in chunks of `rows` tokens whose logits, fp32 (rows, V), fit a budget (_chunk_budget: on CUDA a share of the free
-memory, bounded; elsewhere a constant). For each chunk:
+in chunks of `chunk_rows` tokens, each projected `stage_rows` tokens at a time (_chunk_plan; the buffers fit a
+budget, _chunk_budget: on CUDA a share of the free memory, bounded, and at most about the LM head weight's size).
+For each stage of a chunk:
 
-1. GEMM: logits = h_chunk @ W^T (+ b), fp32 output (cuBLAS with fp32 accumulation and output for bf16/fp16).
+1. GEMM: logits = h_stage @ W^T (+ b) into the fp32 staging buffer (stage_rows, V) (cuBLAS with fp32
+   accumulation and output for bf16/fp16).
 2. Row pass (Triton kernel, or torch on CPU): online log-sum-exp over the vocabulary -> log p(target),
-   entropy and the log-partition of every row, from the logits held in the chunk buffer.
-3. g = d(loss)/d(log p) for the chunk's tokens, by autograd through gfpo_kernels.grpo_loss_math, the same
+   entropy and the log-partition of every row.
+3. g = d(loss)/d(log p) for the stage's tokens, by autograd through gfpo_kernels.grpo_loss_math, the same
    code as the reference: no gradient is derived by hand. With token-level importance sampling the loss is
-   token-local (d(loss)/d(logp[t]) depends on no other token's log-probability), so g of a chunk is exact
-   before the other chunks are computed.
-4. Row pass, in place: logits -> d(loss)/d(logits) = g * (onehot(target) - p) / temperature.
-5. Two GEMMs: grad_h[chunk] = dlogits @ W, grad_W += dlogits^T @ h_chunk (fp32 accumulators; grad_b too),
-   from dlogits rounded once to the operand dtype for both.
+   token-local (d(loss)/d(logp[t]) depends on no other token's log-probability), so g of a stage is exact
+   before the other stages are computed.
+4. Row pass: logits -> d(loss)/d(logits) = g * (onehot(target) - p) / temperature, written rounded once to the
+   operand dtype into the chunk's gradient buffer (chunk_rows, V).
+
+Then, once per chunk:
+
+5. Two GEMMs from that buffer: grad_h[chunk] = dlogits @ W, grad_W += dlogits^T @ h_chunk (fp32; the first
+   chunk writes grad_W instead of adding, so it is never zero-filled; grad_b sums the fp32 values).
+
+Why two levels: each chunk reads and writes the fp32 (V, H) grad_W once (2.5 GB each way at Qwen's vocabulary and
+H=4096), so chunks want thousands of tokens; holding their gradient in bf16 (2 bytes per logit) rather than their
+fp32 logits (4, plus the bf16 copy) fits 3x the tokens in the same memory, and the fp32 logits only ever exist
+for one stage.
 
 The gradients are finished inside the forward and only scaled by the incoming gradient in backward (folded into
 their conversion to the parameters' dtypes; skipped for fp32 parameters when the incoming gradient is known to
@@ -31,16 +42,21 @@ inference_mode) only steps 1-2 run, whatever the parameters' requires_grad.
 Host syncs: one per call, reading the number of scored tokens with the target-id range (_validation); the
 row gather then uses nonzero_static. Besides it, only the fp32-parameter backward on CPU reads grad_output.
 
-Extra memory: one fp32 logits chunk (_CHUNK_BYTES), the fp32 gradient accumulators (n x H, V x H), and O(B*T)
-per-token vectors; never a (B*T, V) tensor. Precision: logits and softmax statistics in fp32; the GEMMs
-accumulate in fp32; for bf16/fp16 operands on CUDA the logits gradient is rounded to that dtype once per chunk
-before the two gradient GEMMs (as TRL and Liger do), elsewhere it stays fp32. On CPU (no out_dtype GEMM) the
-operands are rounded to their dtype and then held in fp32. Unlike cut-cross-entropy we do not skip
-vocabulary tiles of negligible softmax mass: the GEMMs are cuBLAS calls over whole chunks (what such a mode would
-gain and cost: docs/cce-gradient-filtering-study.md).
+Extra memory: the staging and chunk buffers (_chunk_budget; on CUDA at most the LM head weight's size in the
+operand dtype, not under 1 GiB), the fp32 gradient accumulators (n x H, V x H), and O(B*T) per-token vectors;
+never a (B*T, V) tensor. TRL's fused head holds the same fp32 accumulators plus the weight gradient it returns,
+so for heads of 1 GiB or more (Qwen's vocabulary at H >= 3.5k) our peak is no higher than its.
+
+Precision: logits and softmax statistics in fp32; the GEMMs accumulate in fp32; for bf16/fp16 operands on CUDA the
+logits gradient is rounded to that dtype once before the two gradient GEMMs (as TRL and Liger do), elsewhere it
+stays fp32. On CPU (no out_dtype GEMM) the operands are rounded to their dtype and then held in fp32. Unlike
+cut-cross-entropy we do not skip vocabulary tiles of negligible softmax mass: the GEMMs are cuBLAS calls over whole
+stages and chunks (what such a mode would gain and cost: docs/cce-gradient-filtering-study.md).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -60,23 +76,48 @@ _DEFAULT_CHUNK_BYTES = 64 << 20  # CPU and any device without a free-memory quer
 _CUDA_CHUNK_SHARE = 0.25
 _CUDA_CHUNK_BYTES_MIN = 256 << 20
 _CUDA_CHUNK_BYTES_MAX = 4 << 30
+# ... and no more than the LM head weight in the operand dtype, the extra memory TRL's fused head holds at the end of
+# its backward (its fp32 weight-gradient accumulator plus the copy returned), so that our peak (the same fp32
+# accumulator plus these buffers) is no higher than its. Not under 1 GiB: a chunk of r tokens reads and writes the
+# fp32 (V, H) accumulator once, which costs about 276 / r of the GEMM time on an H100 whatever H is, so small heads
+# keep chunks of a few thousand tokens.
+_CUDA_WEIGHT_CAP_MIN = 1 << 30
+# The fp32 staging buffer of the projections takes this share of the budget, the chunk's logits gradient the rest,
+_STAGE_SHARE = 8
+# ... but a stage projects at least this many FLOPs (up to half the budget): each stage costs the host about 0.6 ms
+# (launches and the autograd call for g; measured on CPU with tiny shapes), and its projection, ~0.3 ms at
+# 600 TFLOP/s, plus its share of the chunk's two gradient GEMMs (twice that) keeps the GPU ahead of the host. At
+# H=4096 the share decides (256 tokens); small heads get longer stages (H=896: 735 tokens instead of 220).
+_STAGE_MIN_FLOPS = 2e11
 
 
-def _chunk_budget(device: torch.device) -> int:
-    """Bytes the per-chunk buffers (fp32 logits, and their half-precision copy) may take on `device`."""
+def _chunk_budget(device: torch.device, weight_bytes: int | None = None) -> int:
+    """Bytes the per-chunk buffers may take on `device` (weight_bytes: the LM head weight in the operand dtype)."""
     if device.type in _CHUNK_BYTES:
         return _CHUNK_BYTES[device.type]
     if device.type != "cuda":
         return _DEFAULT_CHUNK_BYTES
     free, _total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(min(max(free * _CUDA_CHUNK_SHARE, _CUDA_CHUNK_BYTES_MIN), _CUDA_CHUNK_BYTES_MAX))
+    budget = min(max(free * _CUDA_CHUNK_SHARE, _CUDA_CHUNK_BYTES_MIN), _CUDA_CHUNK_BYTES_MAX)
+    if weight_bytes is not None:
+        budget = min(budget, max(weight_bytes, _CUDA_WEIGHT_CAP_MIN))
+    return int(budget)
 
 
-def _chunk_rows(n: int, V: int, device: torch.device, operand_dtype: torch.dtype = torch.float32) -> int:
-    """Tokens per chunk: the fp32 logits (rows, V), plus their rounded copy for half-precision GEMM operands."""
-    bytes_per_row = V * (4 + (0 if operand_dtype == torch.float32 else operand_dtype.itemsize))
-    return max(1, min(n, _chunk_budget(device) // bytes_per_row))
+def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: torch.dtype) -> tuple[int, int]:
+    """(stage_rows, chunk_rows) for n scored tokens. The logits are projected stage_rows tokens at a time into an
+    fp32 staging buffer (rows, V) (1/_STAGE_SHARE of the budget, or _STAGE_MIN_FLOPS of projection); with gradients, each stage's logits gradient is
+    written, rounded once to the operand dtype, into a buffer of chunk_rows tokens (the rest of the budget), from
+    which the two gradient GEMMs run once per chunk. Long chunks keep the fp32 grad_W traffic small (one read and
+    write per chunk); a bf16 gradient buffer holds 3x the rows of fp32 logits plus their bf16 copy. Without
+    gradients only the staging buffer exists; the stages are the same, so the log-probabilities are the same
+    bits with and without grad mode."""
+    itemsize = torch.empty((), dtype=operand_dtype).element_size()
+    budget = _chunk_budget(device, V * H * itemsize)
+    by_share, by_flops = budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
+    stage_rows = max(1, min(n, max(by_share, by_flops), budget // 2 // (4 * V)))
+    return stage_rows, max(stage_rows, min(n, (budget - 4 * V * stage_rows) // (itemsize * V)))
 
 
 def _operand_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -114,21 +155,28 @@ def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     return out
 
 
-def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b with fp32 accumulation (a: the logits gradient, already in b's dtype; b: an operand from
-    _gemm_operands)."""
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = True) -> None:
+    """acc += a @ b (accumulate=False: acc = a @ b, no zero fill nor read of acc) with fp32 accumulation (a: the
+    logits gradient, already in b's dtype; b: an operand from _gemm_operands)."""
     if b.dtype == torch.float32:
-        acc.addmm_(a, b)
-    else:
+        acc.addmm_(a, b) if accumulate else torch.mm(a, b, out=acc)
+    elif accumulate:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        torch.mm(a, b, out_dtype=torch.float32, out=acc)
 
 
-def _scaled(acc: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _scaled(acc: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
     """acc * grad_output in `dtype`, from an fp32 gradient accumulator that is not used afterwards. For a half
-    precision parameter the scale rides on the conversion the accumulator needs anyway (one pass either way). For
-    an fp32 parameter the multiply is skipped when grad_output is known on the host to be 1 (a CPU tensor: no device
-    sync); on CUDA it is one in-place pass, as reading the value would stall the host."""
+    precision parameter the scale rides on the conversion the accumulator needs anyway (one pass either way; on the
+    Triton backend a vectorized kernel, linear_grpo_triton.scale_into_triton). For an fp32 parameter the multiply is
+    skipped when grad_output is known on the host to be 1 (a CPU tensor: no device sync); on CUDA it is one in-place
+    pass, as reading the value would stall the host."""
     if acc.dtype != dtype:
+        if backend == "triton" and dtype in (torch.bfloat16, torch.float16):
+            from .linear_grpo_triton import scale_into_triton
+
+            return scale_into_triton(acc, grad_output, dtype)
         return torch.mul(acc, grad_output, out=torch.empty_like(acc, dtype=dtype))
     if grad_output.device.type == "cpu" and grad_output.item() == 1.0:
         return acc
@@ -196,44 +244,55 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
 
     need_h, need_w, need_b = needs_grad
     want_grad = need_h or need_w or (bias is not None and need_b)
-    grad_h = torch.zeros(n, H, dtype=torch.float32, device=device) if need_h else None
-    grad_w = torch.zeros(V, H, dtype=torch.float32, device=device) if need_w else None
+    stage_rows, chunk_rows = _chunk_plan(n, V, H, device, w.dtype)
+    # grad_h: each row range is written once by its chunk's GEMM; grad_w: the first chunk's GEMM writes it, the
+    # others add to it. Neither needs a zero fill (but no chunk runs when nothing is scored).
+    alloc = torch.empty if n else torch.zeros
+    grad_h = alloc(n, H, dtype=torch.float32, device=device) if need_h else None
+    grad_w = alloc(V, H, dtype=torch.float32, device=device) if need_w else None
     grad_b = torch.zeros(V, dtype=torch.float32, device=device) if bias is not None and need_b else None
+    stage = torch.empty(min(stage_rows, n), V, dtype=torch.float32, device=device)
+    dlogits = torch.empty(min(chunk_rows, n), V, dtype=w.dtype, device=device) if want_grad else None
 
-    def accumulate(start, end, logits, g):
-        # Half-precision GEMM operands: the row kernel writes the logits gradient rounded once into half_buffer,
-        # shared by both gradient GEMMs. A bias gradient sums the fp32 values first, then they are rounded.
-        out = None if half_buffer is None or grad_b is not None else half_buffer[: end - start]
-        dlogits = grad_logits(logits, targets[start:end], lse[start:end], g, inv_t, out)
+    def logits_gradient(logits, lo, hi, start, g):
+        """The stage [lo, hi)'s d(loss)/d(logits) into dlogits (the chunk from `start`), rounded once to the operand
+        dtype by the row kernel itself. A bias gradient sums the fp32 values first, then they are rounded."""
+        out = dlogits[lo - start: hi - start]
+        exact = grad_b is None or out.dtype == torch.float32
+        d = grad_logits(logits, targets[lo:hi], lse[lo:hi], g, inv_t, out if exact else None)
         if grad_b is not None:
-            grad_b.add_(dlogits.sum(0))
-            if half_buffer is not None:
-                dlogits = half_buffer[: end - start].copy_(dlogits)
-        if grad_h is not None:
-            _addmm_fp32(grad_h[start:end], dlogits, w)
-        if grad_w is not None:
-            _addmm_fp32(grad_w, dlogits.t(), h[start:end])
+            grad_b.add_(d.sum(0))
+            if not exact:
+                out.copy_(d)
 
-    step = _chunk_rows(n, V, device, w.dtype)
-    buffer = torch.empty(min(step, n), V, dtype=torch.float32, device=device)
-    half_buffer = (torch.empty(min(step, n), V, dtype=w.dtype, device=device)
-                   if want_grad and w.dtype != torch.float32 else None)
+    def gradient_gemms(start, end):
+        d = dlogits[: end - start]
+        if grad_h is not None:
+            _addmm_fp32(grad_h[start:end], d, w, accumulate=False)
+        if grad_w is not None:
+            _addmm_fp32(grad_w, d.t(), h[start:end], accumulate=start > 0)
+
+    # Token-level IS: one sweep computes the statistics and the gradients. Otherwise (sequence level) g needs every
+    # log-probability first: a statistics sweep, then a gradient sweep that projects again.
     single_sweep = want_grad and options.token_local
-    for start in range(0, n, step):
-        end = min(start + step, n)
-        logits = _project(h[start:end], w, b, buffer[: end - start])
-        logp, entropy, lse[start:end] = logprob_entropy(logits, targets[start:end], inv_t)
-        flat_logps[rows[start:end]] = logp
-        flat_entropy[rows[start:end]] = entropy
-        if single_sweep:
-            accumulate(start, end, logits, dloss_dlogp(logp, rows[start:end]))
-    if want_grad and not single_sweep:
-        g_all = dloss_dlogp(flat_logps[rows], rows)
-        for start in range(0, n, step):
-            end = min(start + step, n)
-            logits = _project(h[start:end], w, b, buffer[: end - start])
-            accumulate(start, end, logits, g_all[start:end])
-    del buffer, half_buffer
+    sweeps = [(True, single_sweep)] if single_sweep or not want_grad else [(True, False), (False, True)]
+    for stats_sweep, grad_sweep in sweeps:
+        g_all = None if stats_sweep else dloss_dlogp(flat_logps[rows], rows)
+        for start in range(0, n, chunk_rows):
+            end = min(start + chunk_rows, n)
+            for lo in range(start, end, stage_rows):
+                hi = min(lo + stage_rows, end)
+                logits = _project(h[lo:hi], w, b, stage[: hi - lo])
+                if stats_sweep:
+                    logp, entropy, lse[lo:hi] = logprob_entropy(logits, targets[lo:hi], inv_t)
+                    flat_logps[rows[lo:hi]] = logp
+                    flat_entropy[rows[lo:hi]] = entropy
+                if grad_sweep:
+                    g = dloss_dlogp(logp, rows[lo:hi]) if stats_sweep else g_all[lo:hi]
+                    logits_gradient(logits, lo, hi, start, g)
+            if grad_sweep:
+                gradient_gemms(start, end)
+    del stage, dlogits
 
     logps, entropy = flat_logps.view(B, T), flat_entropy.view(B, T)
     return loss_of(logps), logps, entropy, (rows, grad_h, grad_w, grad_b)
@@ -251,6 +310,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
             needs_grad,
         )
         ctx.hidden_shape, ctx.dtypes = hidden.shape, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.backend = backend
         ctx.mark_non_differentiable(logps, entropy)
         return loss, logps, entropy
 
@@ -268,12 +328,12 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
         if grad_h is not None:
             B, T, H = ctx.hidden_shape
             full_grad_h = torch.zeros(B * T, H, dtype=hidden_dtype, device=grad_h.device)
-            full_grad_h.index_copy_(0, rows, _scaled(grad_h, grad_loss, hidden_dtype))
+            full_grad_h.index_copy_(0, rows, _scaled(grad_h, grad_loss, hidden_dtype, ctx.backend))
             full_grad_h = full_grad_h.view(B, T, H)
         grads = (
             full_grad_h,
-            None if grad_w is None else _scaled(grad_w, grad_loss, weight_dtype),
-            None if grad_b is None else _scaled(grad_b, grad_loss, bias_dtype),
+            None if grad_w is None else _scaled(grad_w, grad_loss, weight_dtype, ctx.backend),
+            None if grad_b is None else _scaled(grad_b, grad_loss, bias_dtype, ctx.backend),
         )
         return (*grads, None, None, None, None, None, None, None)
 

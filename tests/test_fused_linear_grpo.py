@@ -18,11 +18,25 @@ B, T, H, V = 3, 6, 16, 40
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
 
 
+def force_plan(monkeypatch, stage_rows, chunk_rows):
+    """Chunks of `chunk_rows` tokens (their gradient GEMMs together), projected `stage_rows` at a time."""
+    def plan(n, V, H, device, operand_dtype):
+        return max(1, min(n, stage_rows)), max(1, min(n, chunk_rows))
+
+    monkeypatch.setattr(flg, "_chunk_plan", plan)
+
+
+def _sweep_counts(n, stage_rows, chunk_rows):
+    """(stages, chunks) of a sweep over n tokens."""
+    chunks = [min(chunk_rows, n - start) for start in range(0, n, chunk_rows)]
+    return sum(-(-c // stage_rows) for c in chunks), len(chunks)
+
+
 @pytest.fixture(params=LOSS_BACKENDS)
 def backend(request, monkeypatch):
-    """Each test once per backend, with chunks of a few tokens so every test runs several chunks."""
-    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 4 * 4 * 1100})
-    monkeypatch.setattr(flg, "_DEFAULT_CHUNK_BYTES", 4 * 4 * 1100)
+    """Each test once per backend, with stages of 2 tokens in chunks of 5, so that every test runs several chunks,
+    each with several stages, the last of them short."""
+    force_plan(monkeypatch, 2, 5)
     with gfpo_kernels.use_backend(request.param):
         yield request.param
 
@@ -219,9 +233,10 @@ GEMMS = ("mm", "addmm", "addmm_")
      ("inference_mode", "token", 1)],
 )
 def test_gemm_count_per_chunk(backend, monkeypatch, mode, level, gemms_per_chunk):
-    """Token-level IS: one projection and two gradient GEMMs per chunk (6*N*H*V FLOPs); sequence level: a second
-    sweep that projects again (8*N*H*V); without grad mode (parameters requiring grad): the projection only."""
-    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 4 * 4 * V})  # 4 tokens per chunk
+    """Token-level IS: each token projected once and two gradient GEMMs per chunk (6*N*H*V FLOPs); sequence level:
+    a second sweep that projects again (8*N*H*V); without grad mode (parameters requiring grad): the projection
+    only. The gradient accumulators are never zero-filled (the first chunk's GEMMs write them)."""
+    force_plan(monkeypatch, 2, 3)
     p = _problem(31)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
     context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
@@ -230,9 +245,12 @@ def test_gemm_count_per_chunk(backend, monkeypatch, mode, level, gemms_per_chunk
                                                       old_logps=p["old"], importance_sampling_level=level)
         if mode == "grad":
             loss.backward()
-    chunks = -(-int(p["mask"].sum()) // 4)
-    assert chunks >= 3
-    assert log.count(*GEMMS) == gemms_per_chunk * chunks
+    n = int(p["mask"].sum())
+    stages, chunks = _sweep_counts(n, 2, 3)
+    assert chunks >= 3 and stages > chunks
+    projections = stages * (2 if gemms_per_chunk == 4 else 1)
+    assert log.count(*GEMMS) == projections + (2 * chunks if mode == "grad" else 0)
+    assert not [op for op, shape, _ in log.ops if op in ("zero_", "zeros", "fill_") and shape in ((V, H), (n, H))]
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -283,7 +301,7 @@ def test_weight_gradient_finished_in_at_most_one_pass(backend, dtype, passes):
     incoming gradient is 1 and on the host (CPU: no rescale by 1, and autograd takes the tensor without a copy), one
     in-place multiply on CUDA (reading the incoming gradient there would stall the host: fused_linear_grpo._scaled),
     and exactly one for a bf16 weight (the scale rides on the fp32 -> bf16 conversion; before: a conversion and a
-    multiply)."""
+    multiply): a torch op on the torch backend, the scale_into kernel on Triton (no torch op)."""
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops")
     p = _problem(37, dtype=dtype, bias=False)
@@ -294,12 +312,61 @@ def test_weight_gradient_finished_in_at_most_one_pass(backend, dtype, passes):
         loss.backward()
     elementwise = ("mul", "_to_copy", "copy_", "clone", "add", "add_", "div", "mul_")
     passes_seen = [op for op, shape, dt in log.ops if shape == tuple(weight.shape) and dt == dtype and op in elementwise]
-    assert len(passes_seen) == passes, passes_seen
+    assert len(passes_seen) == (0 if backend == "triton" and dtype != torch.float32 else passes), passes_seen
     w2 = p["weight"].clone().requires_grad_()
     want, _ = ref.fused_linear_grpo_loss(p["hidden"], w2, p["target"], p["mask"], p["adv"], old_logps=p["old"])
     want.backward()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(weight.grad.float(), w2.grad.float(), rtol=tol, atol=tol * w2.grad.abs().max().item())
+
+
+def test_logprob_entropy_split_over_the_vocabulary(monkeypatch):
+    """The Triton log-prob pass cuts each row's vocabulary into spans when a stage has few rows (a 256-row stage of
+    Qwen's vocabulary: 8 spans, 2048 programs) and folds them exactly: equal to a float64 log-softmax, with a span
+    that ends inside a block, a row dominated by one logit and a temperature."""
+    if "triton" not in LOSS_BACKENDS:
+        pytest.skip("Triton is not available here")
+    from gfpo_kernels import linear_grpo_triton as lgt
+
+    assert lgt._split_span(256, 151936, 1024) == (8, 19456)
+    assert lgt._split_span(4096, 151936, 1024) == (1, 152576)  # enough rows: one program a row
+    monkeypatch.setattr(lgt, "BLOCK_V", 64)
+    rows, vocab, inv_t = 5, 1100, 1 / 0.7
+    assert lgt._split_span(rows, vocab, 64) == (3, 384)
+    g = torch.Generator().manual_seed(67)
+    logits = 5 * torch.randn(rows, vocab, generator=g, dtype=torch.float64)
+    logits[0] = -3e4
+    logits[0, 700] = 50.0
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    logp, entropy, lse = lgt.logprob_entropy_triton(logits.float().to(DEVICE), targets.to(DEVICE), inv_t)
+    log_p = torch.log_softmax(logits.float().double() * inv_t, -1)
+    torch.testing.assert_close(logp.cpu().double(), log_p.gather(1, targets[:, None])[:, 0], rtol=1e-6, atol=2e-5)
+    torch.testing.assert_close(entropy.cpu().double(), -(log_p.exp() * log_p).sum(-1), rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse.cpu().double(), torch.logsumexp(logits.float().double() * inv_t, -1), rtol=1e-6,
+                               atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scale_into_rounds_once(dtype):
+    """The Triton backward kernel: an fp32 accumulator times the incoming gradient, rounded once into the parameter's
+    half dtype, equal to torch.mul(acc, scale, out=half) (to nearest even; the interpreter truncates to bf16), at a
+    size that is not a multiple of its block."""
+    if "triton" not in LOSS_BACKENDS:
+        pytest.skip("Triton is not available here")
+    from gfpo_kernels.linear_grpo_triton import SCALE_BLOCK, scale_into_triton
+
+    g = torch.Generator().manual_seed(61)
+    acc = (torch.randn(3, SCALE_BLOCK // 3 + 7, generator=g) * 100).to(DEVICE)
+    scale = torch.tensor(-0.37, device=DEVICE)
+    want = acc * scale
+    got = scale_into_triton(acc, scale, dtype)
+    assert got.dtype == dtype and got.shape == acc.shape
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        expected = (want.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype)
+    else:
+        expected = torch.mul(acc, scale, out=torch.empty_like(acc, dtype=dtype))
+    assert torch.equal(got, expected)
+    assert scale_into_triton(acc[:0], scale, dtype).shape == (0, acc.shape[1])
 
 
 @pytest.mark.parametrize("scale", [1.0, 3.7, -2.0, 0.0])
@@ -352,7 +419,8 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype(backend):
 
 def test_chunk_budget_follows_free_cuda_memory(monkeypatch):
     """CUDA: a quarter of the memory free for new tensors (device free + allocator cache), within
-    [256 MiB, 4 GiB]; other devices a constant; a fixed budget in _CHUNK_BYTES overrides."""
+    [256 MiB, 4 GiB], and at most the LM head weight's size (not under 1 GiB); other devices a constant; a fixed
+    budget in _CHUNK_BYTES overrides. The plan splits the budget between staging and the chunk's gradient."""
     memory = {"free": 0, "reserved": 0, "allocated": 0}
     monkeypatch.setattr(flg, "_CHUNK_BYTES", {})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (memory["free"], 80 << 30))
@@ -361,20 +429,30 @@ def test_chunk_budget_follows_free_cuda_memory(monkeypatch):
     cuda = torch.device("cuda")
     memory.update(free=8 << 30)
     assert flg._chunk_budget(cuda) == 2 << 30
-    # bf16 operands: fp32 logits + their bf16 copy, 6 bytes per vocabulary entry
-    assert flg._chunk_rows(16384, 151936, cuda, torch.bfloat16) == (2 << 30) // (6 * 151936) == 2355
-    assert flg._chunk_rows(16384, 151936, cuda, torch.float32) == (2 << 30) // (4 * 151936)
+    # capped at the LM head weight's size (Qwen's vocabulary, H=4096, bf16: 1.16 GiB), but not under 1 GiB (H=896)
+    V, qwen_head = 151936, 151936 * 4096 * 2
+    assert flg._chunk_budget(cuda, qwen_head) == qwen_head
+    assert flg._chunk_budget(cuda, V * 896 * 2) == 1 << 30
+    # 1/8 of it stages fp32 logits: H*2/8/4 = H/16 = 256 tokens; the rest, 7/8, holds the bf16 logits gradient of
+    # a chunk: (H*2*7/8)/2 = 3584 tokens (3x the 1194 tokens fp32 logits plus their bf16 copy would fit)
+    assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (256, 3584)
+    assert flg._chunk_plan(1000, V, 4096, cuda, torch.bfloat16) == (256, 1000)  # never more than n tokens
+    # a small head (H=896, 1 GiB budget): stages of ceil(2e11 / (2 V H)) = 735 tokens rather than 1/8 of the budget
+    # (220), so that the projection outweighs the host's work per stage; the chunk gets the rest
+    assert flg._chunk_plan(16384, V, 896, cuda, torch.bfloat16) == (735, (2**30 - 4 * V * 735) // (2 * V))
     memory.update(free=8 << 30, reserved=6 << 30, allocated=2 << 30)  # 4 GiB cached but unused count as free
     assert flg._chunk_budget(cuda) == 3 << 30
     memory.update(free=100 << 20, reserved=0, allocated=0)
     assert flg._chunk_budget(cuda) == 256 << 20
+    assert flg._chunk_budget(cuda, qwen_head) == 256 << 20  # the free memory bounds it before the weight does
     memory.update(free=64 << 30)
     assert flg._chunk_budget(cuda) == 4 << 30
     assert flg._chunk_budget(torch.device("cpu")) == 64 << 20
+    assert flg._chunk_budget(torch.device("cpu"), qwen_head) == 64 << 20
     monkeypatch.setattr(flg, "_CHUNK_BYTES", {"cuda": 1 << 20})
-    assert flg._chunk_budget(cuda) == 1 << 20
-    assert flg._chunk_rows(3, 1000, cuda) == 3  # never more rows than tokens, never fewer than one
-    assert flg._chunk_rows(100, 1 << 20, cuda) == 1
+    assert flg._chunk_budget(cuda, qwen_head) == 1 << 20
+    assert flg._chunk_plan(3, 1000, 8, cuda, torch.float32) == (3, 3)  # never more rows than tokens,
+    assert flg._chunk_plan(100, 1 << 20, 8, cuda, torch.float32) == (1, 1)  # never fewer than one
 
 
 def test_one_host_read_per_forward(backend, monkeypatch):
@@ -406,11 +484,11 @@ class _RoundGradToBF16(torch.autograd.Function):
         return grad.to(torch.bfloat16).to(grad.dtype)
 
 
-def test_logits_gradient_rounded_once_per_chunk(backend, monkeypatch):
-    """bf16 operands (CUDA's path; emulated on CPU, whose torch.mm has no out_dtype): the fp32 logits gradient of a
-    chunk is converted to bf16 once (by the row kernel itself on Triton) and both gradient GEMMs use it (before: once
-    per GEMM); the gradients equal a
-    float64 reference whose logits gradient is rounded to bf16 once."""
+def test_logits_gradient_rounded_once(backend, monkeypatch):
+    """bf16 operands (CUDA's path; emulated on CPU, whose torch.mm has no out_dtype): the fp32 logits gradient of
+    each stage is converted to bf16 once, into the chunk's buffer (by the row kernel itself on Triton), and both
+    gradient GEMMs use it (before: once per GEMM); the gradients equal a float64 reference whose logits gradient
+    is rounded to bf16 once."""
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops")
     if DEVICE == "cpu":
@@ -422,18 +500,21 @@ def test_logits_gradient_rounded_once_per_chunk(backend, monkeypatch):
 
         monkeypatch.setattr(flg, "_project", project)
         # a.to(b.dtype): what main's _addmm_fp32 did per GEMM; a no-op once the chunk's gradient is already bf16
-        monkeypatch.setattr(flg, "_addmm_fp32", lambda acc, a, b: acc.addmm_(a.to(b.dtype).float(), b.float()))
-    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 6 * 4 * V})  # 4 tokens per chunk (fp32 + bf16 rows)
+        def addmm(acc, a, b, accumulate=True):
+            (acc if accumulate else acc.zero_()).addmm_(a.to(b.dtype).float(), b.float())
+
+        monkeypatch.setattr(flg, "_addmm_fp32", addmm)
+    force_plan(monkeypatch, 2, 4)
     p = _problem(53, dtype=torch.bfloat16, bias=False)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
     with _OpLog() as log:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
                                                       old_logps=p["old"])
-    chunks = -(-int(p["mask"].sum()) // 4)
+    stages, chunks = _sweep_counts(int(p["mask"].sum()), 2, 4)
     roundings = [op for op, shape, dt in log.ops if op in ("_to_copy", "copy_") and dt == torch.bfloat16
                  and shape is not None and V in shape]  # (rows, V), (V, rows)
-    # the torch twin rounds with one copy per chunk; the Triton kernel writes the bf16 values itself (no torch op)
-    assert chunks >= 3 and len(roundings) == (chunks if backend == "torch" else 0)
+    # the torch twin rounds with one copy per stage; the Triton kernel writes the bf16 values itself (no torch op)
+    assert chunks >= 3 and len(roundings) == (stages if backend == "torch" else 0)
     got = torch.autograd.grad(loss, (hidden, weight))
 
     h64, w64 = p["hidden"].double().requires_grad_(), p["weight"].double().requires_grad_()
@@ -503,7 +584,9 @@ def test_never_materialises_all_logits(backend, level, monkeypatch):
     """With V*H and the chunk far smaller than B*T*V, no op may produce a tensor anywhere near (B*T, V)."""
     g = torch.Generator().manual_seed(29)
     b, t, h, v = 8, 16, 4, 64
-    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 4 * 4 * v})  # chunks of 4 tokens
+    monkeypatch.undo()  # the real plan: stages of 2 tokens (half the budget: a tiny head's FLOP floor), chunks of 2
+    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 4 * 4 * v})
+    assert flg._chunk_plan(b * t, v, h, torch.device(DEVICE), torch.float32) == (2, 2)
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops; measured on GPU")
     hidden = torch.randn(b, t, h, generator=g).to(DEVICE).requires_grad_()

@@ -129,10 +129,16 @@ LOSS_SIZE = (
 )  # B, T, H, V: N = B*T = 256 rows on CUDA
 
 
+@pytest.mark.parametrize("budget", [None, 64 << 20])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_fused_loss_bf16_at_qwen_vocab_matches_float64(loss_type):
+def test_fused_loss_bf16_at_qwen_vocab_matches_float64(loss_type, budget, monkeypatch):
     """The fused loss at V=151936 in bf16 against the float64 reference on the same (bf16-rounded) inputs:
-    loss within bf16 GEMM error, gradients by relative norm error."""
+    loss within bf16 GEMM error, gradients by relative norm error. budget: the derived buffer plan (one chunk
+    here), or 64 MiB: stages of 13 tokens in chunks of 194, so several chunks of several stages."""
+    from gfpo_kernels import fused_linear_grpo as flg
+
+    if budget is not None:
+        monkeypatch.setitem(flg._CHUNK_BYTES, TEST_DEVICE, budget)
     B, T, H, V = LOSS_SIZE
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     g = torch.Generator(device=TEST_DEVICE).manual_seed(7)
@@ -171,3 +177,29 @@ def test_fused_loss_bf16_at_qwen_vocab_matches_float64(loss_type):
         assert got is not None and torch.isfinite(got).all(), name
         err = (got.double() - ref_grad).norm() / ref_grad.norm().clamp_min(1e-30)
         assert err < tol, f"{name} gradient relative error {err:.3e}"
+
+
+@needs_cuda
+def test_fused_loss_peak_memory_within_the_weight_gradients():
+    """Forward+backward at Qwen's vocabulary, H=4096, bf16, 4096 tokens: the extra memory peaks at the fp32 weight
+    gradient accumulator plus at most the LM head's size (the buffers in the forward, the bf16 gradient returned
+    in the backward), plus per-token terms: what TRL's fused head holds at the end of its backward. Before the
+    staged buffers it held 4 GiB of fp32 logits and their bf16 copy next to the accumulator (1.6x TRL's peak on
+    the H100, bench/results/2026-11-23-h100-cec7c50.md)."""
+    B, T, H, V = 8, 512, 4096, 151936
+    g = torch.Generator(device="cuda").manual_seed(11)
+    hidden = (torch.randn(B, T, H, generator=g, device="cuda") / H**0.5).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, generator=g, device="cuda") / H**0.5).bfloat16().requires_grad_()
+    target = torch.randint(0, V, (B, T), generator=g, device="cuda")
+    mask = torch.ones(B, T, device="cuda")
+    adv = torch.randn(B, generator=g, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, adv)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    weight_fp32, weight_bf16, per_token = 4 * V * H, 2 * V * H, 10 * B * T * H
+    assert peak <= weight_fp32 + weight_bf16 + per_token + (64 << 20), f"peak extra {peak / 2**30:.2f} GiB"
+    assert torch.isfinite(weight.grad.float()).all()

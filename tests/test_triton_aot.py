@@ -57,10 +57,12 @@ def test_kernel_compiles_without_spilling(compiled, name, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("out", ["bf16", "fp16"])
-def test_grad_logits_rounds_to_nearest_even_on_the_gpu(compiled, arch, out):
-    """The grad-logits kernel rounds the fp32 gradient into a half buffer with round-to-nearest-even conversions, as
-    torch's .to() does (the interpreter the CPU tests run truncates to bf16 instead, so only the PTX can show it)."""
-    name = next(n for n in NAMES if n.startswith("grad-logits") and n.endswith(f"-> {out}"))
+@pytest.mark.parametrize("kernel", ["grad-logits", "scale-into"])
+def test_half_outputs_round_to_nearest_even_on_the_gpu(compiled, arch, out, kernel):
+    """The grad-logits kernel (the fp32 gradient into a half buffer) and the scale-into kernel (the gradient
+    accumulators into the parameters' dtype) convert with round-to-nearest-even, as torch's .to() does (the
+    interpreter the CPU tests run truncates to bf16 instead, so only the PTX can show it)."""
+    name = next(n for n in NAMES if n.startswith(kernel) and n.endswith(f"-> {out}"))
     conversions = compiled[(name, arch)]["half_conversions"]
     assert conversions and all(c.startswith("cvt.rn.") for c in conversions), conversions
     in_place = next(n for n in NAMES if n.startswith("grad-logits") and n.endswith("-> fp32"))
