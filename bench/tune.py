@@ -225,7 +225,6 @@ def main(argv=None) -> None:
         if args.fast
         else [256 << 20, 512 << 20, 1 << 30, V * H * 2, 2 << 30, 4 << 30]
     )
-    torch.cuda.reset_peak_memory_stats()
     _sweep(
         f"fused loss _CHUNK_BYTES['cuda'], fwd+bwd, B={B} T={T} H={H} V={V} bf16",
         flg,
@@ -244,9 +243,6 @@ def main(argv=None) -> None:
         make_loss,
         same_loss,
         peak_memory=True,
-    )
-    print(
-        f"peak memory over the sweep {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
     )
     sys.stdout.flush()
 

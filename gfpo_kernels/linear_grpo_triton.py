@@ -130,7 +130,8 @@ SCALE_BLOCK = 4096
 def _split_span(rows: int, V: int, block: int) -> tuple[int, int]:
     """(splits, span): each row's vocabulary is cut into `splits` spans of `span` columns (a multiple of the block)
     so that a stage of few rows still gives the GPU about _TARGET_PROGRAMS programs (one program per row of 256 rows
-    would leave most SMs idle); at least _MIN_BLOCKS_PER_SPLIT blocks a span."""
+    would leave most SMs idle); no more spans than _MIN_BLOCKS_PER_SPLIT blocks each would give (a span may
+    then hold fewer blocks after rounding)."""
     splits = max(1, min(triton.cdiv(_TARGET_PROGRAMS, max(rows, 1)), triton.cdiv(V, _MIN_BLOCKS_PER_SPLIT * block)))
     span = triton.cdiv(triton.cdiv(V, splits), block) * block
     return triton.cdiv(V, span), span

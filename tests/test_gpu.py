@@ -134,7 +134,7 @@ LOSS_SIZE = (
 def test_fused_loss_bf16_at_qwen_vocab_matches_float64(loss_type, budget, monkeypatch):
     """The fused loss at V=151936 in bf16 against the float64 reference on the same (bf16-rounded) inputs:
     loss within bf16 GEMM error, gradients by relative norm error. budget: the derived buffer plan (one chunk
-    here), or 64 MiB: stages of 13 tokens in chunks of 194, so several chunks of several stages."""
+    here), or 64 MiB: on CUDA several chunks of several stages (checked below)."""
     from gfpo_kernels import fused_linear_grpo as flg
 
     if budget is not None:
@@ -149,6 +149,10 @@ def test_fused_loss_bf16_at_qwen_vocab_matches_float64(loss_type, budget, monkey
     adv = torch.randn(B, generator=g, device=TEST_DEVICE)
     old = torch.randn(B, T, generator=g, device=TEST_DEVICE) * 0.1 - 12.0
 
+    if budget is not None and ON_CUDA:
+        n = int(mask.sum())
+        stage_rows, chunk_rows = flg._chunk_plan(n, V, H, torch.device("cuda"), dtype)
+        assert stage_rows < chunk_rows < n, (stage_rows, chunk_rows, n)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, _ = gfpo_kernels.fused_linear_grpo_loss(
         h, w, target, mask, adv, old_logps=old, loss_type=loss_type
