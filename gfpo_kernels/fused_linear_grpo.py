@@ -107,12 +107,12 @@ def _chunk_budget(device: torch.device, weight_bytes: int | None = None) -> int:
 
 def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: torch.dtype) -> tuple[int, int]:
     """(stage_rows, chunk_rows) for n scored tokens. The logits are projected stage_rows tokens at a time into an
-    fp32 staging buffer (rows, V) (1/_STAGE_SHARE of the budget, or _STAGE_MIN_FLOPS of projection); with gradients, each stage's logits gradient is
-    written, rounded once to the operand dtype, into a buffer of chunk_rows tokens (the rest of the budget), from
-    which the two gradient GEMMs run once per chunk. Long chunks keep the fp32 grad_W traffic small (one read and
-    write per chunk); a bf16 gradient buffer holds 3x the rows of fp32 logits plus their bf16 copy. Without
-    gradients only the staging buffer exists; the stages are the same, so the log-probabilities are the same
-    bits with and without grad mode."""
+    fp32 staging buffer (rows, V) (1/_STAGE_SHARE of the budget, or _STAGE_MIN_FLOPS of projection); with
+    gradients, each stage's logits gradient is written, rounded once to the operand dtype, into a buffer of
+    chunk_rows tokens (the rest of the budget), from which the two gradient GEMMs run once per chunk. Long chunks
+    keep the fp32 grad_W traffic small (one read and write per chunk); a bf16 gradient buffer holds 3x the rows of
+    fp32 logits plus their bf16 copy. Without gradients only the staging buffer exists; the stages are the same, so
+    the log-probabilities are the same bits with and without grad mode."""
     itemsize = torch.empty((), dtype=operand_dtype).element_size()
     budget = _chunk_budget(device, V * H * itemsize)
     by_share, by_flops = budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))

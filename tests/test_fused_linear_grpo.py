@@ -382,7 +382,8 @@ def test_no_uninitialised_memory_is_read(backend, level):
     """The staging and chunk buffers and the gradient accumulators are allocated without a zero fill (the first
     chunk's GEMMs write grad_h and grad_W): with every uninitialised tensor filled with NaN (PyTorch's
     deterministic mode), the gradients over several chunks of several stages still equal the reference."""
-    previous, previous_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    previous = torch.are_deterministic_algorithms_enabled()
+    previous_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         assert torch.utils.deterministic.fill_uninitialized_memory
