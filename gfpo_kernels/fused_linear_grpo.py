@@ -113,7 +113,7 @@ def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: tor
     keep the fp32 grad_W traffic small (one read and write per chunk); a bf16 gradient buffer holds 3x the rows of
     fp32 logits plus their bf16 copy. Without gradients only the staging buffer exists; the stages are the same, so
     the log-probabilities are the same bits with and without grad mode."""
-    itemsize = torch.empty((), dtype=operand_dtype).element_size()
+    itemsize = operand_dtype.itemsize
     budget = _chunk_budget(device, V * H * itemsize)
     by_share, by_flops = budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
     stage_rows = max(1, min(n, max(by_share, by_flops), budget // 2 // (4 * V)))
@@ -166,18 +166,15 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate:
         torch.mm(a, b, out_dtype=torch.float32, out=acc)
 
 
-def _scaled(acc: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype, backend: str) -> torch.Tensor:
+def _scaled(acc: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype, scale_into) -> torch.Tensor:
     """acc * grad_output in `dtype`, from an fp32 gradient accumulator that is not used afterwards. For a half
-    precision parameter the scale rides on the conversion the accumulator needs anyway (one pass either way; on the
-    Triton backend a vectorized kernel, linear_grpo_triton.scale_into_triton). For an fp32 parameter the multiply is
-    skipped when grad_output is known on the host to be 1 (a CPU tensor: no device sync); on CUDA it is one in-place
-    pass, as reading the value would stall the host."""
+    precision parameter the scale rides on the conversion the accumulator needs anyway (one pass either way:
+    `scale_into`, the backend's kernel from _backend_ops). For an fp32 parameter the multiply is skipped when
+    grad_output is known on the host to be 1 (a CPU tensor: no device sync); on CUDA it is one in-place pass, as
+    reading the value would stall the host."""
     if acc.dtype != dtype:
-        if backend == "triton" and dtype in (torch.bfloat16, torch.float16):
-            from .linear_grpo_triton import scale_into_triton
-
-            return scale_into_triton(acc, grad_output, dtype)
-        return torch.mul(acc, grad_output, out=torch.empty_like(acc, dtype=dtype))
+        into = scale_into if dtype in (torch.bfloat16, torch.float16) else _scale_into_torch
+        return into(acc, grad_output, dtype)
     if grad_output.device.type == "cpu" and grad_output.item() == 1.0:
         return acc
     return acc.mul_(grad_output)
@@ -202,12 +199,19 @@ def _grad_logits_torch(logits: torch.Tensor, targets: torch.Tensor, lse: torch.T
     return logits if out is None else out.copy_(logits)
 
 
-def _row_ops(backend: str):
-    if backend == "triton":
-        from .linear_grpo_triton import grad_logits_triton, logprob_entropy_triton
+def _scale_into_torch(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Torch twin of linear_grpo_triton.scale_into_triton: acc * scale as a new `dtype` tensor, in one pass (PyTorch's
+    casting elementwise kernel, not vectorized on CUDA)."""
+    return torch.mul(acc, scale, out=torch.empty_like(acc, dtype=dtype))
 
-        return logprob_entropy_triton, grad_logits_triton
-    return _logprob_entropy_torch, _grad_logits_torch
+
+def _backend_ops(backend: str):
+    """(logprob_entropy, grad_logits, scale_into) of `backend`: the Triton kernels or their torch twins."""
+    if backend == "triton":
+        from .linear_grpo_triton import grad_logits_triton, logprob_entropy_triton, scale_into_triton
+
+        return logprob_entropy_triton, grad_logits_triton, scale_into_triton
+    return _logprob_entropy_torch, _grad_logits_torch, _scale_into_torch
 
 
 def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype,
@@ -219,7 +223,7 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
     V = weight.shape[0]
     device = hidden.device
     inv_t = 1.0 / options.temperature
-    logprob_entropy, grad_logits = _row_ops(backend)
+    logprob_entropy, grad_logits, _ = _backend_ops(backend)
 
     # Only the scored tokens are projected; their count is known on the host (validation read it with the target
     # range in one transfer), so nonzero_static needs no second sync.
@@ -310,7 +314,7 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
             needs_grad,
         )
         ctx.hidden_shape, ctx.dtypes = hidden.shape, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.backend = backend
+        ctx.scale_into = _backend_ops(backend)[2]
         ctx.mark_non_differentiable(logps, entropy)
         return loss, logps, entropy
 
@@ -328,12 +332,12 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
         if grad_h is not None:
             B, T, H = ctx.hidden_shape
             full_grad_h = torch.zeros(B * T, H, dtype=hidden_dtype, device=grad_h.device)
-            full_grad_h.index_copy_(0, rows, _scaled(grad_h, grad_loss, hidden_dtype, ctx.backend))
+            full_grad_h.index_copy_(0, rows, _scaled(grad_h, grad_loss, hidden_dtype, ctx.scale_into))
             full_grad_h = full_grad_h.view(B, T, H)
         grads = (
             full_grad_h,
-            None if grad_w is None else _scaled(grad_w, grad_loss, weight_dtype, ctx.backend),
-            None if grad_b is None else _scaled(grad_b, grad_loss, bias_dtype, ctx.backend),
+            None if grad_w is None else _scaled(grad_w, grad_loss, weight_dtype, ctx.scale_into),
+            None if grad_b is None else _scaled(grad_b, grad_loss, bias_dtype, ctx.scale_into),
         )
         return (*grads, None, None, None, None, None, None, None)
 
