@@ -118,7 +118,7 @@ void advantages_lanes(const float* r, const bool* keep, int64_t G, int64_t lanes
       bool ok = false;
       if (b < lanes) {  // predictable: false only in the last block
         xi = r[b * G + i];
-        ok = keep[b * G + i] & (xi == xi);
+        ok = keep[b * G + i] & (std::abs(xi) <= std::numeric_limits<double>::max());  // not NaN nor +-inf
       }
       x[i * kLanes + b] = select(ok, xi, 0.0);
       w[i * kLanes + b] = static_cast<double>(ok);

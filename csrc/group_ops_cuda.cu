@@ -77,7 +77,7 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
   float n = 0.f, shift = -INFINITY;
   for (int i = lane; i < G; i += 32) {
     const float r = rewards[base + i];
-    if (kept[i] && !isnan(r)) {
+    if (kept[i] && isfinite(r)) {
       n += 1.f;
       shift = fmaxf(shift, r);
     }
@@ -87,21 +87,21 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
   float sum = 0.f;
   for (int i = lane; i < G; i += 32) {
     const float r = rewards[base + i];
-    if (kept[i] && !isnan(r)) sum += r - shift;
+    if (kept[i] && isfinite(r)) sum += r - shift;
   }
   sum = warp_sum(sum);
   const float mean = n > 0.f ? shift + sum / n : 0.f;
   float m2 = 0.f;
   for (int i = lane; i < G; i += 32) {
     const float r = rewards[base + i];
-    if (kept[i] && !isnan(r)) m2 += (r - mean) * (r - mean);
+    if (kept[i] && isfinite(r)) m2 += (r - mean) * (r - mean);
   }
   m2 = warp_sum(m2);
   const float std_g = n >= 2.f ? sqrtf(m2 / (n - 1.f)) : 0.f;
   const float denom = divide_by_std ? std_g + eps : 1.f;
   for (int i = lane; i < G; i += 32) {
     const float r = rewards[base + i];
-    adv[base + i] = kept[i] && !isnan(r) ? (r - mean) / denom : 0.f;
+    adv[base + i] = kept[i] && isfinite(r) ? (r - mean) / denom : 0.f;
   }
   if (n_out != nullptr && lane == 0) {
     n_out[g] = n;

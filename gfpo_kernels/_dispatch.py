@@ -85,7 +85,10 @@ def _can_run(backend: str, op: str, device: torch.device, group_size: int = 1) -
 
 
 def forced_backend() -> str | None:
-    return getattr(_forced, "name", None) or os.environ.get("GFPO_KERNELS_BACKEND") or None
+    name = getattr(_forced, "name", None) or os.environ.get("GFPO_KERNELS_BACKEND") or None
+    if name is not None and name not in BACKENDS:  # a misspelt name would otherwise force nothing, silently
+        raise ValueError(f"GFPO_KERNELS_BACKEND must be one of {BACKENDS} (or unset), got {name!r}")
+    return name
 
 
 def select_backend(op: str, device: torch.device, group_size: int = 1) -> str:

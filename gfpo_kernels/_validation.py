@@ -35,6 +35,13 @@ def as_groups(x, group_size: int, name: str) -> torch.Tensor:
         raise ValueError(f"{name} has N={n} rows, which is not a multiple of group_size={group_size}")
     if x.dtype == torch.bool:
         x = x.to(torch.uint8)
+    elif x.is_floating_point() and x.element_size() == 1:
+        x = x.float()  # float8: exact in float32, which every backend reads
+    elif x.dtype in (torch.uint16, torch.uint32):
+        x = x.long()  # exact; the kernels read signed integers
+    elif x.dtype == torch.uint64:
+        raise ValueError(f"{name} of dtype torch.uint64 is not supported (no exact signed type holds it); convert "
+                         "it to int64 or float64")
     return x.reshape(n // group_size, group_size)
 
 
@@ -44,6 +51,19 @@ def check_same_shape(a: torch.Tensor, a_name: str, b: torch.Tensor, b_name: str)
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if a.shape != b.shape:
         raise ValueError(f"{b_name} must have the shape of {a_name} {tuple(a.shape)}, got {tuple(b.shape)}")
+
+
+def check_keep(keep, rewards: torch.Tensor) -> None:
+    """`keep` is a bool mask of the shape of `rewards` (a 0/1 float mask would be read as "nonzero = kept")."""
+    check_same_shape(rewards, "rewards", keep, "keep")
+    if keep.dtype != torch.bool:
+        raise ValueError(f"keep must be a bool tensor, got dtype {keep.dtype}")
+
+
+def check_largest(largest) -> bool:
+    if not isinstance(largest, bool):
+        raise ValueError(f"largest must be a bool, got largest={largest!r}")
+    return largest
 
 
 def check_k(k, num_groups: int, group_size: int, device: torch.device) -> int | torch.Tensor:
@@ -75,8 +95,9 @@ def check_k(k, num_groups: int, group_size: int, device: torch.device) -> int | 
 def check_scale_eps(scale, eps) -> None:
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got scale={scale!r}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0 or eps == float("inf"):
-        raise ValueError(f"eps must be a finite float >= 0, got eps={eps!r}")
+    # eps > 0: it is what keeps a zero-variance group's advantages 0 rather than 0 / 0
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite float > 0, got eps={eps!r}")
 
 
 def check_linear_grpo_inputs(

@@ -49,7 +49,8 @@ so for heads of 1 GiB or more (Qwen's vocabulary at H >= 3.5k) our peak is no hi
 
 Precision: logits and softmax statistics in fp32; the GEMMs accumulate in fp32; for bf16/fp16 operands on CUDA the
 logits gradient is rounded to that dtype once before the two gradient GEMMs (as TRL and Liger do), elsewhere it
-stays fp32. On CPU (no out_dtype GEMM) the operands are rounded to their dtype and then held in fp32. Unlike
+stays fp32. Where cuBLAS cannot write fp32 from half precision operands (CPU; bf16 before sm_80;
+_half_gemm_on_device) the operands are rounded to their dtype and then held in fp32. Unlike
 cut-cross-entropy we do not skip vocabulary tiles of negligible softmax mass: the GEMMs are cuBLAS calls over whole
 stages and chunks (what such a mode would gain and cost: docs/cce-gradient-filtering-study.md).
 """
@@ -129,17 +130,28 @@ def _operand_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+def _half_gemm_on_device(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuBLAS can multiply `dtype` operands into an fp32 output on `device` (torch.mm's out_dtype, CUDA
+    only, torch >= 2.8, the declared floor): bf16 needs compute capability 8.0 or higher, and fp16 is refused
+    while torch.backends.cuda.matmul.allow_fp16_accumulation is set (checks of PyTorch 2.8-2.11's Blas.cpp)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    return not getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False)
+
+
 def _gemm_operands(
     hidden_rows: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GEMM operands in `dtype` (None: _operand_dtype), prepared once per call. On CUDA bf16/fp16 operands stay
-    half precision: cuBLAS accumulates and writes fp32 itself (torch.mm's out_dtype, torch >= 2.8, the declared
-    floor), so the weight is never copied to fp32. The CPU has no out_dtype GEMM: the operands, rounded to `dtype`
-    first, are converted to fp32 here once, not per chunk (same numerics: the products of the rounded values
-    accumulated in fp32)."""
+    """The GEMM operands in `dtype` (None: _operand_dtype), prepared once per call. Where cuBLAS writes fp32 from
+    half precision operands (_half_gemm_on_device) they stay bf16/fp16, so the weight is never copied to fp32.
+    Elsewhere (the CPU has no out_dtype GEMM; bf16 before sm_80) the operands, rounded to `dtype` first, are
+    converted to fp32 here once, not per chunk: the same numerics (the products of the rounded values accumulated
+    in fp32), at the cost of an fp32 copy of the weight."""
     dtype = _operand_dtype(hidden_rows, weight) if dtype is None else dtype
     h, w = hidden_rows.to(dtype), weight.to(dtype)
-    if hidden_rows.is_cuda and dtype in (torch.float16, torch.bfloat16):
+    if _half_gemm_on_device(hidden_rows.device, dtype):
         return h, w
     return h.float(), w.float()
 

@@ -10,7 +10,9 @@ import torch
 
 from . import reference
 from ._dispatch import HAS_CPP, select_backend
-from ._validation import as_groups, check_group_size, check_k, check_same_shape, check_scale_eps
+from ._validation import (
+    as_groups, check_group_size, check_k, check_keep, check_largest, check_same_shape, check_scale_eps
+)
 
 __all__ = ["group_topk_mask", "group_advantages", "gfpo_filter_advantages"]
 
@@ -42,6 +44,7 @@ def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool =
     group_size = check_group_size(group_size)
     s = as_groups(scores, group_size, "scores")
     kk = check_k(k, s.shape[0], group_size, s.device)
+    largest = check_largest(largest)
     backend = select_backend("group", s.device, group_size)
     if backend == "reference":
         return reference.group_topk_mask(scores, group_size, kk, largest=largest)
@@ -62,8 +65,9 @@ def group_advantages(
     """GRPO advantages over the kept rows of every group.
 
     mean_g and std_g are taken over the kept rows of group g; std is unbiased (n-1) and 0 with fewer than
-    2 kept rows, so zero-variance groups give 0, never NaN. Rows not kept get exactly 0. NaN rewards (TRL's
-    unscorable completions) take no part in the statistics and get 0, as in TRL.
+    2 kept rows, so zero-variance groups give 0, never NaN. Rows not kept get exactly 0. Non-finite
+    rewards (NaN: TRL's unscorable completions, which TRL also gives 0; +-inf) take no part in the statistics and
+    get 0, so one bad reward never turns its group (or with scale="batch" the batch) into NaN.
 
     Args:
         rewards: (N,) in TRL's group layout, or (num_groups, G). Any real dtype.
@@ -71,7 +75,7 @@ def group_advantages(
         keep: optional bool mask of the shape of `rewards`; None keeps every row (= TRL's GRPO).
         scale: "group": (r - mean_g) / (std_g + eps); "batch": divide by the unbiased std of all kept
             rewards of the batch + eps; "none": r - mean_g.
-        eps: added to the std, 1e-4 as in TRL.
+        eps: added to the std, 1e-4 as in TRL; must be > 0 (it keeps a zero-variance group at 0, not 0 / 0).
 
     Returns:
         float32 advantages of the shape of `rewards`.
@@ -81,7 +85,7 @@ def group_advantages(
     r = as_groups(rewards, group_size, "rewards")
     kept = None
     if keep is not None:
-        check_same_shape(rewards, "rewards", keep, "keep")
+        check_keep(keep, rewards)
         kept = keep.reshape(r.shape).to(device=r.device, dtype=torch.bool)
     backend = select_backend("group", r.device, group_size)
     if backend == "reference":
@@ -121,6 +125,7 @@ def gfpo_filter_advantages(
     r = as_groups(rewards, group_size, "rewards")
     s = as_groups(scores, group_size, "scores")
     kk = check_k(k, s.shape[0], group_size, s.device)
+    largest = check_largest(largest)
     if r.device != s.device:
         raise ValueError(f"rewards and scores must be on one device, got {r.device} and {s.device}")
     backend = select_backend("group", s.device, group_size)

@@ -80,7 +80,7 @@ def _group_filter_advantages_kernel(
 
     if HAS_REWARDS:
         r = tl.load(rewards_ptr + offs, mask=tile_ok, other=0).to(tl.float32)
-        valid = keep & (r == r)  # NaN rewards take no part and get 0
+        valid = keep & (tl.abs(r) < float("inf"))  # non-finite rewards (NaN, +-inf) take no part and get 0
         n = tl.sum(valid.to(tl.float32), axis=1)
         # Mean of shifted data: a group of equal rewards gets a mean equal to them, so exactly 0 advantages.
         shift = tl.max(tl.where(valid, r, -float("inf")), axis=1)
@@ -97,7 +97,7 @@ def _group_filter_advantages_kernel(
 def _batch_std(rewards: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """Unbiased std of all kept, finite rewards of the batch (0 when fewer than 2), in fp32."""
     r = rewards.float()
-    valid = ~torch.isnan(r) if keep is None else keep & ~torch.isnan(r)
+    valid = torch.isfinite(r) if keep is None else keep & torch.isfinite(r)
     n = valid.sum()
     mean = torch.where(valid, r, 0.0).sum() / n.clamp_min(1)
     var = torch.where(valid, r - mean, 0.0).square().sum() / (n - 1).clamp_min(1)

@@ -13,6 +13,8 @@ from ._validation import (
     as_groups,
     check_group_size,
     check_k,
+    check_keep,
+    check_largest,
     check_same_shape,
     check_scale_eps,
     linear_grpo_call_options,
@@ -50,6 +52,7 @@ def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool =
     group_size = check_group_size(group_size)
     s = as_groups(scores, group_size, "scores")
     kk = check_k(k, s.shape[0], group_size, s.device)
+    largest = check_largest(largest)
     k_col = kk[:, None] if isinstance(kk, torch.Tensor) else kk
     return (_ranks(s, largest) < k_col).reshape(scores.shape)
 
@@ -59,16 +62,17 @@ def group_advantages(
 ) -> torch.Tensor:
     """Reference of :func:`gfpo_kernels.group_advantages`: GRPO advantages over the kept rows of each group.
 
-    NaN rewards (TRL's unscorable completions) take no part in the statistics and get advantage 0."""
+    Non-finite rewards (NaN: TRL's unscorable completions; +-inf) take no part in the statistics and get
+    advantage 0."""
     group_size = check_group_size(group_size)
     check_scale_eps(scale, eps)
     r = as_groups(rewards, group_size, "rewards").double()
     if keep is None:
         kept = torch.ones_like(r, dtype=torch.bool)
     else:
-        check_same_shape(rewards, "rewards", keep, "keep")
+        check_keep(keep, rewards)
         kept = keep.reshape(r.shape).bool()
-    valid = kept & ~torch.isnan(r)
+    valid = kept & torch.isfinite(r)
     n = valid.sum(dim=1, keepdim=True)
     # Mean of data shifted by the group's largest reward: equal rewards give a mean equal to them, so
     # zero-variance groups get exactly 0 (the plain float mean can be off by an ulp).

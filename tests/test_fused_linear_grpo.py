@@ -564,6 +564,34 @@ def test_logits_gradient_rounded_once(backend, monkeypatch):
         torch.testing.assert_close(g.double() / scale, w / scale, rtol=0, atol=1e-2)
 
 
+@pytest.mark.parametrize(
+    "device, capability, dtype, fp16_accumulation, half",
+    [
+        ("cuda", (9, 0), torch.bfloat16, False, True),
+        ("cuda", (8, 0), torch.bfloat16, False, True),
+        ("cuda", (7, 5), torch.bfloat16, False, False),  # T4: cuBLAS has no bf16 -> fp32 GEMM before sm_80
+        ("cuda", (7, 0), torch.float16, False, True),
+        ("cuda", (9, 0), torch.float16, True, False),  # torch refuses fp32 output with fp16 accumulation on
+        ("cuda", (9, 0), torch.float32, False, False),
+        ("cpu", (0, 0), torch.bfloat16, False, False),
+    ],
+)
+def test_half_operands_only_where_cublas_writes_fp32(monkeypatch, device, capability, dtype, fp16_accumulation,
+                                                     half):
+    """bf16/fp16 operands stay half precision only where torch.mm(out_dtype=float32) runs (PyTorch 2.8-2.11
+    refuse bf16 before compute capability 8.0 and fp16 with allow_fp16_accumulation); elsewhere they are rounded
+    to the dtype and held in fp32, the same values the GEMM would multiply."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    # torch.backends.cuda.matmul.allow_fp16_accumulation reads this getter
+    monkeypatch.setattr(torch._C, "_get_cublas_allow_fp16_accumulation", lambda: fp16_accumulation)
+    assert flg._half_gemm_on_device(torch.device(device), dtype) is half
+    if device == "cpu":
+        h, w = torch.randn(3, 8), torch.randn(5, 8)
+        gh, gw = flg._gemm_operands(h, w, dtype)
+        assert gh.dtype == gw.dtype == torch.float32
+        assert torch.equal(gw, w.to(dtype).float()) and torch.equal(gh, h.to(dtype).float())
+
+
 def test_gradient_only_where_asked(backend):
     """A frozen LM head (weight without grad) still gives grads for hidden, and the other way round."""
     p = _problem(17)

@@ -14,6 +14,7 @@ from gfpo_kernels import reference as ref
 from gfpo_test_utils import DEVICE
 
 NAN = float("nan")
+INF = float("inf")
 ATOL = RTOL = 1e-5
 
 
@@ -78,6 +79,29 @@ def test_nan_scores_and_rewards(backend):
     assert not torch.isnan(adv).any()
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_infinite_rewards_take_no_part(backend, scale):
+    """An infinite reward is unscorable like a NaN one: advantage 0, and the group's (or the batch's) statistics
+    are those of the finite rewards, never NaN."""
+    rewards = torch.tensor([[1.0, INF, 3.0, 4.0], [2.0, -INF, NAN, 0.0], [INF, INF, -INF, INF]])
+    finite = torch.isfinite(rewards)
+    want = torch.zeros(3, 4)
+    batch_std = rewards[finite].std()
+    for g in range(3):
+        r = rewards[g][finite[g]]
+        if r.numel():
+            centred = r - r.mean()
+            if scale != "none":
+                std = batch_std if scale == "batch" else r.std() if r.numel() > 1 else torch.tensor(0.0)
+                centred = centred / (std + 1e-4)
+            want[g][finite[g]] = centred
+    adv = gfpo_kernels.group_advantages(rewards.to(DEVICE), 4, scale=scale).cpu()
+    torch.testing.assert_close(adv, want, rtol=1e-5, atol=1e-6)
+    keep, adv = gfpo_kernels.gfpo_filter_advantages(rewards.to(DEVICE), torch.zeros(3, 4, device=DEVICE), 4, 4,
+                                                    scale=scale)
+    torch.testing.assert_close(adv.cpu(), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("value", [0.1, 1.0, -3.7, 12345.678])
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_zero_variance_groups_give_exact_zero(backend, value, scale):
@@ -93,12 +117,13 @@ def test_zero_variance_groups_give_exact_zero(backend, value, scale):
 
 @pytest.mark.parametrize(
     "dtype",
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool],
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+     torch.int64, torch.int32, torch.uint8, torch.uint16, torch.uint32, torch.bool],
 )
 def test_score_dtypes(backend, dtype):
     g = torch.Generator().manual_seed(3)
     if dtype.is_floating_point:
-        scores = torch.randn(6, 16, generator=g).to(dtype)  # fp16/bf16 rounding creates ties
+        scores = torch.randn(6, 16, generator=g).to(dtype)  # fp16/bf16/fp8 rounding creates ties
     elif dtype == torch.bool:
         scores = torch.rand(6, 16, generator=g) > 0.5
     else:
@@ -162,7 +187,7 @@ def test_many_groups_across_programs(backend):
     _check_all(rewards, scores, 8, 3, scale="batch")
 
 
-VALUES = st.sampled_from([-2.0, -0.5, 0.0, 0.25, 1.0, 3.0, NAN])
+VALUES = st.sampled_from([-2.0, -0.5, 0.0, 0.25, 1.0, 3.0, NAN, INF, -INF])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -35,15 +35,25 @@ def _ops(impl):
         (lambda m, x: m.group_topk_mask(x(8).to(torch.complex64), 4, 1), r"scores must have a real dtype"),
         (lambda m, x: m.group_advantages(x(8), 4, keep=torch.ones(4, dtype=torch.bool)), r"keep must have the shape of rewards \(8,\), got \(4,\)"),
         (lambda m, x: m.group_advantages(x(8), 4, scale="std"), r"scale must be one of \('group', 'batch', 'none'\), got scale='std'"),
-        (lambda m, x: m.group_advantages(x(8), 4, eps=-1.0), r"eps must be a finite float >= 0, got eps=-1.0"),
+        (lambda m, x: m.group_advantages(x(8), 4, eps=-1.0), r"eps must be a finite float > 0, got eps=-1.0"),
+        (lambda m, x: m.group_advantages(x(8), 4, eps=0), r"eps must be a finite float > 0, got eps=0"),
+        (lambda m, x: m.group_advantages(x(8), 4, keep=x(8) > 0), None),  # a bool mask is fine
+        (lambda m, x: m.group_advantages(x(8), 4, keep=torch.ones(8)), r"keep must be a bool tensor, got dtype torch.float32"),
+        (lambda m, x: m.group_topk_mask(x(8), 4, 2, largest="no"), r"largest must be a bool, got largest='no'"),
+        (lambda m, x: m.gfpo_filter_advantages(x(8), x(8), 4, 2, largest=1), r"largest must be a bool, got largest=1"),
+        (lambda m, x: m.group_topk_mask(x(8).to(torch.uint64), 4, 2), r"scores of dtype torch.uint64 is not supported"),
         (lambda m, x: m.group_advantages(x(9), 4), r"rewards has N=9 rows"),
         (lambda m, x: m.gfpo_filter_advantages(x(8), x(12), 4, 2), r"scores must have the shape of rewards \(8,\), got \(12,\)"),
         (lambda m, x: m.gfpo_filter_advantages(x(8), x(8), 4, 9), r"got k=9"),
     ],
 )
 def test_bad_input_raises_value_error(impl, call, match):
+    x = lambda n: torch.randn(n, device=DEVICE)  # noqa: E731
+    if match is None:
+        call(_ops(impl), x)  # the valid neighbour of a refused input
+        return
     with pytest.raises(ValueError, match=match):
-        call(_ops(impl), lambda n: torch.randn(n, device=DEVICE))
+        call(_ops(impl), x)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -58,6 +68,14 @@ def test_forced_backend_that_cannot_run_raises():
     with pytest.raises(ValueError, match="backend must be one of"):
         with gfpo_kernels.use_backend("cuda"):
             pass
+
+
+def test_misspelt_backend_in_the_environment_raises(monkeypatch):
+    monkeypatch.setenv("GFPO_KERNELS_BACKEND", "cudaa")
+    with pytest.raises(ValueError, match=r"GFPO_KERNELS_BACKEND must be one of .*, got 'cudaa'"):
+        gfpo_kernels.group_topk_mask(torch.randn(8, device=DEVICE), 4, 2)
+    monkeypatch.setenv("GFPO_KERNELS_BACKEND", "reference")
+    assert gfpo_kernels.group_topk_mask(torch.arange(8.0, device=DEVICE), 4, 2).tolist() == [False, False, True, True] * 2
 
 
 def test_errors_from_the_cpp_ops_name_the_argument():
