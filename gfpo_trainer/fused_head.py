@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import functools
 import types
+from contextlib import nullcontext
 
 import torch
 
 import gfpo_kernels
 from gfpo_kernels.grpo_loss_math import LOSS_TYPES
 
+from ._compat import MULTIMODAL_INPUT_KEYS, TOKEN_MEAN_METRICS
 from .config import GFPOConfig
 from .sharded_head import full_head_parameters
 
 
-def fused_compute_loss(trainer, model, inputs) -> torch.Tensor:
-    """TRL's `_compute_loss` for one micro-batch, computed by the fused linear GRPO loss through the LM head."""
+def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRL's `_compute_loss` for one micro-batch, computed by the fused linear GRPO loss through the LM head, with
+    the router auxiliary loss term it holds (None without one)."""
+    image_inputs = [key for key in MULTIMODAL_INPUT_KEYS if inputs.get(key) is not None]
+    if image_inputs:
+        # the patched forward passes the token ids only: the loss would be that of the text without its images
+        raise ValueError(
+            f"use_gfpo_kernels=True cannot train {type(trainer.accelerator.unwrap_model(model)).__name__} on a "
+            f"multimodal batch (it carries {', '.join(image_inputs)}, which the fused loss path does not pass to the "
+            "model). Use use_gfpo_kernels=False."
+        )
     mode = "train" if trainer.model.training else "eval"
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
     input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
@@ -66,16 +77,13 @@ def fused_compute_loss(trainer, model, inputs) -> torch.Tensor:
         )
     if trainer.loss_type not in ("cispo", "dapo"):
         loss = loss / accumulation
+    aux_term = None
     if aux_loss is not None:  # an MoE model's router load-balancing loss, added as TRL adds it
-        loss = loss + trainer.router_aux_loss_coef * aux_loss / accumulation
+        aux_term = trainer.router_aux_loss_coef * aux_loss / accumulation
+        loss = loss + aux_term
         trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather(aux_loss.detach()).mean().item())
     _log_loss_stats(trainer, mode, stats, mask)
-    return loss
-
-
-# TRL's token-weighted loss metrics, in the order they are reduced; kl and the clip ratios where the loss has them
-_TOKEN_WEIGHTED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                           "cispo_clip_ratio")
+    return loss, aux_term
 
 
 def _log_loss_stats(trainer, mode: str, stats: dict, mask: torch.Tensor) -> None:
@@ -85,9 +93,9 @@ def _log_loss_stats(trainer, mode: str, stats: dict, mask: torch.Tensor) -> None
     and one gather per call (TRL: one collective per metric), and one host transfer for all the values."""
     mask = mask.float()
     per_token = {"entropy": stats["entropy"]}
-    per_token.update({name: stats["per_token/" + name] for name in _TOKEN_WEIGHTED_METRICS
+    per_token.update({name: stats["per_token/" + name] for name in TOKEN_MEAN_METRICS
                       if "per_token/" + name in stats})
-    names = [name for name in _TOKEN_WEIGHTED_METRICS if name in per_token]
+    names = [name for name in TOKEN_MEAN_METRICS if name in per_token]
     sums_and_counts = []
     for name in names:
         x = per_token[name].float()
@@ -156,13 +164,14 @@ def _router_aux_loss(model, backbone_outputs, attention_mask):
                                     attention_mask)
 
 
-def install_fused_loss_forward(model) -> None:
+def install_fused_loss_forward(model, cast_lm_head_to_fp32: bool = False) -> None:
     """model(..., gfpo_loss_fn=f, gfpo_logits_to_keep=n, gfpo_aux_loss=b) runs the backbone and returns
     (*f(hidden, weight, bias), aux_loss) on the hidden states that predict the last n tokens, with the model's logit
     scale applied and, when b, the MoE router auxiliary loss (else None): the loss is computed inside the forward,
     so DDP/FSDP see every parameter used. Without gfpo_loss_fn the forward is the one before (TRL's fused head
-    included). Refuses (ValueError naming the model class) a model whose logits the fused path cannot reproduce:
-    a known transform it lacks, or a mismatch on a probe of a few tokens."""
+    included). `cast_lm_head_to_fp32` (GRPOConfig's): the head runs in fp32 outside autocast, as TRL's head does
+    then. Refuses (ValueError naming the model class) a model whose logits the fused path cannot reproduce: a known
+    transform it lacks, or a mismatch on a probe of a few tokens."""
     scale = logit_scale_of(model)
     original = model.forward
 
@@ -175,12 +184,18 @@ def install_fused_loss_forward(model) -> None:
             kwargs["output_router_logits"] = True
         outputs = self.base_model(*args, **kwargs)
         hidden = outputs.last_hidden_state[:, -gfpo_logits_to_keep - 1 : -1]
+        if cast_lm_head_to_fp32:
+            hidden = hidden.float()
         if scale != 1.0:
             hidden = hidden * scale
         aux_loss = _router_aux_loss(self, outputs, kwargs.get("attention_mask")) if gfpo_aux_loss else None
-        with full_head_parameters(self.get_output_embeddings()) as (weight, bias):
-            # hidden as the backbone gives it: the fused loss runs its GEMMs in the dtype TRL's head would (the
-            # autocast dtype under autocast), not cast to the head's dtype (an fp32 head would run fp32 GEMMs)
+        # cast_lm_head_to_fp32: fp32 hidden and head with autocast off, so the GEMMs run in fp32 as TRL's do then.
+        # Otherwise hidden as the backbone gives it: the fused loss runs its GEMMs in the dtype TRL's head would
+        # (the autocast dtype under autocast), not cast to the head's dtype (an fp32 head would run fp32 GEMMs).
+        fp32_head = torch.autocast(hidden.device.type, enabled=False) if cast_lm_head_to_fp32 else nullcontext()
+        with full_head_parameters(self.get_output_embeddings()) as (weight, bias), fp32_head:
+            if cast_lm_head_to_fp32:
+                weight, bias = weight.float(), None if bias is None else bias.float()
             return (*gfpo_loss_fn(hidden, weight, bias), aux_loss)
 
     model.forward = types.MethodType(forward, model)

@@ -38,7 +38,10 @@ from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward
-from .rows import restore_shuffle_rng, take_trained_rows, weight_loss, zero_gradient_skip_applies
+from .rows import (
+    check_weighted_loss_terms, no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss,
+    zero_gradient_skip_applies,
+)
 from .selection import log_selection, select
 from .state import SaveGFPOState, load_gfpo_state
 
@@ -94,6 +97,7 @@ class GFPOTrainer(GRPOTrainer):
             raise ValueError("a group filter is given but num_remains_in_group is None: set num_remains_in_group=k")
         if group_filter_func is not None and not callable(group_filter_func):
             raise TypeError(f"group_filter_func must be callable, got {type(group_filter_func).__name__}")
+        check_weighted_loss_terms(args)
         if args.use_gfpo_kernels:
             check_fused_loss_supported(args)
 
@@ -122,7 +126,8 @@ class GFPOTrainer(GRPOTrainer):
         self.add_callback(SaveGFPOState(self))
         self._warned_no_early_stop = False
         if args.use_gfpo_kernels:
-            install_fused_loss_forward(self.model.get_base_model() if _is_peft_model(self.model) else self.model)
+            install_fused_loss_forward(self.model.get_base_model() if _is_peft_model(self.model) else self.model,
+                                       cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # GFPO's own state (the adaptive-difficulty digest) comes back with the checkpoint, before the first batch
@@ -153,9 +158,12 @@ class GFPOTrainer(GRPOTrainer):
             placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
             self._deferred.append((placeholder, model, batch_size))
             return placeholder, None, None
-        return super()._get_per_token_logps_and_entropies(
+        result = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
         )
+        if kwargs.get("compute_aux_loss"):
+            self._gfpo_aux_loss = result[2]  # the loss's router auxiliary loss: compute_loss keeps it unweighted
+        return result
 
     def _can_defer(self) -> bool:
         # vLLM importance sampling reads the old log-probs at once; a PEFT reference runs under an adapter context
@@ -292,12 +300,18 @@ class GFPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         restore_shuffle_rng(self)  # after skipped rows, later draws as with the skip off (see rows.py)
-        if self.args.use_gfpo_kernels:
-            if return_outputs:
-                raise ValueError("The GFPOTrainer does not support returning outputs")
-            loss = fused_compute_loss(self, model, inputs)
-        else:
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return weight_loss(loss, inputs, self.loss_type)
+        if return_outputs:
+            raise ValueError("The GFPOTrainer does not support returning outputs")
+        with no_metrics_from_padding_only(self, inputs):
+            if self.args.use_gfpo_kernels:
+                loss, aux_term = fused_compute_loss(self, model, inputs)
+            else:
+                self._gfpo_aux_loss = None
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                # TRL added router_aux_loss_coef * aux_loss / accumulation to the rows' loss
+                aux_term = None if self._gfpo_aux_loss is None else (
+                    self.router_aux_loss_coef * self._gfpo_aux_loss
+                    / (self.current_gradient_accumulation_steps if self.model.training else 1.0))
+        return weight_loss(loss, inputs, self.loss_type, unweighted=aux_term)
 
 

@@ -17,6 +17,7 @@ from transformers import (  # noqa: E402
     Gemma2ForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
+    Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
@@ -110,11 +111,66 @@ def test_moe_router_aux_loss_is_added_as_trl_adds_it(tmp_path):
     assert on.aux_loss_enabled and on._metrics["train"]["aux_loss"] and on._metrics["train"]["aux_loss"][0] > 0
 
 
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_router_aux_loss_keeps_its_value_under_row_weights(tmp_path, use_kernels):
+    """GFPO weights a per-sequence loss by the rows it would have in an evenly divided batch; TRL's router auxiliary
+    loss is one value per micro-batch, not a sum over rows, and must not take that weight. With advantages 0 (and
+    beta 0) the rows' loss is exactly 0, so the micro-batch loss is the aux term alone, weight or none."""
+    from gfpo_trainer.rows import ROW_WEIGHT_KEY
+
+    tokenizer = make_tokenizer()
+    config = Qwen2MoeConfig(**_small(tokenizer), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=16, router_aux_loss_coef=0.5, output_router_logits=False)
+    path = _save(Qwen2MoeForCausalLM(config), tokenizer, tmp_path / "moe")
+    trainer = _trainer(path, tokenizer, tmp_path, use_kernels, loss_type="grpo")
+    assert trainer.aux_loss_enabled
+    trainer.model.train()
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS[:1] for _ in range(8)])
+    inputs = {k: v for k, v in inputs.items() if k != ROW_WEIGHT_KEY}
+    inputs["advantages"] = torch.zeros_like(inputs["advantages"])
+    unweighted, _ = _loss_and_grads(trainer, inputs)
+    weighted, _ = _loss_and_grads(trainer, {**inputs, ROW_WEIGHT_KEY: torch.full_like(inputs["advantages"], 4 / 3)})
+    assert unweighted > 0
+    torch.testing.assert_close(weighted, unweighted, rtol=1e-6, atol=0)
+
+
+def test_entropy_bonus_with_row_weights_is_refused(tmp_path):
+    tokenizer = make_tokenizer()
+    path = _save(Qwen2ForCausalLM(Qwen2Config(**_small(tokenizer))), tokenizer, tmp_path / "qwen2")
+    with pytest.raises(ValueError, match=r"loss_type='grpo' .* would also scale TRL's entropy bonus \(entropy_coef=0.1"):
+        _trainer(path, tokenizer, tmp_path, False, loss_type="grpo", entropy_coef=0.1)
+    _trainer(path, tokenizer, tmp_path, False, loss_type="dapo", entropy_coef=0.1)  # token-normalised: no weight
+
+
 def test_logit_scale_is_applied(tmp_path):
     tokenizer = make_tokenizer()
     config = GraniteConfig(**_small(tokenizer), logits_scaling=4.0)  # Granite divides its logits by 4
     path = _save(GraniteForCausalLM(config), tokenizer, tmp_path / "granite")
     _kernels_on_equals_off(path, tokenizer, tmp_path)
+
+
+def test_cast_lm_head_to_fp32_runs_the_fused_head_in_fp32(tmp_path):
+    """TRL's cast_lm_head_to_fp32 runs the head in fp32 outside bf16 autocast; the fused path must too (it ran its
+    GEMMs in the autocast dtype, bf16: gradients off by bf16 rounding)."""
+    tokenizer = make_tokenizer()
+    path = _save(Qwen2ForCausalLM(Qwen2Config(**_small(tokenizer))), tokenizer, tmp_path / "qwen2")
+    on, off, _ = _kernels_on_equals_off(path, tokenizer, tmp_path, bf16=True, cast_lm_head_to_fp32=True)
+    assert on.model.lm_head.weight.dtype == torch.float32
+
+
+def test_a_multimodal_batch_is_refused(tmp_path):
+    """The fused path passes token ids only; a batch with images would be trained as text without them."""
+    tokenizer = make_tokenizer()
+    path = _save(Qwen2ForCausalLM(Qwen2Config(**_small(tokenizer))), tokenizer, tmp_path / "qwen2")
+    on = _trainer(path, tokenizer, tmp_path, True)
+    on.model.train()
+    torch.manual_seed(0)
+    inputs = on._generate_and_score_completions([{"prompt": p} for p in PROMPTS[:1] for _ in range(8)])
+    inputs.update(pixel_values=torch.randn(3, 8), image_grid_thw=torch.tensor([[1, 1, 3]]))
+    with pytest.raises(ValueError, match=r"cannot train Qwen2ForCausalLM on a multimodal batch \(it carries "
+                                         r"pixel_values, image_grid_thw,"):
+        on.compute_loss(on.model, inputs)
 
 
 class ScaledLogitsQwen2(Qwen2ForCausalLM):

@@ -1,6 +1,7 @@
 """Rows (gfpo_trainer/rows.py): every trained row weighs what it would in an evenly divided batch, and rows with
 advantage exactly 0 are skipped without changing the update (issue 13 point 1, issue 14)."""
 
+import math
 import types
 
 import pytest
@@ -128,3 +129,22 @@ def test_batch_of_only_zero_advantages_trains_nothing(model_dir, tokenizer, tmp_
     assert not output[rows.REAL_ROW_KEY].any() and output["completion_mask"].sum() == 0
     loss = trainer.compute_loss(trainer.model, output)
     assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_token_metrics_of_a_padding_only_micro_batch_are_left_out(model_dir, tokenizer, tmp_path,  # noqa: F811
+                                                                  use_kernels):
+    """Every row skipped: only padding reaches the loss, whose entropy (a mean over no token) TRL would log as 0 and
+    average into the step; it is logged as NaN, which TRL's log leaves out (the step then logs None, not 0)."""
+    constant = lambda completions, **k: [1.0] * len(completions)  # noqa: E731
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, reward=constant, use_gfpo_kernels=use_kernels)
+    output, _ = scored_batch(trainer)
+    trainer._metrics["train"].clear()
+    trainer.compute_loss(trainer.model, output)
+    assert trainer._metrics["train"]["entropy"] and all(math.isnan(v) for v in trainer._metrics["train"]["entropy"])
+    # a micro-batch with real rows keeps its value
+    trainer = make_trainer(model_dir, tokenizer, tmp_path / "real", use_gfpo_kernels=use_kernels)
+    output, _ = scored_batch(trainer)
+    trainer._metrics["train"].clear()
+    trainer.compute_loss(trainer.model, output)
+    assert trainer._metrics["train"]["entropy"][-1] > 0
