@@ -4,7 +4,7 @@ A training config (YAML):
 
     model: Qwen/Qwen2.5-0.5B-Instruct      # a hub name or a local directory
     dataset: data/train.jsonl              # a local .json/.jsonl/.csv/.parquet file, or a datasets hub name
-    dataset_split: train                   # optional, default train
+    dataset_split: train                   # optional, default train (a local file has only "train", or "train[:100]")
     reward_funcs:                          # "module.path:function" (or "module.path.function")
       - my_rewards:correctness
     args:                                  # GFPOConfig fields
@@ -41,8 +41,10 @@ def load_reward_func(spec: str):
         raise ConfigError(f"reward function {spec!r} must look like 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ConfigError(f"reward function {spec!r}: cannot import module {module_name!r} ({error})") from None
+    except (ImportError, SyntaxError) as error:  # a SyntaxError's message names the file and line
+        raise ConfigError(
+            f"reward function {spec!r}: cannot import module {module_name!r} ({type(error).__name__}: {error})"
+        ) from None
     func = getattr(module, attr, None)
     if not callable(func):
         raise ConfigError(f"reward function {spec!r}: module {module_name!r} has no function {attr!r}")
@@ -52,11 +54,16 @@ def load_reward_func(spec: str):
 def load_train_dataset(name: str, split: str = "train"):
     import datasets
 
+    if not isinstance(split, str):
+        raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
     extension = os.path.splitext(name)[1].lower()
     if extension in _LOCAL_DATA:
         if not os.path.exists(name):
             raise ConfigError(f"dataset file {name!r} does not exist")
-        dataset = datasets.load_dataset(_LOCAL_DATA[extension], data_files=name, split="train")
+        try:  # one file loads as the one split "train"; the split still selects from it ("train[:100]")
+            dataset = datasets.load_dataset(_LOCAL_DATA[extension], data_files=name, split=split)
+        except ValueError as error:  # e.g. 'Unknown split "test". Should be one of ['train'].'
+            raise ConfigError(f"cannot load dataset file {name!r} with dataset_split={split!r}: {error}") from None
     else:
         try:
             dataset = datasets.load_dataset(name, split=split)
@@ -75,7 +82,7 @@ def build_trainer(config: dict):
     from .trainer import GFPOTrainer
 
     known = {"model", "dataset", "dataset_split", "reward_funcs", "args"}
-    unknown = sorted(set(config) - known)
+    unknown = sorted(set(config) - known, key=str)
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}; expected some of {sorted(known)}")
     for key in ("model", "dataset", "reward_funcs"):
@@ -84,11 +91,14 @@ def build_trainer(config: dict):
     model = config["model"]
     if not isinstance(model, str) or not (os.path.isdir(model) or (_HUB_ID.fullmatch(model) and ".." not in model)):
         raise ConfigError(f"model {model!r} is neither a local directory nor a hub model name")
-    fields = {f.name for f in dataclasses.fields(GFPOConfig)}
-    args = dict(config.get("args") or {})
-    bad = sorted(set(args) - fields)
+    fields = {f.name for f in dataclasses.fields(GFPOConfig) if f.init}
+    args = config.get("args") or {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"args must be a mapping of GFPOConfig fields (field: value), got {args!r}")
+    bad = sorted((name for name in args if name not in fields), key=str)
     if bad:
         raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'")
+    args = _convert_args(args)
     args.setdefault("output_dir", "gfpo-output")
     reward_specs = config["reward_funcs"]
     reward_specs = [reward_specs] if isinstance(reward_specs, str) else reward_specs
@@ -111,6 +121,48 @@ def build_trainer(config: dict):
         raise ConfigError(_one_line(error)) from None
 
 
+def _convert_args(args: dict) -> dict:
+    """YAML strings -> the GFPOConfig field types, as TRL's CLI converts them: PyYAML reads `1e-6` as a string, a
+    quoted '4' or 'false' stays one, and GFPOConfig converts nothing. The types are those of HfArgumentParser's
+    actions (what `trl grpo --learning_rate 1e-6` goes through); values that are not strings pass unchanged."""
+    from enum import Enum
+
+    from transformers import HfArgumentParser
+    from transformers.hf_argparser import string_to_bool
+
+    from .config import GFPOConfig
+
+    actions = HfArgumentParser(GFPOConfig)._option_string_actions  # "--name" -> its argparse action
+    converted = dict(args)
+    for name, value in args.items():
+        action = actions.get(f"--{name}")
+        kind = getattr(action, "type", None)
+        # only the types that parse text: str needs nothing, and dict or config-object fields (liger_kernel_config,
+        # parallelism_config) keep their string, which TrainingArguments reads as JSON itself
+        if not (kind in (int, float, string_to_bool) or getattr(action, "choices", None) is not None
+                or (isinstance(kind, type) and issubclass(kind, Enum))):
+            continue
+        if isinstance(value, str):
+            converted[name] = _convert_value(name, value, action)
+        elif action.nargs == "+" and isinstance(value, list):  # list[int] and the like: item by item
+            converted[name] = [_convert_value(name, v, action) if isinstance(v, str) else v for v in value]
+    return converted
+
+
+def _convert_value(name: str, value: str, action):
+    import argparse
+
+    try:
+        converted = action.type(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        what = getattr(action.type, "__name__", "its type")
+        what = "a bool (true/false, yes/no, 1/0)" if what == "string_to_bool" else what
+        raise ConfigError(f"args: {name}={value!r} cannot be read as {what}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}")
+    return converted
+
+
 def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
@@ -119,9 +171,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gfpo_trainer", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="GRPO vs GFPO on a synthetic task with a tiny model (no downloads)")
-    demo.add_argument("--quick", action="store_true", help="a shorter run (under 5 minutes on 2 CPU cores)")
+    demo.add_argument("--quick", action="store_true",
+                      help="a shorter run (about 2.5 minutes on 2 CPU cores, the default about 6)")
     demo.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds; for tests
-    demo.add_argument("--output-dir", default="gfpo_demo_output", help="where the plot and results go")
+    demo.add_argument("--output-dir", default="gfpo_demo_output", help="where the plot, results and models go")
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
     demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
     train = commands.add_parser("train", help="train with GFPO from a YAML config")

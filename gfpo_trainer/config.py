@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 GROUP_FILTERS = ("length", "token_efficiency")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclass
@@ -81,6 +82,11 @@ class GFPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        # TRL takes any value here and fails only at the first training step (GFPO's kernels then name `scale`);
+        # these are the values its advantage code accepts (True/False map to "group"/"none" in GRPOConfig)
+        s = self.scale_rewards
+        if not (isinstance(s, bool) or (isinstance(s, str) and s in SCALE_REWARDS)):
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, True or False, got scale_rewards={s!r}")
         if self.bf16 is None and not self.fp16:
             # TRL turns bf16 on by default, which fails on a machine without bf16 hardware (CPU only, older GPUs):
             # left unset, bf16 is on only where the device supports it, so one config runs everywhere

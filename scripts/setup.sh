@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Sets up .venv for gfpo on a fresh Linux machine:
-#   1. torch: the CPU build 2.13.0, unless .venv already has a torch (put your CUDA build there first to keep it);
+#   1. torch 2.13.0, unless .venv already has a torch (install your own CUDA build there first to keep it). From
+#      PyPI on Linux that is the CUDA build, with gigabytes of nvidia-* packages; GFPO_TORCH_INDEX_URL, when set, is
+#      this one install's --index-url (https://download.pytorch.org/whl/cpu: the CPU build). Unset, pip's own
+#      configuration decides, as CI needs (it reaches only its configured index);
 #   2. this package alone, built WITHOUT build isolation, so the C++/CUDA extension compiles against that torch
 #      (an isolated build would download a second, CUDA torch);
 #   3. its dependencies and extras, installed normally: wheels, or sdists built in their own isolated
@@ -13,7 +16,8 @@ EXTRAS="${GFPO_EXTRAS:-trainer,bench,test}"
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade "pip>=23.1"
-python -c "import torch" 2>/dev/null || python -m pip install torch==2.13.0
+python -c "import torch" 2>/dev/null ||
+  python -m pip install ${GFPO_TORCH_INDEX_URL:+--index-url "$GFPO_TORCH_INDEX_URL"} torch==2.13.0
 python -m pip install -q "setuptools>=64" wheel
 
 # 2. the package (and its extension) alone; skipped when nothing it is built from changed

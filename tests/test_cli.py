@@ -47,6 +47,8 @@ def test_demo_smoke(tmp_path):
     assert [r["run"] for r in results["rows"]] == ["warm-up", "grpo", "gfpo-length", "gfpo-token-efficiency"]
     assert len(results["history"]["gfpo-length"]) == 2
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for model in ("warmup_model", "grpo", "gfpo-length", "gfpo-token-efficiency"):  # what the README says is written
+        assert (out / model / "model.safetensors").exists() and (out / model / "tokenizer_config.json").exists()
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +106,57 @@ def test_train_command(model_dir, dataset_file, tmp_path):
         (dict(reward_funcs=["no_such_module:f"]), r"cannot import module 'no_such_module'"),
         (dict(args={"num_generationz": 8}), r"unknown GFPOConfig fields \['num_generationz'\]"),
         (dict(optimiser="adam"), r"unknown config keys \['optimiser'\]"),
+        (dict(args=["output_dir", "out"]),
+         r"args must be a mapping of GFPOConfig fields \(field: value\), got \['output_dir', 'out'\]"),
+        (dict(args={"num_generations": "four"}), r"^args: num_generations='four' cannot be read as int$"),
+        (dict(args={"learning_rate": "1e-6x"}), r"^args: learning_rate='1e-6x' cannot be read as float$"),
+        (dict(args={"use_gfpo_kernels": "maybe"}), r"^args: use_gfpo_kernels='maybe' cannot be read as a bool"),
+        (dict(args={"lr_scheduler_type": "cosin"}), r"^args: lr_scheduler_type='cosin' is not one of \['linear', "),
+        (dict(args={"adaptive_difficulty": True, "adaptive_num_remains": ["8", "x", 4, 2]}),
+         r"^args: adaptive_num_remains='x' cannot be read as int$"),
+        (dict(dataset_split="test"),
+         r"cannot load dataset file '.*train.jsonl' with dataset_split='test': Unknown split \"test\"\. Should be "
+         r"one of \['train'\]"),
+        (dict(dataset_split=3), r"dataset_split must be a split name such as 'train', got 3"),
     ],
 )
 def test_train_config_errors(model_dir, dataset_file, tmp_path, change, match):
     with pytest.raises(ConfigError, match=match):
         build_trainer(_config(model_dir, dataset_file, tmp_path, **change))
+
+
+def test_yaml_strings_take_the_field_types(model_dir, dataset_file, tmp_path):
+    """PyYAML reads 1e-6 as a string, and quoted numbers and booleans stay strings: the CLI converts them by the
+    field types, as TRL's CLI does (unconverted, Adam failed on lr '1e-6', '8' on '%', and 'false' was True)."""
+    config = _config(model_dir, dataset_file, tmp_path)
+    args = config.pop("args")
+    args.pop("num_generations")
+    text = yaml.safe_dump(config) + "args:\n" + "".join(f"  {line}\n" for line in yaml.safe_dump(args).splitlines())
+    text += "  learning_rate: 1e-6\n  max_grad_norm: '0.5'\n  num_generations: '8'\n  use_gfpo_kernels: 'false'\n"
+    text += "  skip_zero_gradient_rows: 'no'\n"
+    config = yaml.safe_load(text)
+    assert config["args"]["learning_rate"] == "1e-6" and config["args"]["num_generations"] == "8"  # what YAML gives
+    args = build_trainer(config).args
+    assert (args.learning_rate, args.max_grad_norm, args.num_generations) == (1e-6, 0.5, 8)
+    assert args.use_gfpo_kernels is False and args.skip_zero_gradient_rows is False
+    assert args.bf16 is False and args.max_steps == 1  # values already of the field's type pass unchanged
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(text)
+    assert main(["train", "--config", str(config_file)]) == 0  # trains: the optimizer got a float learning rate
+
+
+def test_reward_module_with_a_syntax_error(tmp_path, monkeypatch):
+    (tmp_path / "gfpo_test_broken_rewards.py").write_text("def correctness(prompts, completions:\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"reward function 'gfpo_test_broken_rewards:correctness': cannot import "
+                                          r"module 'gfpo_test_broken_rewards' \(SyntaxError: .*"
+                                          r"gfpo_test_broken_rewards.py, line 1\)"):
+        load_reward_func("gfpo_test_broken_rewards:correctness")
+
+
+def test_dataset_split_slices_a_local_file(model_dir, dataset_file, tmp_path):
+    trainer = build_trainer(_config(model_dir, dataset_file, tmp_path, dataset_split="train[:3]"))
+    assert trainer.train_dataset["prompt"] == ["0+0=", "1+1=", "2+2="]
 
 
 def test_missing_prompt_column(model_dir, tmp_path):
@@ -151,6 +199,59 @@ def test_config_errors_are_one_line_and_exit_2(model_dir, dataset_file, tmp_path
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [errors[0]] and "num_remains_in_group=1" in errors[0]
+
+
+@pytest.mark.parametrize("args", [["output_dir", "out"], "out"])
+def test_config_errors_in_args_are_one_line(tmp_path, args):
+    """A wrong `args` is an `error:` line with exit status 2 like every other config mistake, not a traceback."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(dict(model=str(tmp_path), dataset="x.jsonl", reward_funcs=["m:f"],
+                                               args=args)))
+    done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "train", "--config", str(config_file)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == f"error: args must be a mapping of GFPOConfig fields (field: value), got {args!r}"
+
+
+def _run_setup_script(tmp_path, has_torch: bool, index_url: str | None) -> list[str]:
+    """scripts/setup.sh in a copy of the tree whose .venv/bin/python is a stub: the stub logs every call and says
+    whether torch imports; returns the logged calls."""
+    root = tmp_path / "tree"
+    (root / "scripts").mkdir(parents=True)
+    (root / "csrc").mkdir()
+    (root / "scripts" / "setup.sh").write_text((REPO / "scripts" / "setup.sh").read_text())
+    for name in ("setup.py", "pyproject.toml", "csrc/ops.cpp"):
+        (root / name).write_text("")
+    venv_bin = root / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "activate").write_text(f'PATH="{venv_bin}:$PATH"\n')
+    log = tmp_path / "calls.log"
+    (venv_bin / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        f'printf "%s\\n" "$*" >> "{log}"\n'
+        f'if [ "$1" = -c ] && [ "$2" = "import torch" ]; then [ {"0" if has_torch else "1"} = 0 ]; exit; fi\n'
+        'if [ "$1 $2 $3" = "-m pip show" ]; then exit 1; fi\n'
+    )
+    (venv_bin / "python").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "GFPO_TORCH_INDEX_URL"}
+    if index_url is not None:
+        env["GFPO_TORCH_INDEX_URL"] = index_url
+    done = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    return log.read_text().splitlines()
+
+
+@pytest.mark.parametrize("has_torch, index_url, torch_install", [
+    (False, None, "-m pip install torch==2.13.0"),  # pip's configuration decides (CI: its local wheels)
+    (False, "https://download.pytorch.org/whl/cpu",
+     "-m pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0"),
+    (True, "https://download.pytorch.org/whl/cpu", None),  # a torch already in .venv (a user's CUDA build) is kept
+])
+def test_setup_script_torch_install(tmp_path, has_torch, index_url, torch_install):
+    calls = _run_setup_script(tmp_path, has_torch, index_url)
+    assert [c for c in calls if "torch==" in c] == ([torch_install] if torch_install else [])
+    assert "-m pip install --no-build-isolation --no-deps -e ." in calls  # the script ran on past the torch step
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["train", "--help"]])

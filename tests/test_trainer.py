@@ -108,11 +108,22 @@ def real_rows(output):
         (dict(adaptive_num_remains=[4, 4, 4, 4]), r"adaptive_difficulty=False"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[4] * 4, num_remains_in_group=None), r"needs num_remains_in_group"),
         (dict(multi_objective_aggregation="normalize_then_sum"), r"multi_objective_aggregation='normalize_then_sum'"),
+        (dict(scale_rewards="groupp"),
+         r"scale_rewards must be one of \('group', 'batch', 'none'\), True or False, got scale_rewards='groupp'"),
+        (dict(scale_rewards="true"), r"got scale_rewards='true'"),
+        (dict(scale_rewards=1), r"got scale_rewards=1"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
         make_config(tmp_path, **overrides)
+
+
+@pytest.mark.parametrize("value, stored", [("group", "group"), ("batch", "batch"), ("none", "none"), (True, "group"),
+                                           (False, "none")])
+def test_config_accepts_trl_scale_rewards(tmp_path, value, stored):
+    """Every value TRL's advantage code accepts passes the check (True/False as TRL maps them)."""
+    assert make_config(tmp_path, scale_rewards=value).scale_rewards == stored
 
 
 def test_construction_errors(model_dir, tokenizer, tmp_path):
