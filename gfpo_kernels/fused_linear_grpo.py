@@ -47,9 +47,9 @@ operand dtype, not under 1 GiB), the fp32 gradient accumulators (n x H, V x H), 
 never a (B*T, V) tensor. TRL's fused head holds the same fp32 accumulators plus the weight gradient it returns,
 so for heads of 1 GiB or more (Qwen's vocabulary at H >= 3.5k) our peak is no higher than its.
 
-Precision: logits and softmax statistics in fp32; the GEMMs accumulate in fp32; for bf16/fp16 operands on CUDA the
-logits gradient is rounded to that dtype once before the two gradient GEMMs (as TRL and Liger do), elsewhere it
-stays fp32. Where cuBLAS cannot write fp32 from half precision operands (CPU; bf16 before sm_80;
+Precision: logits and softmax statistics in fp32; the GEMMs accumulate in fp32; for bf16/fp16 operands that cuBLAS
+multiplies as such the logits gradient is rounded to that dtype once before the two gradient GEMMs (as TRL and
+Liger do), elsewhere it stays fp32. Where cuBLAS cannot write fp32 from half precision operands (CPU; bf16 before sm_80;
 _half_gemm_on_device) the operands are rounded to their dtype and then held in fp32. Unlike
 cut-cross-entropy we do not skip vocabulary tiles of negligible softmax mass: the GEMMs are cuBLAS calls over whole
 stages and chunks (what such a mode would gain and cost: docs/cce-gradient-filtering-study.md).

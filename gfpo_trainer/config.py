@@ -85,7 +85,11 @@ class GFPOConfig(GRPOConfig):
         # TRL takes any value here and fails only at the first training step (GFPO's kernels then name `scale`);
         # these are the values its advantage code accepts (True/False map to "group"/"none" in GRPOConfig)
         s = self.scale_rewards
-        if not (isinstance(s, bool) or (isinstance(s, str) and s in SCALE_REWARDS)):
+        try:
+            mapped = {True: "group", False: "none"}.get(s, s)  # TRL's own mapping (1/0 and numpy bools included)
+        except TypeError:  # unhashable
+            mapped = s
+        if not (isinstance(mapped, str) and mapped in SCALE_REWARDS):
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, True or False, got scale_rewards={s!r}")
         if self.bf16 is None and not self.fp16:
             # TRL turns bf16 on by default, which fails on a machine without bf16 hardware (CPU only, older GPUs):
@@ -119,6 +123,18 @@ class GFPOConfig(GRPOConfig):
             self.adaptive_num_remains = [int(x) for x in ks]
         elif self.adaptive_num_remains is not None:
             raise ValueError("adaptive_num_remains is set but adaptive_difficulty=False; set adaptive_difficulty=True")
+        entropy_coef, adaptive_entropy = getattr(self, "entropy_coef", 0.0), getattr(self, "use_adaptive_entropy", False)
+        uneven = self.adaptive_difficulty or (k is not None and self.per_device_train_batch_size * k % G != 0)
+        if k is not None and uneven and (entropy_coef or adaptive_entropy):
+            # The kept rows then need padding rows to fill equal micro-batches, and weights for the per-sequence
+            # losses (gfpo_trainer/rows.py); TRL's entropy bonus is a mean over a micro-batch's tokens inside its
+            # loss, which neither can keep as an even split would have it.
+            raise ValueError(
+                f"the entropy bonus (entropy_coef={entropy_coef}, use_adaptive_entropy={adaptive_entropy}) needs the "
+                "kept rows to divide evenly into micro-batches: per_device_train_batch_size * num_remains_in_group "
+                f"divisible by num_generations (got {self.per_device_train_batch_size} * {k} and {G}), and no "
+                f"adaptive_difficulty (got {self.adaptive_difficulty}); change one of them or turn the bonus off"
+            )
         if k is not None and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "GFPO normalises the summed reward over the kept completions; multi_objective_aggregation="

@@ -203,9 +203,10 @@ def pad_to_width(tensor: torch.Tensor, width: int, pad_value, pad_left: bool) ->
 def weight_loss(loss: torch.Tensor, inputs: dict, loss_type: str, unweighted: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """The micro-batch loss with its rows weighted as in an evenly divided batch (see the module docstring). All
-    real rows of a generation batch share one weight, so it is one factor; a micro-batch of padding rows only has
-    a zero loss either way. `unweighted`: the part of `loss` that is not made of rows (an MoE model's router
-    auxiliary loss, one value per micro-batch in TRL), which keeps its value."""
+    real rows of a generation batch share one weight, so it is one factor; the rows of a micro-batch of padding
+    rows only have a zero loss either way. `unweighted`: the part of `loss` that is not made of rows (an MoE
+    model's router auxiliary loss, one value per micro-batch in TRL), which keeps its value (in a padding-only
+    micro-batch too: TRL adds one per micro-batch)."""
     weights = inputs.get(ROW_WEIGHT_KEY)
     if weights is None or loss_type not in PER_SEQUENCE_LOSSES:
         return loss
@@ -214,34 +215,20 @@ def weight_loss(loss: torch.Tensor, inputs: dict, loss_type: str, unweighted: to
     return (loss - unweighted) * weights.max() + unweighted
 
 
-def check_weighted_loss_terms(args) -> None:
-    """Refuses what weight_loss cannot weigh exactly: TRL's entropy bonus is a mean over a micro-batch's tokens
-    added inside its loss, so the row weight of a per-sequence loss type would scale it too, by a factor that
-    changes with the number of kept rows (the router auxiliary loss is taken out and added back instead)."""
-    entropy_coef, adaptive = getattr(args, "entropy_coef", 0.0), getattr(args, "use_adaptive_entropy", False)
-    if args.num_remains_in_group is not None and args.loss_type in PER_SEQUENCE_LOSSES and (entropy_coef or adaptive):
-        raise ValueError(
-            f"GFPO filtering with loss_type={args.loss_type!r} weights each micro-batch's loss (the kept rows need not "
-            f"divide evenly into micro-batches), which would also scale TRL's entropy bonus (entropy_coef="
-            f"{entropy_coef}, use_adaptive_entropy={adaptive}). Use a token-normalised loss_type ('dapo', 'cispo' or "
-            "'bnpo'), or no entropy bonus."
-        )
-
-
 @contextlib.contextmanager
 def no_metrics_from_padding_only(trainer, inputs: dict):
     """Around a micro-batch's loss: when it holds padding rows only, on every process, its token means (entropy,
     kl, clip ratios) average no token, and TRL logs them as 0, which the step's mean would count (an unfiltered batch
-    has no such micro-batch). They are logged as NaN instead, which TRL's log leaves out of the mean. One all-reduce
-    of a token count per micro-batch of a filtered batch."""
+    has no such micro-batch). They are logged as NaN instead, which TRL's log leaves out of the mean (real rows
+    without a scored token keep TRL's 0). One all-reduce of a row count and one host read per micro-batch of a
+    batch whose rows were filtered or skipped (REAL_ROW_KEY: the same on every process)."""
     if REAL_ROW_KEY not in inputs:
         yield
         return
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     logged_before = {name: len(metrics[name]) for name in TOKEN_MEAN_METRICS if name in metrics}
     yield
-    mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-    if trainer.accelerator.reduce(mask.sum().float(), reduction="sum").item() == 0:
+    if trainer.accelerator.reduce(inputs[REAL_ROW_KEY].sum().float(), reduction="sum").item() == 0:
         for name in TOKEN_MEAN_METRICS:
             values = metrics.get(name, [])
             for i in range(logged_before.get(name, 0), len(values)):

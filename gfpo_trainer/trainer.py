@@ -39,8 +39,7 @@ from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward
 from .rows import (
-    check_weighted_loss_terms, no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss,
-    zero_gradient_skip_applies,
+    no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss, zero_gradient_skip_applies
 )
 from .selection import log_selection, select
 from .state import SaveGFPOState, load_gfpo_state
@@ -97,7 +96,6 @@ class GFPOTrainer(GRPOTrainer):
             raise ValueError("a group filter is given but num_remains_in_group is None: set num_remains_in_group=k")
         if group_filter_func is not None and not callable(group_filter_func):
             raise TypeError(f"group_filter_func must be callable, got {type(group_filter_func).__name__}")
-        check_weighted_loss_terms(args)
         if args.use_gfpo_kernels:
             check_fused_loss_supported(args)
 

@@ -111,11 +111,13 @@ def test_moe_router_aux_loss_is_added_as_trl_adds_it(tmp_path):
     assert on.aux_loss_enabled and on._metrics["train"]["aux_loss"] and on._metrics["train"]["aux_loss"][0] > 0
 
 
+@pytest.mark.parametrize("mode", ["train", "train-accumulating", "eval"])
 @pytest.mark.parametrize("use_kernels", [False, True])
-def test_router_aux_loss_keeps_its_value_under_row_weights(tmp_path, use_kernels):
+def test_router_aux_loss_keeps_its_value_under_row_weights(tmp_path, use_kernels, mode):
     """GFPO weights a per-sequence loss by the rows it would have in an evenly divided batch; TRL's router auxiliary
     loss is one value per micro-batch, not a sum over rows, and must not take that weight. With advantages 0 (and
-    beta 0) the rows' loss is exactly 0, so the micro-batch loss is the aux term alone, weight or none."""
+    beta 0) the rows' loss is exactly 0, so the micro-batch loss is the aux term alone, weight or none (TRL divides
+    it by the accumulation steps in training, not in eval)."""
     from gfpo_trainer.rows import ROW_WEIGHT_KEY
 
     tokenizer = make_tokenizer()
@@ -129,18 +131,14 @@ def test_router_aux_loss_keeps_its_value_under_row_weights(tmp_path, use_kernels
     inputs = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS[:1] for _ in range(8)])
     inputs = {k: v for k, v in inputs.items() if k != ROW_WEIGHT_KEY}
     inputs["advantages"] = torch.zeros_like(inputs["advantages"])
-    unweighted, _ = _loss_and_grads(trainer, inputs)
-    weighted, _ = _loss_and_grads(trainer, {**inputs, ROW_WEIGHT_KEY: torch.full_like(inputs["advantages"], 4 / 3)})
-    assert unweighted > 0
-    torch.testing.assert_close(weighted, unweighted, rtol=1e-6, atol=0)
-
-
-def test_entropy_bonus_with_row_weights_is_refused(tmp_path):
-    tokenizer = make_tokenizer()
-    path = _save(Qwen2ForCausalLM(Qwen2Config(**_small(tokenizer))), tokenizer, tmp_path / "qwen2")
-    with pytest.raises(ValueError, match=r"loss_type='grpo' .* would also scale TRL's entropy bonus \(entropy_coef=0.1"):
-        _trainer(path, tokenizer, tmp_path, False, loss_type="grpo", entropy_coef=0.1)
-    _trainer(path, tokenizer, tmp_path, False, loss_type="dapo", entropy_coef=0.1)  # token-normalised: no weight
+    trainer.model.train(mode != "eval")
+    trainer.current_gradient_accumulation_steps = 2 if mode != "train" else 1
+    losses = []
+    for weights in (None, torch.full_like(inputs["advantages"], 4 / 3)):
+        batch = inputs if weights is None else {**inputs, ROW_WEIGHT_KEY: weights}
+        losses.append(trainer.compute_loss(trainer.model, batch).detach())
+    assert losses[0] > 0
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
 
 
 def test_logit_scale_is_applied(tmp_path):

@@ -111,7 +111,15 @@ def real_rows(output):
         (dict(scale_rewards="groupp"),
          r"scale_rewards must be one of \('group', 'batch', 'none'\), True or False, got scale_rewards='groupp'"),
         (dict(scale_rewards="true"), r"got scale_rewards='true'"),
-        (dict(scale_rewards=1), r"got scale_rewards=1"),
+        (dict(scale_rewards=2), r"got scale_rewards=2"),
+        (dict(scale_rewards=["group"]), r"got scale_rewards=\['group'\]"),
+        # micro-batches of 4 completions, 3 of every 8 kept: 1.5 kept rows a micro-batch, so padding rows
+        (dict(entropy_coef=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+         r"entropy bonus \(entropy_coef=0.1, use_adaptive_entropy=False\) needs .* \(got 4 \* 3 and 8\)"),
+        (dict(entropy_coef=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=2, loss_type="dapo"),
+         r"entropy bonus"),
+        (dict(use_adaptive_entropy=True, num_remains_in_group=4, adaptive_difficulty=True,
+              adaptive_num_remains=[4, 4, 4, 4]), r"adaptive_difficulty \(got True\)"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, match):
@@ -120,10 +128,15 @@ def test_config_rejects_bad_values(tmp_path, overrides, match):
 
 
 @pytest.mark.parametrize("value, stored", [("group", "group"), ("batch", "batch"), ("none", "none"), (True, "group"),
-                                           (False, "none")])
+                                           (False, "none"), (1, "group"), (0, "none")])
 def test_config_accepts_trl_scale_rewards(tmp_path, value, stored):
-    """Every value TRL's advantage code accepts passes the check (True/False as TRL maps them)."""
+    """Every value TRL's advantage code accepts passes the check (True/False, and 1/0, as TRL maps them)."""
     assert make_config(tmp_path, scale_rewards=value).scale_rewards == stored
+
+
+def test_entropy_bonus_with_evenly_dividing_kept_rows_is_accepted(tmp_path):
+    """8 * 4 / 8 = 4 kept rows per micro-batch: no padding, no weight other than 1: TRL's bonus as it is."""
+    assert make_config(tmp_path, entropy_coef=0.1, num_remains_in_group=4).entropy_coef == 0.1
 
 
 def test_construction_errors(model_dir, tokenizer, tmp_path):
