@@ -12,13 +12,14 @@ For each stage of a chunk:
 1. GEMM: logits = h_stage @ W^T (+ b) into the fp32 staging buffer (stage_rows, V) (cuBLAS with fp32
    accumulation and output for bf16/fp16).
 2. Row pass (Triton kernel, or torch on CPU): online log-sum-exp over the vocabulary -> log p(target),
-   entropy and the log-partition of every row.
+   entropy and the log-partition of every row (of the soft-capped logits, cap * tanh(z / cap), when the model caps
+   them: logit_softcap; the staged logits stay raw and each pass applies the cap).
 3. g = d(loss)/d(log p) for the stage's tokens, by autograd through gfpo_kernels.grpo_loss_math, the same
    code as the reference: no gradient is derived by hand. With token-level importance sampling the loss is
    token-local (d(loss)/d(logp[t]) depends on no other token's log-probability), so g of a stage is exact
    before the other stages are computed.
-4. Row pass: logits -> d(loss)/d(logits) = g * (onehot(target) - p) / temperature, written rounded once to the
-   operand dtype into the chunk's gradient buffer (chunk_rows, V).
+4. Row pass: logits -> d(loss)/d(logits) = g * (onehot(target) - p) / temperature (times 1 - tanh^2(z / cap)
+   with a soft cap), written rounded once to the operand dtype into the chunk's gradient buffer (chunk_rows, V).
 
 Then, once per chunk:
 
@@ -192,9 +193,9 @@ def _scaled(acc: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype, sc
     return acc.mul_(grad_output)
 
 
-def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: float):
+def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None = None):
     """Torch twin of linear_grpo_triton.logprob_entropy_triton: (log p(target), entropy, log-partition)."""
-    z = logits * inv_t
+    z = (logits if softcap is None else torch.tanh(logits / softcap) * softcap) * inv_t
     lse = torch.logsumexp(z, dim=-1)
     log_p = z - lse.unsqueeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)
@@ -202,12 +203,19 @@ def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: f
 
 
 def _grad_logits_torch(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, inv_t: float,
-                       out: torch.Tensor | None = None):
+                       out: torch.Tensor | None = None, softcap: float | None = None):
     """Torch twin of linear_grpo_triton.grad_logits_triton: logits -> d(loss)/d(logits), in place or rounded once
     into `out`."""
     g = g.float()
+    slope = None
+    if softcap is not None:  # z -> cap * tanh(z / cap), whose derivative is 1 - tanh^2
+        logits.div_(softcap).tanh_()
+        slope = 1 - logits.square()
+        logits.mul_(softcap)
     logits.mul_(inv_t).sub_(lse.unsqueeze(-1)).exp_().mul_(-(g * inv_t).unsqueeze(-1))
     logits[torch.arange(logits.shape[0], device=logits.device), targets] += g * inv_t
+    if slope is not None:
+        logits.mul_(slope)
     return logits if out is None else out.copy_(logits)
 
 
@@ -235,6 +243,7 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
     V = weight.shape[0]
     device = hidden.device
     inv_t = 1.0 / options.temperature
+    softcap = options.logit_softcap
     logprob_entropy, grad_logits, _ = _backend_ops(backend)
 
     # Only the scored tokens are projected; their count is known on the host (validation read it with the target
@@ -275,7 +284,7 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
         dtype by the row kernel itself. A bias gradient sums the fp32 values first, then they are rounded."""
         out = dlogits[lo - start: hi - start]
         exact = grad_b is None or out.dtype == torch.float32
-        d = grad_logits(logits, targets[lo:hi], lse[lo:hi], g, inv_t, out if exact else None)
+        d = grad_logits(logits, targets[lo:hi], lse[lo:hi], g, inv_t, out if exact else None, softcap=softcap)
         if grad_b is not None:
             grad_b.add_(d.sum(0))
             if not exact:
@@ -300,7 +309,7 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
                 hi = min(lo + stage_rows, end)
                 logits = _project(h[lo:hi], w, b, stage[: hi - lo])
                 if stats_sweep:
-                    logp, entropy, lse[lo:hi] = logprob_entropy(logits, targets[lo:hi], inv_t)
+                    logp, entropy, lse[lo:hi] = logprob_entropy(logits, targets[lo:hi], inv_t, softcap)
                     flat_logps[rows[lo:hi]] = logp
                     flat_entropy[rows[lo:hi]] = entropy
                 if grad_sweep:
@@ -377,6 +386,7 @@ def fused_linear_grpo_loss(
     use_bias_correction_kl: bool = False,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's GRPO loss (GRPOTrainer._compute_loss of TRL 1.16, one process, no gradient accumulation) of the
     LM head `hidden @ weight.T (+ bias)`, without materialising the (B*T, V) logits.
@@ -395,6 +405,9 @@ def fused_linear_grpo_loss(
             TRL's GRPOConfig.
         num_items_in_batch: the dapo/cispo normaliser (None: mask.sum()).
         vllm_is_ratio: (B, T) or (B, 1) importance-sampling correction of vLLM generation.
+        logit_softcap: the model's final logit soft cap (Gemma 2's final_logit_softcapping): the logits become
+            cap * tanh(logits / cap) before the temperature, as the model's forward and TRL's fused head do.
+            None: no cap.
 
     Returns:
         (loss, stats): the scalar fp32 loss, with gradients for hidden, weight and bias; stats holds detached

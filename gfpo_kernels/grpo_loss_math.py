@@ -42,6 +42,9 @@ class GRPOLossOptions:
     use_bias_correction_kl: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    # not a GRPOConfig field: the model's final logit soft cap (Gemma 2's final_logit_softcapping), applied to the
+    # logits before the temperature by the log-probability code (fused loss and reference); None: none
+    logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -65,6 +68,9 @@ class GRPOLossOptions:
         _positive(self.temperature, "temperature")
         _positive(self.sapo_temperature_pos, "sapo_temperature_pos")
         _positive(self.sapo_temperature_neg, "sapo_temperature_neg")
+        _positive(self.logit_softcap, "logit_softcap", allow_none=True)
+        if self.logit_softcap is not None and self.logit_softcap == float("inf"):
+            raise ValueError(f"logit_softcap must be a finite float > 0 or None, got logit_softcap={self.logit_softcap!r}")
         mcl = self.max_completion_length
         if mcl is not None and (isinstance(mcl, bool) or not isinstance(mcl, numbers.Integral) or mcl < 1):
             raise ValueError(f"max_completion_length must be None or an int >= 1, got max_completion_length={mcl!r}")

@@ -1,12 +1,13 @@
 """Triton row kernels of the fused linear GRPO loss (their torch twins are in fused_linear_grpo.py).
 
-Both work on one stage of projected logits, fp32 (rows, V), raw (before the temperature):
+Both work on one stage of projected logits, fp32 (rows, V), raw (before the model's soft cap, when it has one
+(Gemma 2: z -> cap * tanh(z / cap), applied on the fly as TRL's fused head does), and before the temperature):
 - logprob_entropy: per row, an online log-sum-exp over the vocabulary with per-lane running maxima (no
   cross-lane reduction inside the loop), giving log p(target), the entropy and the log-partition. A stage holds
   a few hundred rows (fused_linear_grpo._chunk_plan), too few for one program per row to keep an H100's memory
   busy, so each row is cut into vocabulary spans (programs (row, span)) and a second kernel folds the spans.
-- grad_logits: logits -> d(loss)/d(logits) = g_row * (onehot(target) - p) / temperature, where
-  g_row = d(loss)/d(log p(target)) of that row; in place, or rounded once into a half-precision buffer (the
+- grad_logits: logits -> d(loss)/d(logits) = g_row * (onehot(target) - p) / temperature (times the cap's
+  derivative 1 - tanh^2(z / cap)), where g_row = d(loss)/d(log p(target)) of that row; in place, or rounded once into a half-precision buffer (the
   gradient GEMMs' operand), which saves the separate conversion pass: 6 bytes moved per logit instead of 14
   (profiled on an H100: the conversion took 4.7% of the fused loss's CUDA time, the kernel 6.8%).
 
@@ -41,8 +42,15 @@ def _fold(m, s, d):
 
 
 @triton.jit
+def _tanh(x):
+    # tanh(x) = 2 sigmoid(2x) - 1 (tl has no tanh that the interpreter runs too; TRL's fused head does the same)
+    return 2 * tl.sigmoid(2 * x) - 1
+
+
+@triton.jit
 def _logsumexp_partial_kernel(
-    logits_ptr, stride, m_ptr, s_ptr, d_ptr, V, span, inv_t, SPLITS, BLOCK: tl.constexpr
+    logits_ptr, stride, m_ptr, s_ptr, d_ptr, V, span, inv_t, softcap, SPLITS, BLOCK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr
 ):
     # program (row, split): columns [split * span, (split + 1) * span) of the row
     row = tl.program_id(0).to(tl.int64)
@@ -57,7 +65,10 @@ def _logsumexp_partial_kernel(
     for start in range(lo, hi, BLOCK):
         cols = start + lanes
         ok = cols < hi
-        z = tl.load(base + cols, mask=ok, other=-1.0e30).to(tl.float32) * inv_t
+        z = tl.load(base + cols, mask=ok, other=-1.0e30).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = tl.where(ok, softcap * _tanh(z / softcap), -1.0e30)
+        z = z * inv_t
         new_m = tl.maximum(m, z)
         shift = m - new_m
         scale = tl.exp(shift)
@@ -75,8 +86,8 @@ def _logsumexp_partial_kernel(
 
 @triton.jit
 def _logprob_entropy_combine_kernel(
-    logits_ptr, stride, targets_ptr, m_ptr, s_ptr, d_ptr, logp_ptr, entropy_ptr, lse_ptr, inv_t, SPLITS,
-    BLOCK_S: tl.constexpr
+    logits_ptr, stride, targets_ptr, m_ptr, s_ptr, d_ptr, logp_ptr, entropy_ptr, lse_ptr, inv_t, softcap, SPLITS,
+    BLOCK_S: tl.constexpr, HAS_SOFTCAP: tl.constexpr
 ):
     # one program per row: the spans' (max, sum, entropy term) folded as each span folded its lanes
     row = tl.program_id(0).to(tl.int64)
@@ -89,7 +100,10 @@ def _logprob_entropy_combine_kernel(
     log_total = tl.log(total)
     lse = big_m + log_total
     target = tl.load(targets_ptr + row)
-    z_t = tl.load(logits_ptr + row * stride + target).to(tl.float32) * inv_t
+    z_t = tl.load(logits_ptr + row * stride + target).to(tl.float32)
+    if HAS_SOFTCAP:
+        z_t = softcap * _tanh(z_t / softcap)
+    z_t = z_t * inv_t
     tl.store(logp_ptr + row, z_t - lse)
     tl.store(entropy_ptr + row, log_total - total_d / total)
     tl.store(lse_ptr + row, lse)
@@ -97,16 +111,22 @@ def _logprob_entropy_combine_kernel(
 
 @triton.jit
 def _grad_logits_kernel(
-    logits_ptr, stride, out_ptr, out_stride, targets_ptr, lse_ptr, g_ptr, V, inv_t, BLOCK: tl.constexpr
+    logits_ptr, stride, out_ptr, out_stride, targets_ptr, lse_ptr, g_ptr, V, inv_t, softcap, BLOCK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < V
-    z = tl.load(logits_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32) * inv_t
-    p = tl.exp(z - tl.load(lse_ptr + row))
+    z = tl.load(logits_ptr + row * stride + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        t = _tanh(z / softcap)
+        z = softcap * t
+    p = tl.exp(z * inv_t - tl.load(lse_ptr + row))
     g = tl.load(g_ptr + row)
     onehot = (cols == tl.load(targets_ptr + row)).to(tl.float32)
     grad = g * (onehot - p) * inv_t
+    if HAS_SOFTCAP:
+        grad = grad * (1 - t * t)  # d(cap * tanh(z / cap)) / dz
     # out may be the logits themselves (fp32) or a bf16/fp16 buffer: rounded once to nearest even, as torch's
     # tensor.to() does (cvt.rn in the PTX, tests/test_triton_aot.py; Triton's interpreter truncates to bf16)
     if out_ptr.dtype.element_ty == tl.float32:
@@ -137,9 +157,10 @@ def _split_span(rows: int, V: int, block: int) -> tuple[int, int]:
     return triton.cdiv(V, span), span
 
 
-def logprob_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: float):
-    """(rows, V) fp32 logits -> (log p(target), entropy, log-partition), each (rows,) fp32: a partial online
-    log-sum-exp per (row, span of the vocabulary), then one combining program per row."""
+def logprob_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None = None):
+    """(rows, V) fp32 logits -> (log p(target), entropy, log-partition), each (rows,) fp32, of the soft-capped logits
+    (softcap None: none) over the temperature: a partial online log-sum-exp per (row, span of the vocabulary), then
+    one combining program per row."""
     rows, V = logits.shape
     logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
     entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
@@ -147,12 +168,14 @@ def logprob_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: f
         block = min(BLOCK_V, triton.next_power_of_2(V))
         splits, span = _split_span(rows, V, block)
         partial_m, partial_s, partial_d = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
+        cap = 1.0 if softcap is None else float(softcap)
         _logsumexp_partial_kernel[(rows, splits)](
-            logits, logits.stride(0), partial_m, partial_s, partial_d, V, span, float(inv_t), splits, BLOCK=block
+            logits, logits.stride(0), partial_m, partial_s, partial_d, V, span, float(inv_t), cap, splits,
+            BLOCK=block, HAS_SOFTCAP=softcap is not None,
         )
         _logprob_entropy_combine_kernel[(rows,)](
-            logits, logits.stride(0), targets, partial_m, partial_s, partial_d, logp, entropy, lse, float(inv_t),
-            splits, BLOCK_S=triton.next_power_of_2(splits),
+            logits, logits.stride(0), targets, partial_m, partial_s, partial_d, logp, entropy, lse, float(inv_t), cap,
+            splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SOFTCAP=softcap is not None,
         )
     return logp, entropy, lse
 
@@ -164,9 +187,10 @@ def grad_logits_triton(
     g: torch.Tensor,
     inv_t: float,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ):
-    """fp32 logits (rows, V) -> d(loss)/d(logits): in place, or into `out` (rows, V) of any float dtype, rounded
-    once. Returns the tensor written."""
+    """fp32 logits (rows, V) -> d(loss)/d(logits) (the raw logits', through the soft cap when there is one): in
+    place, or into `out` (rows, V) of any float dtype, rounded once. Returns the tensor written."""
     rows, V = logits.shape
     out = logits if out is None else out
     assert out.shape == logits.shape and out.stride(1) == 1, (out.shape, out.stride())
@@ -174,7 +198,7 @@ def grad_logits_triton(
     if rows:
         _grad_logits_kernel[(rows, triton.cdiv(V, block))](
             logits, logits.stride(0), out, out.stride(0), targets, lse, g.float().contiguous(), V, float(inv_t),
-            BLOCK=block,
+            1.0 if softcap is None else float(softcap), BLOCK=block, HAS_SOFTCAP=softcap is not None,
         )
     return out
 

@@ -131,6 +131,7 @@ def fused_linear_grpo_loss(
     use_bias_correction_kl: bool = False,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    logit_softcap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reference of :func:`gfpo_kernels.fused_linear_grpo_loss`: the full (B, T, V) logits in float64, then
     TRL's loss (gfpo_kernels.grpo_loss_math). Gradients flow to hidden, weight and bias by autograd."""
@@ -138,6 +139,8 @@ def fused_linear_grpo_loss(
     logits = hidden.double() @ weight.double().t()
     if bias is not None:
         logits = logits + bias.double()
+    if logit_softcap is not None:
+        logits = torch.tanh(logits / logit_softcap) * logit_softcap
     log_probs = torch.log_softmax(logits / temperature, dim=-1)
     live = mask != 0
     safe_ids = torch.where(live, target_ids, 0).long()

@@ -1,7 +1,7 @@
 """The model adapter of `use_gfpo_kernels=True`: the fused linear GRPO loss computed inside the model's forward.
 
 `install_fused_loss_forward` patches the model so that `model(..., gfpo_loss_fn=f, gfpo_logits_to_keep=n)` runs
-the backbone and returns `f(hidden, weight, bias)` on the hidden states that predict the last n tokens (the loss
+the backbone and returns `f(hidden, weight, bias, logit_softcap=cap)` on the hidden states that predict the last n tokens (the loss
 is computed inside the forward, so DDP/FSDP see every parameter used); `fused_compute_loss` is the trainer's
 `compute_loss` on that path; `check_fused_loss_supported` refuses the TRL options the fused loss lacks.
 """
@@ -134,25 +134,21 @@ def _fused_loss_on_head(hidden, weight, bias, **kwargs):
                                                kwargs.pop("advantages"), bias=bias, **kwargs)
 
 
-def logit_scale_of(model) -> float:
-    """The factor the model's own forward multiplies its logits by (1.0 for most models), read from the config keys
-    TRL's fused head reads; the fused path folds it into the hidden states, which scales h W^T but not a head bias
-    (a model with both is refused by the probe). A logit transform the fused loss cannot apply yet (Gemma2's
-    final_logit_softcapping) raises ValueError naming the model class."""
+def logit_transform_of(model) -> tuple[float, float | None]:
+    """(scale, softcap): the model's own forward multiplies its logits by `scale` (1.0 for most models), then
+    soft-caps them, cap * tanh(logits / cap), when `softcap` is not None (Gemma 2's final_logit_softcapping); read
+    from the config keys TRL's fused head reads. The fused path folds the scale into the hidden states, which scales
+    h W^T but not a head bias (a model with both is refused by the probe), and passes the cap to the fused loss."""
     config = model.config.get_text_config()
     softcap = getattr(config, "final_logit_softcapping", None)
-    if softcap is not None:
-        raise ValueError(
-            f"use_gfpo_kernels=True cannot train {type(model).__name__}: its forward soft-caps the logits "
-            f"(final_logit_softcapping={softcap}), which the fused linear GRPO loss does not apply yet, so it would "
-            "train on a different loss. Use use_gfpo_kernels=False (TRL's loss applies the cap)."
-        )
+    softcap = None if softcap is None else float(softcap)
     for key in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
         if getattr(config, key, None) is not None:
-            return float(getattr(config, key))
+            return float(getattr(config, key)), softcap
     if getattr(config, "logits_scaling", None) is not None:
-        return config.logits_scaling if config.model_type == "hyperclovax" else 1.0 / config.logits_scaling
-    return 1.0
+        scaling = config.logits_scaling
+        return (scaling if config.model_type == "hyperclovax" else 1.0 / scaling), softcap
+    return 1.0, softcap
 
 
 def _router_aux_loss(model, backbone_outputs, attention_mask):
@@ -166,13 +162,13 @@ def _router_aux_loss(model, backbone_outputs, attention_mask):
 
 def install_fused_loss_forward(model, cast_lm_head_to_fp32: bool = False) -> None:
     """model(..., gfpo_loss_fn=f, gfpo_logits_to_keep=n, gfpo_aux_loss=b) runs the backbone and returns
-    (*f(hidden, weight, bias), aux_loss) on the hidden states that predict the last n tokens, with the model's logit
-    scale applied and, when b, the MoE router auxiliary loss (else None): the loss is computed inside the forward,
-    so DDP/FSDP see every parameter used. Without gfpo_loss_fn the forward is the one before (TRL's fused head
-    included). `cast_lm_head_to_fp32` (GRPOConfig's): the head runs in fp32 outside autocast, as TRL's head does
-    then. Refuses (ValueError naming the model class) a model whose logits the fused path cannot reproduce: a known
-    transform it lacks, or a mismatch on a probe of a few tokens."""
-    scale = logit_scale_of(model)
+    (*f(hidden, weight, bias, logit_softcap=cap), aux_loss) on the hidden states that predict the last n tokens,
+    with the model's logit scale applied, its logit soft cap (or None) for f to apply and, when b, the MoE router
+    auxiliary loss (else None): the loss is computed inside the forward, so DDP/FSDP see every parameter used.
+    Without gfpo_loss_fn the forward is the one before (TRL's fused head included). `cast_lm_head_to_fp32`
+    (GRPOConfig's): the head runs in fp32 outside autocast, as TRL's head does then. Refuses (ValueError naming the
+    model class) a model whose logits the fused path does not reproduce on a probe of a few tokens."""
+    scale, softcap = logit_transform_of(model)
     original = model.forward
 
     @functools.wraps(original)
@@ -196,10 +192,14 @@ def install_fused_loss_forward(model, cast_lm_head_to_fp32: bool = False) -> Non
         with full_head_parameters(self.get_output_embeddings()) as (weight, bias), fp32_head:
             if cast_lm_head_to_fp32:
                 weight, bias = weight.float(), None if bias is None else bias.float()
-            return (*gfpo_loss_fn(hidden, weight, bias), aux_loss)
+            return (*gfpo_loss_fn(hidden, weight, bias, logit_softcap=softcap), aux_loss)
 
     model.forward = types.MethodType(forward, model)
     _probe(model, original)
+
+
+def _soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 @torch.no_grad()
@@ -215,8 +215,9 @@ def _probe(model, original_forward, num_tokens: int = 8) -> None:
     model.eval()
     try:
         want = original_forward(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
-        got, _, _ = model(input_ids=input_ids, gfpo_loss_fn=lambda h, w, b: (
-            torch.nn.functional.linear(h, w, b).float(), None), gfpo_logits_to_keep=num_tokens - 1)
+        got, _, _ = model(input_ids=input_ids, gfpo_loss_fn=lambda h, w, b, logit_softcap: (
+            _soft_capped(torch.nn.functional.linear(h, w, b).float(), logit_softcap), None),
+            gfpo_logits_to_keep=num_tokens - 1)
     finally:
         model.train(was_training)
     tolerance = 1e-4 if model.get_output_embeddings().weight.dtype == torch.float32 else 2e-2

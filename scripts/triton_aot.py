@@ -74,17 +74,24 @@ def _row_launches(vocab_sizes) -> list[Launch]:
                   "inv_t": "fp32", "BLOCK": "constexpr"}
         partials = {"m_ptr": "*fp32", "s_ptr": "*fp32", "d_ptr": "*fp32"}
         splits, _ = linear_grpo_triton._split_span(256, V, block)  # a stage of 256 rows: Qwen's at H=4096
-        launches.append(Launch(f"logsumexp partial V={V}", linear_grpo_triton._logsumexp_partial_kernel,
-                               {"logits_ptr": "*fp32", "stride": "i32", **partials, "V": "i32", "span": "i32",
-                                "inv_t": "fp32", "SPLITS": "i32", "BLOCK": "constexpr"}, {"BLOCK": block}))
-        launches.append(Launch(f"logprob/entropy combine V={V}", linear_grpo_triton._logprob_entropy_combine_kernel,
-                               {"logits_ptr": "*fp32", "stride": "i32", "targets_ptr": "*i64", **partials,
-                                "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "inv_t": "fp32",
-                                "SPLITS": "i32", "BLOCK_S": "constexpr"}, {"BLOCK_S": triton.next_power_of_2(splits)}))
-        for out in ("fp32", "bf16", "fp16"):  # in place, or rounded into the gradient GEMMs' operand dtype
-            launches.append(Launch(f"grad-logits V={V} -> {out}", linear_grpo_triton._grad_logits_kernel,
-                                   {**common, "out_ptr": f"*{out}", "out_stride": "i32", "g_ptr": "*fp32"},
-                                   {"BLOCK": block}))
+        for cap in (False, True):  # without and with a logit soft cap (Gemma 2)
+            name = " softcap" if cap else ""
+            launches.append(Launch(f"logsumexp partial V={V}{name}", linear_grpo_triton._logsumexp_partial_kernel,
+                                   {"logits_ptr": "*fp32", "stride": "i32", **partials, "V": "i32", "span": "i32",
+                                    "inv_t": "fp32", "softcap": "fp32", "SPLITS": "i32", "BLOCK": "constexpr",
+                                    "HAS_SOFTCAP": "constexpr"}, {"BLOCK": block, "HAS_SOFTCAP": cap}))
+            launches.append(Launch(f"logprob/entropy combine V={V}{name}",
+                                   linear_grpo_triton._logprob_entropy_combine_kernel,
+                                   {"logits_ptr": "*fp32", "stride": "i32", "targets_ptr": "*i64", **partials,
+                                    "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "inv_t": "fp32",
+                                    "softcap": "fp32", "SPLITS": "i32", "BLOCK_S": "constexpr",
+                                    "HAS_SOFTCAP": "constexpr"},
+                                   {"BLOCK_S": triton.next_power_of_2(splits), "HAS_SOFTCAP": cap}))
+            for out in ("fp32", "bf16", "fp16"):  # in place, or rounded into the gradient GEMMs' operand dtype
+                launches.append(Launch(f"grad-logits V={V} -> {out}{name}", linear_grpo_triton._grad_logits_kernel,
+                                       {**common, "out_ptr": f"*{out}", "out_stride": "i32", "g_ptr": "*fp32",
+                                        "softcap": "fp32", "HAS_SOFTCAP": "constexpr"},
+                                       {"BLOCK": block, "HAS_SOFTCAP": cap}))
     for out in ("bf16", "fp16"):  # backward: the fp32 gradient accumulators into the parameters' dtype
         launches.append(Launch(f"scale-into -> {out}", linear_grpo_triton._scale_into_kernel,
                                {"src_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": f"*{out}", "numel": "i32",

@@ -2,6 +2,7 @@
 the full logits in float64; and against Liger-Kernel's LigerFusedLinearGRPOLoss where both implement a loss."""
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -148,6 +149,21 @@ def test_extreme_logits_stay_finite(backend, scale):
     loss, stats, grads = _compare(p, loss_type="grpo", old_logps=p["old"], grad_atol=1e-5 * max(1.0, scale / 30))
     assert torch.isfinite(stats["logps"]).all() and torch.isfinite(stats["entropy"]).all()
     assert stats["logps"].min() < -scale  # the targets include very unlikely tokens
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_logit_softcap(backend, level):
+    """Gemma 2's final_logit_softcapping: the loss, statistics and gradients of cap * tanh(logits / cap) (then the
+    temperature) equal the reference's, with logits large enough for the cap to bend them (|logit| up to ~30 against
+    a cap of 5); the uncapped loss is far from it."""
+    p = _problem(13, scale=10.0)
+    options = dict(loss_type="grpo", old_logps=p["old"], ref_logps=p["ref"], beta=0.04, temperature=0.8,
+                   importance_sampling_level=level)
+    loss, stats, _ = _compare(p, logit_softcap=5.0, **options)
+    _, uncapped, _ = _run(ref.fused_linear_grpo_loss, p, **options)
+    live = p["mask"] != 0
+    assert (stats["logps"][live] - uncapped["logps"][live]).abs().max() > 1.0
+    assert stats["logps"][live].min() > -2 * 5.0 / 0.8 - math.log(V)  # capped logits: log p >= -2 cap / T - log V
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -683,6 +699,8 @@ def test_never_materialises_all_logits(backend, level, monkeypatch):
         (dict(adv=torch.zeros(B + 1)), r"advantages must have shape \(B,\) = \(3,\) or \(B, T\)"),
         (dict(bias=torch.zeros(V - 1)), r"bias must have shape \(V,\) = \(40,\)"),
         (dict(old_logps=torch.zeros(B, T + 2)), r"old_logps must have shape \(B, T\)"),
+        (dict(logit_softcap=0.0), r"logit_softcap must be a float > 0, got logit_softcap=0.0"),
+        (dict(logit_softcap=float("inf")), r"logit_softcap must be a finite float > 0 or None, got logit_softcap=inf"),
     ],
 )
 @pytest.mark.parametrize("impl", ["kernel", "reference"])

@@ -62,7 +62,7 @@ def zero3(monkeypatch):
 
 
 def _fused_call(model, seen, zero3):
-    def loss_fn(hidden, weight, bias):
+    def loss_fn(hidden, weight, bias, logit_softcap):
         seen.append({"weight": weight.detach().clone(), "inside": zero3.entered if zero3 else None})
         return (hidden.float() @ weight.float().T).logsumexp(-1).mean(), {}
 

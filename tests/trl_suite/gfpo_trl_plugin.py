@@ -222,7 +222,6 @@ REFUSAL_SITES = {
     ("config.py", "__post_init__"),
     ("trainer.py", "__init__"),
     ("fused_head.py", "check_fused_loss_supported"),
-    ("fused_head.py", "logit_scale_of"),
     ("fused_head.py", "_probe"),
 }
 
