@@ -7,9 +7,10 @@ Both work on one stage of projected logits, fp32 (rows, V), raw (before the mode
   a few hundred rows (fused_linear_grpo._chunk_plan), too few for one program per row to keep an H100's memory
   busy, so each row is cut into vocabulary spans (programs (row, span)) and a second kernel folds the spans.
 - grad_logits: logits -> d(loss)/d(logits) = g_row * (onehot(target) - p) / temperature (times the cap's
-  derivative 1 - tanh^2(z / cap)), where g_row = d(loss)/d(log p(target)) of that row; in place, or rounded once into a half-precision buffer (the
-  gradient GEMMs' operand), which saves the separate conversion pass: 6 bytes moved per logit instead of 14
-  (profiled on an H100: the conversion took 4.7% of the fused loss's CUDA time, the kernel 6.8%).
+  derivative 1 - tanh^2(z / cap)), where g_row = d(loss)/d(log p(target)) of that row; in place, or rounded once
+  into a half-precision buffer (the gradient GEMMs' operand), which saves the separate conversion pass: 6 bytes
+  moved per logit instead of 14 (profiled on an H100: the conversion took 4.7% of the fused loss's CUDA time, the
+  kernel 6.8%).
 
 And one elementwise kernel for backward:
 - scale_into: an fp32 gradient accumulator times the incoming gradient, rounded once into the parameter's half
@@ -65,9 +66,11 @@ def _logsumexp_partial_kernel(
     for start in range(lo, hi, BLOCK):
         cols = start + lanes
         ok = cols < hi
-        z = tl.load(base + cols, mask=ok, other=-1.0e30).to(tl.float32)
-        if HAS_SOFTCAP:
+        if HAS_SOFTCAP:  # padded lanes load 0 (no overflow in the cap's exp), then take the -inf stand-in
+            z = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
             z = tl.where(ok, softcap * _tanh(z / softcap), -1.0e30)
+        else:
+            z = tl.load(base + cols, mask=ok, other=-1.0e30).to(tl.float32)
         z = z * inv_t
         new_m = tl.maximum(m, z)
         shift = m - new_m
