@@ -64,7 +64,7 @@ import torch
 
 from ._dispatch import select_backend
 from ._validation import linear_grpo_call_options
-from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
+from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps, soft_capped
 
 __all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
 
@@ -195,7 +195,7 @@ def _scaled(acc: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype, sc
 
 def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None = None):
     """Torch twin of linear_grpo_triton.logprob_entropy_triton: (log p(target), entropy, log-partition)."""
-    z = (logits if softcap is None else torch.tanh(logits / softcap) * softcap) * inv_t
+    z = soft_capped(logits, softcap) * inv_t
     lse = torch.logsumexp(z, dim=-1)
     log_p = z - lse.unsqueeze(-1)
     entropy = -(log_p.exp() * log_p).sum(-1)

@@ -20,6 +20,12 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
+def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), the final logit soft cap of Gemma 2 (GRPOLossOptions.logit_softcap); None: the
+    logits unchanged."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
 def _positive(value, name: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -69,8 +75,9 @@ class GRPOLossOptions:
         _positive(self.sapo_temperature_pos, "sapo_temperature_pos")
         _positive(self.sapo_temperature_neg, "sapo_temperature_neg")
         _positive(self.logit_softcap, "logit_softcap", allow_none=True)
-        if self.logit_softcap is not None and self.logit_softcap == float("inf"):
-            raise ValueError(f"logit_softcap must be a finite float > 0 or None, got logit_softcap={self.logit_softcap!r}")
+        cap = self.logit_softcap
+        if cap is not None and cap == float("inf"):
+            raise ValueError(f"logit_softcap must be a finite float > 0 or None, got logit_softcap={cap!r}")
         mcl = self.max_completion_length
         if mcl is not None and (isinstance(mcl, bool) or not isinstance(mcl, numbers.Integral) or mcl < 1):
             raise ValueError(f"max_completion_length must be None or an int >= 1, got max_completion_length={mcl!r}")

@@ -19,7 +19,7 @@ from ._validation import (
     check_scale_eps,
     linear_grpo_call_options,
 )
-from .grpo_loss_math import grpo_loss_from_logps
+from .grpo_loss_math import grpo_loss_from_logps, soft_capped
 
 __all__ = ["group_topk_mask", "group_advantages", "gfpo_filter_advantages", "fused_linear_grpo_loss"]
 
@@ -139,9 +139,7 @@ def fused_linear_grpo_loss(
     logits = hidden.double() @ weight.double().t()
     if bias is not None:
         logits = logits + bias.double()
-    if logit_softcap is not None:
-        logits = torch.tanh(logits / logit_softcap) * logit_softcap
-    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    log_probs = torch.log_softmax(soft_capped(logits, logit_softcap) / temperature, dim=-1)
     live = mask != 0
     safe_ids = torch.where(live, target_ids, 0).long()
     logps = log_probs.gather(-1, safe_ids.unsqueeze(-1)).squeeze(-1)

@@ -1,9 +1,9 @@
 """The model adapter of `use_gfpo_kernels=True`: the fused linear GRPO loss computed inside the model's forward.
 
 `install_fused_loss_forward` patches the model so that `model(..., gfpo_loss_fn=f, gfpo_logits_to_keep=n)` runs
-the backbone and returns `f(hidden, weight, bias, logit_softcap=cap)` on the hidden states that predict the last n tokens (the loss
-is computed inside the forward, so DDP/FSDP see every parameter used); `fused_compute_loss` is the trainer's
-`compute_loss` on that path; `check_fused_loss_supported` refuses the TRL options the fused loss lacks.
+the backbone and returns `f(hidden, weight, bias, logit_softcap=cap)` on the hidden states that predict the last n
+tokens (the loss is computed inside the forward, so DDP/FSDP see every parameter used); `fused_compute_loss` is the
+trainer's `compute_loss` on that path; `check_fused_loss_supported` refuses the TRL options the fused loss lacks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import torch
 
 import gfpo_kernels
-from gfpo_kernels.grpo_loss_math import LOSS_TYPES
+from gfpo_kernels.grpo_loss_math import LOSS_TYPES, soft_capped
 
 from ._compat import MULTIMODAL_INPUT_KEYS, TOKEN_MEAN_METRICS
 from .config import GFPOConfig
@@ -79,11 +79,18 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
         loss = loss / accumulation
     aux_term = None
     if aux_loss is not None:  # an MoE model's router load-balancing loss, added as TRL adds it
-        aux_term = trainer.router_aux_loss_coef * aux_loss / accumulation
+        aux_term = router_aux_term(trainer, aux_loss)
         loss = loss + aux_term
         trainer._metrics[mode]["aux_loss"].append(trainer.accelerator.gather(aux_loss.detach()).mean().item())
     _log_loss_stats(trainer, mode, stats, mask)
     return loss, aux_term
+
+
+def router_aux_term(trainer, aux_loss: torch.Tensor) -> torch.Tensor:
+    """The MoE router auxiliary loss term TRL's `_compute_loss` adds: router_aux_loss_coef * aux_loss over the
+    gradient accumulation steps (none in eval)."""
+    accumulation = trainer.current_gradient_accumulation_steps if trainer.model.training else 1
+    return trainer.router_aux_loss_coef * aux_loss / accumulation
 
 
 def _log_loss_stats(trainer, mode: str, stats: dict, mask: torch.Tensor) -> None:
@@ -198,10 +205,6 @@ def install_fused_loss_forward(model, cast_lm_head_to_fp32: bool = False) -> Non
     _probe(model, original)
 
 
-def _soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
-
-
 @torch.no_grad()
 def _probe(model, original_forward, num_tokens: int = 8) -> None:
     """Checks on a few tokens that the fused path's logits are the model's own: a model that transforms its logits
@@ -216,7 +219,7 @@ def _probe(model, original_forward, num_tokens: int = 8) -> None:
     try:
         want = original_forward(input_ids=input_ids, use_cache=False).logits[:, :-1].float()
         got, _, _ = model(input_ids=input_ids, gfpo_loss_fn=lambda h, w, b, logit_softcap: (
-            _soft_capped(torch.nn.functional.linear(h, w, b).float(), logit_softcap), None),
+            soft_capped(torch.nn.functional.linear(h, w, b).float(), logit_softcap), None),
             gfpo_logits_to_keep=num_tokens - 1)
     finally:
         model.train(was_training)

@@ -37,7 +37,7 @@ from ._compat import TRLSurfaceError, check_output, check_trainer_attributes, ch
 from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
-from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward
+from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
 from .rows import (
     no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss, zero_gradient_skip_applies
 )
@@ -306,10 +306,8 @@ class GFPOTrainer(GRPOTrainer):
             else:
                 self._gfpo_aux_loss = None
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-                # TRL added router_aux_loss_coef * aux_loss / accumulation to the rows' loss
-                aux_term = None if self._gfpo_aux_loss is None else (
-                    self.router_aux_loss_coef * self._gfpo_aux_loss
-                    / (self.current_gradient_accumulation_steps if self.model.training else 1.0))
+                # the router loss term TRL added to the rows' loss
+                aux_term = None if self._gfpo_aux_loss is None else router_aux_term(self, self._gfpo_aux_loss)
         return weight_loss(loss, inputs, self.loss_type, unweighted=aux_term)
 
 
