@@ -175,6 +175,7 @@ def install_fused_loss_forward(model, cast_lm_head_to_fp32: bool = False) -> Non
     Without gfpo_loss_fn the forward is the one before (TRL's fused head included). `cast_lm_head_to_fp32`
     (GRPOConfig's): the head runs in fp32 outside autocast, as TRL's head does then. Refuses (ValueError naming the
     model class) a model whose logits the fused path does not reproduce on a probe of a few tokens."""
+    _check_plain_linear_head(model)
     scale, softcap = logit_transform_of(model)
     original = model.forward
 
@@ -203,6 +204,31 @@ def install_fused_loss_forward(model, cast_lm_head_to_fp32: bool = False) -> Non
 
     model.forward = types.MethodType(forward, model)
     _probe(model, original)
+
+
+def _check_plain_linear_head(model) -> None:
+    """The fused loss multiplies by the head's `weight` (and `bias`) itself, so the head must be a plain
+    nn.Linear whose forward is h W^T + b. A PEFT adapter on the head (LoRA, trainable tokens and the like) adds
+    its own term in its forward: read as the bare weight it would be left out of the loss and never trained, and
+    the probe cannot see it, since such adapters start as a no-op. PEFT's `modules_to_save` copy of the head is a
+    plain Linear: its wrapper's `weight` is the active copy's, so it is accepted."""
+    head = model.get_output_embeddings()
+    modules = [head]
+    try:
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:
+        ModulesToSaveWrapper = ()
+    if isinstance(head, ModulesToSaveWrapper):
+        modules = [head.original_module, *head.modules_to_save.values()]
+    plain = all(isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward for m in modules)
+    if not plain:
+        raise ValueError(
+            f"use_gfpo_kernels=True cannot train {type(model).__name__}: its LM head is a "
+            f"{type(head).__module__}.{type(head).__name__}, not a plain torch.nn.Linear, and the fused loss reads "
+            "the head's weight directly, so what the head adds in its forward (a PEFT adapter such as LoRA on "
+            "lm_head) would be left out of the loss and never trained. Leave the LM head out of the adapter's "
+            "target_modules (TRL >= 1.15 refuses an adapter there too), or use use_gfpo_kernels=False."
+        )
 
 
 @torch.no_grad()

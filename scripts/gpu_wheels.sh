@@ -20,6 +20,7 @@ PINNED_BINARY=(
   dill==0.4.0
   multiprocess==0.70.18
   liger-kernel==0.8.5
+  peft==0.21.2
   tdigest==0.5.2.2
 )
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64

@@ -33,4 +33,4 @@ print("oldest-TRL check: trl", trl.__version__, "transformers", transformers.__v
 PY
 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_trainer.py tests/test_trainer_multiprocess.py \
   tests/test_early_stop.py tests/test_grpo_loss_math.py tests/test_compat.py tests/test_trainer_semantics.py \
-  tests/test_rows.py "$@"
+  tests/test_rows.py tests/test_fused_head.py "$@"
