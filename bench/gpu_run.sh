@@ -16,7 +16,9 @@
 #   profile      bench/profile_fused_loss.py (torch.profiler top ops)         -> profile.txt
 #   tune         bench/tune.py (tile size, row block/warps, chunk budget)     -> tune.txt
 #   merge        (here, after the calls) one STEM.json from the STEM-*.json, then its .md and .png
-# STEM = <date>-<gpu>-<commit>; every file lands directly in OUTDIR (the device returns 8 files, 2 folders deep).
+# STEM = <date>-<gpu>-<commit>; every file lands directly in OUTDIR. The device returns at most 8 files and one
+# bench step writes 4-5: run it as `bash bench/gpu_run.sh /tmp/o STEP...; tar czf $OUT/o.tgz -C /tmp/o .` (with
+# carry [".whl"] and GFPO_COMMIT=<sha>: .git does not travel) and unpack the files here before `merge`.
 # --fast: fewer sizes (the issue's goal sizes only) and fewer rounds.
 # GFPO_GPU_RUN_ON_CPU=1: rehearsal on a machine without CUDA: no wheels, no build, Triton interpreter, small
 # sizes, tests/test_gpu.py only with GFPO_TEST_DEVICE=cpu.
@@ -106,7 +108,11 @@ step_tests() {
   if [ "$ON_CPU" = 1 ]; then
     run_step tests "$PY" -m pytest -q -x tests/test_gpu.py -p no:cacheprovider
   else
-    run_step tests "$PY" -m pytest -q -ra tests/ -p no:cacheprovider --timeout=300
+    # The multi-process tests hide the GPU (CUDA_VISIBLE_DEVICES="", gloo on CPU) and take minutes; CI runs them.
+    # tests/trl_suite needs TRL's test files, which this machine cannot fetch.
+    run_step tests "$PY" -m pytest -q -ra --durations=15 tests/ -p no:cacheprovider --timeout=300 \
+      --ignore=tests/test_trainer_multiprocess.py --ignore=tests/test_row_exchange.py \
+      --ignore=tests/test_fsdp2_fused_head.py --ignore=tests/test_zero3_fused_head.py --ignore=tests/trl_suite
   fi
 }
 
@@ -143,7 +149,7 @@ step_bench_loss() {
 step_bench_train() {
   local files=(bench/test_bench_train_step.py bench/test_bench_early_stop.py bench/test_bench_skip_zero_rows.py)
   [ "$FAST" = 1 ] && files=(bench/test_bench_train_step.py)
-  [ "$ON_CPU" = 1 ] && files=(bench/test_bench_early_stop.py -k "4-rule-on" --benchmark-disable)
+  [ "$ON_CPU" = 1 ] && files=(bench/test_bench_early_stop.py -k "4-rule-on")
   bench_step train "${files[@]}"
 }
 
@@ -171,6 +177,16 @@ print("merged", len(merged["benchmarks"]), "cases into", out)
 EOF
   "$PY" bench/report.py "$OUTDIR/$stem.json"
 }
+
+# A device call after a pause may land on a bare machine (no /tmp/site, no CUDA build): without them the
+# benchmarks' importorskip would drop TRL and Liger silently. So every step on a GPU runs setup first when this
+# machine has not had it (setup itself skips the wheel install when /tmp/site/.installed exists).
+if [ "$ON_CPU" != 1 ] && [ "${STEPS[0]}" != setup ] && [ "${STEPS[0]}" != merge ] &&
+   { [ ! -f /tmp/site/.installed ] ||
+     ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gfpo_kernels._C") is None)'; }; then
+  echo "=== this machine has no setup yet: running it first"
+  STEPS=(setup "${STEPS[@]}")
+fi
 
 status=0
 for step in "${STEPS[@]}"; do

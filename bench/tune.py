@@ -36,12 +36,21 @@ def _peak_extra_gib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
+def _copied(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_copied(x) for x in out)
+    return out
+
+
 def _sweep(title, module, attr, values, make_fn, check, key=None, peak_memory=False):
     """Times make_fn() for each value of module.attr (or module.attr[key]); restores the default. peak_memory: the
     note column gives each value's peak extra memory."""
     # a dict entry may be absent (the fused loss's _CHUNK_BYTES: absent = derived from free memory)
     default = getattr(module, attr) if key is None else getattr(module, attr).get(key)
-    reference_out = make_fn()()
+    # a copy: a kernel writing into a preallocated buffer (out=) would otherwise be compared with itself
+    reference_out = _copied(make_fn()())
     rows = []
     try:
         for value in values:
