@@ -21,6 +21,10 @@
 
 namespace gfpo {
 
+at::ScalarType reward_read_type(at::ScalarType type) {
+  return type == at::kDouble || type == at::kInt || type == at::kLong ? at::kDouble : at::kFloat;
+}
+
 Scale parse_scale(c10::string_view scale) {
   if (scale == "group") return Scale::kGroup;
   if (scale == "batch") return Scale::kBatch;
@@ -108,7 +112,8 @@ inline double select(bool ok, double a, double b) {
 // Per-lane count, mean and sum of squared deviations of the kept, finite rewards, in double, then the
 // advantages. The mean is taken of data shifted by the lane's largest reward, so a group of equal rewards
 // gets exactly 0. x and w are [row][lane] scratch.
-void advantages_lanes(const float* r, const bool* keep, int64_t G, int64_t lanes, Scale scale, double eps, double* x,
+template <typename reward_t>
+void advantages_lanes(const reward_t* r, const bool* keep, int64_t G, int64_t lanes, Scale scale, double eps, double* x,
                       double* w, float* adv, double* n_out, double* mean_out, double* m2_out) {
   double n[kLanes] = {}, shift[kLanes], sum[kLanes] = {}, mean[kLanes], m2[kLanes] = {}, inv[kLanes];
   std::fill(shift, shift + kLanes, -INFINITY);
@@ -169,12 +174,15 @@ GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Ten
   }
   bool* keep = out.keep.data_ptr<bool>();
 
-  // Rewards are read as float32 (fp32 in, the common case, is not copied) and accumulated in double.
-  const at::Tensor r = rewards.defined() ? rewards.to(at::kFloat).contiguous() : at::Tensor();
-  const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
+  // Rewards are read as reward_read_type says and accumulated in double.
+  const at::Tensor r =
+      rewards.defined() ? rewards.to(reward_read_type(rewards.scalar_type())).contiguous() : at::Tensor();
+  const bool read_double = r.defined() && r.scalar_type() == at::kDouble;
+  const float* rp = r.defined() && !read_double ? r.data_ptr<float>() : nullptr;
+  const double* rdp = read_double ? r.data_ptr<double>() : nullptr;
   float* ap = nullptr;
   if (r.defined()) {
-    out.adv = at::empty({num_groups, G}, r.options());
+    out.adv = at::empty({num_groups, G}, r.options().dtype(at::kFloat));
     ap = out.adv.data_ptr<float>();
   }
   double *np_ = nullptr, *mp = nullptr, *m2p = nullptr;
@@ -213,9 +221,15 @@ GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Ten
             topk_by_selection(key.data(), G, kp[g0 + b], order.data(), keep + (g0 + b) * G);
           }
         }
+        double* const n_g = np_ ? np_ + g0 : nullptr;
+        double* const mean_g = mp ? mp + g0 : nullptr;
+        double* const m2_g = m2p ? m2p + g0 : nullptr;
         if (rp != nullptr) {
-          advantages_lanes(rp + g0 * G, keep + g0 * G, G, lanes, scale, eps, x.data(), w.data(), ap + g0 * G,
-                           np_ ? np_ + g0 : nullptr, mp ? mp + g0 : nullptr, m2p ? m2p + g0 : nullptr);
+          advantages_lanes(rp + g0 * G, keep + g0 * G, G, lanes, scale, eps, x.data(), w.data(), ap + g0 * G, n_g,
+                           mean_g, m2_g);
+        } else if (rdp != nullptr) {
+          advantages_lanes(rdp + g0 * G, keep + g0 * G, G, lanes, scale, eps, x.data(), w.data(), ap + g0 * G, n_g,
+                           mean_g, m2_g);
         }
       }
     });

@@ -40,6 +40,11 @@ GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Te
                                          const at::Tensor& keep_in, bool largest, Scale scale, double eps);
 #endif
 
+// The dtype a kernel reads rewards in: float32 where that is exact (float32, the common case, is not copied;
+// fp16, bf16 and small integers), double otherwise (float64, int32, int64), so every backend sees the values the
+// float64 reference sees.
+at::ScalarType reward_read_type(at::ScalarType type);
+
 // Scale::kBatch: divides the centred advantages by the unbiased std of all kept finite rewards (+ eps),
 // combining the per-group (n, mean, m2) with Chan's formula. Shared by every device.
 at::Tensor apply_batch_scale(const GroupResult& result, double eps);

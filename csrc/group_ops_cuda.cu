@@ -2,8 +2,9 @@
 //
 // The warp stages its group's scores in shared memory; each lane ranks its rows by counting the rows that
 // rank before them (better score, NaN last, ties -> lower index), which is exact for every dtype and cheap
-// for G <= 1024 (the ranks of a group cost G^2/32 comparisons per lane). Mean and sum of squared
-// deviations use two butterfly reductions in fp32, so the result does not depend on the launch.
+// for G <= 1024 (the ranks of a group cost G^2/32 comparisons per lane). Rewards are read in float32 or double
+// (reward_read_type); count, mean and sum of squared deviations use butterfly reductions in double (rewards up to
+// FLT_MAX square without overflow, float64 rewards keep their digits), so the result does not depend on the launch.
 #include <ATen/OpMathType.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
@@ -22,23 +23,29 @@ namespace {
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxGroupSize = 1024;
 
-__device__ __forceinline__ float warp_sum(float v) {
+__device__ __forceinline__ double warp_sum(double v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+__device__ __forceinline__ double warp_max(double v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
+}
+
+// Rewards are float32 or double (a warp-uniform branch: one kernel per score dtype, not two).
+__device__ __forceinline__ double reward_at(const void* rewards, bool rewards_double, int64_t i) {
+  return rewards_double ? static_cast<const double*>(rewards)[i]
+                        : static_cast<double>(static_cast<const float*>(rewards)[i]);
 }
 
 template <typename scalar_t>
 __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ k,
-                                               const bool* __restrict__ keep_in, const float* __restrict__ rewards,
-                                               int64_t num_groups, int G, bool largest, bool divide_by_std, float eps,
-                                               bool* __restrict__ keep_out, float* __restrict__ adv,
-                                               float* __restrict__ n_out, float* __restrict__ mean_out,
-                                               float* __restrict__ m2_out) {
+                                               const bool* __restrict__ keep_in, const void* __restrict__ rewards,
+                                               bool rewards_double, int64_t num_groups, int G, bool largest,
+                                               bool divide_by_std, double eps, bool* __restrict__ keep_out,
+                                               float* __restrict__ adv, double* __restrict__ n_out,
+                                               double* __restrict__ mean_out, double* __restrict__ m2_out) {
   using opmath_t = at::opmath_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -74,34 +81,34 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
   if (rewards == nullptr) return;
 
   // Mean of shifted data: a group of equal rewards gets a mean equal to them, so exactly 0 advantages.
-  float n = 0.f, shift = -INFINITY;
+  double n = 0.0, shift = -INFINITY;
   for (int i = lane; i < G; i += 32) {
-    const float r = rewards[base + i];
+    const double r = reward_at(rewards, rewards_double, base + i);
     if (kept[i] && isfinite(r)) {
-      n += 1.f;
-      shift = fmaxf(shift, r);
+      n += 1.0;
+      shift = fmax(shift, r);
     }
   }
   n = warp_sum(n);
-  shift = n > 0.f ? warp_max(shift) : 0.f;
-  float sum = 0.f;
+  shift = n > 0.0 ? warp_max(shift) : 0.0;
+  double sum = 0.0;
   for (int i = lane; i < G; i += 32) {
-    const float r = rewards[base + i];
+    const double r = reward_at(rewards, rewards_double, base + i);
     if (kept[i] && isfinite(r)) sum += r - shift;
   }
   sum = warp_sum(sum);
-  const float mean = n > 0.f ? shift + sum / n : 0.f;
-  float m2 = 0.f;
+  const double mean = n > 0.0 ? shift + sum / n : 0.0;
+  double m2 = 0.0;
   for (int i = lane; i < G; i += 32) {
-    const float r = rewards[base + i];
+    const double r = reward_at(rewards, rewards_double, base + i);
     if (kept[i] && isfinite(r)) m2 += (r - mean) * (r - mean);
   }
   m2 = warp_sum(m2);
-  const float std_g = n >= 2.f ? sqrtf(m2 / (n - 1.f)) : 0.f;
-  const float denom = divide_by_std ? std_g + eps : 1.f;
+  const double std_g = n >= 2.0 ? sqrt(m2 / (n - 1.0)) : 0.0;
+  const double denom = divide_by_std ? std_g + eps : 1.0;
   for (int i = lane; i < G; i += 32) {
-    const float r = rewards[base + i];
-    adv[base + i] = kept[i] && isfinite(r) ? (r - mean) / denom : 0.f;
+    const double r = reward_at(rewards, rewards_double, base + i);
+    adv[base + i] = kept[i] && isfinite(r) ? static_cast<float>((r - mean) / denom) : 0.f;
   }
   if (n_out != nullptr && lane == 0) {
     n_out[g] = n;
@@ -123,14 +130,16 @@ GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Te
   const at::Tensor s = scores.defined() ? scores.contiguous() : at::Tensor();
   const at::Tensor kk = scores.defined() ? k.to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor keep_c = keep_in.defined() ? keep_in.to(at::kBool).contiguous() : at::Tensor();
-  const at::Tensor r = rewards.defined() ? rewards.to(at::kFloat).contiguous() : at::Tensor();
-  const auto fopts = shape_src.options().dtype(at::kFloat);
-  if (rewards.defined()) out.adv = at::empty({num_groups, G}, fopts);
+  const at::Tensor r =
+      rewards.defined() ? rewards.to(reward_read_type(rewards.scalar_type())).contiguous() : at::Tensor();
+  const bool rewards_double = r.defined() && r.scalar_type() == at::kDouble;
+  if (rewards.defined()) out.adv = at::empty({num_groups, G}, shape_src.options().dtype(at::kFloat));
   const bool batch = rewards.defined() && scale == Scale::kBatch;
   if (batch) {
-    out.n = at::empty({num_groups}, fopts);
-    out.mean = at::empty({num_groups}, fopts);
-    out.m2 = at::empty({num_groups}, fopts);
+    const auto dopts = shape_src.options().dtype(at::kDouble);
+    out.n = at::empty({num_groups}, dopts);
+    out.mean = at::empty({num_groups}, dopts);
+    out.m2 = at::empty({num_groups}, dopts);
   }
   if (num_groups == 0) return out;
 
@@ -143,11 +152,11 @@ GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Te
     const size_t smem = static_cast<size_t>(kWarpsPerBlock) * G * (sizeof(opmath_t) + sizeof(bool));
     group_filter_advantages_kernel<scalar_t><<<grid, block, smem, stream>>>(
         s.defined() ? s.data_ptr<scalar_t>() : nullptr, kk.defined() ? kk.data_ptr<int64_t>() : nullptr,
-        keep_c.defined() ? keep_c.data_ptr<bool>() : nullptr, r.defined() ? r.data_ptr<float>() : nullptr,
-        num_groups, static_cast<int>(G), largest, scale == Scale::kGroup, static_cast<float>(eps),
+        keep_c.defined() ? keep_c.data_ptr<bool>() : nullptr, r.defined() ? r.const_data_ptr() : nullptr,
+        rewards_double, num_groups, static_cast<int>(G), largest, scale == Scale::kGroup, eps,
         out.keep.data_ptr<bool>(), r.defined() ? out.adv.data_ptr<float>() : nullptr,
-        batch ? out.n.data_ptr<float>() : nullptr, batch ? out.mean.data_ptr<float>() : nullptr,
-        batch ? out.m2.data_ptr<float>() : nullptr);
+        batch ? out.n.data_ptr<double>() : nullptr, batch ? out.mean.data_ptr<double>() : nullptr,
+        batch ? out.m2.data_ptr<double>() : nullptr);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;

@@ -19,9 +19,11 @@ def check_group_size(group_size) -> int:
     return int(group_size)
 
 
-def as_groups(x, group_size: int, name: str) -> torch.Tensor:
+def as_groups(x, group_size: int, name: str, *, ranked: bool = False) -> torch.Tensor:
     """Checks that `x` is a 1-D (N,) or 2-D (num_groups, G) tensor in TRL's layout and returns the
-    (num_groups, G) view. Booleans become uint8 (False < True); complex numbers have no order."""
+    (num_groups, G) view. Booleans become uint8 (False < True); complex numbers have no order. uint64, which no
+    signed type holds: `ranked` tensors (scores, of which only the order counts) become int64 with the top bit
+    flipped, the same order exactly; values (rewards) become float64, exact up to 2**53 as for int64."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (1, 2):
@@ -40,8 +42,7 @@ def as_groups(x, group_size: int, name: str) -> torch.Tensor:
     elif x.dtype in (torch.uint16, torch.uint32):
         x = x.long()  # exact; the kernels read signed integers
     elif x.dtype == torch.uint64:
-        raise ValueError(f"{name} of dtype torch.uint64 is not supported (no exact signed type holds it); convert "
-                         "it to int64 or float64")
+        x = x.view(torch.int64) ^ torch.iinfo(torch.int64).min if ranked else x.double()
     return x.reshape(n // group_size, group_size)
 
 

@@ -113,13 +113,17 @@ def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: tor
     gradients, each stage's logits gradient is written, rounded once to the operand dtype, into a buffer of
     chunk_rows tokens (the rest of the budget), from which the two gradient GEMMs run once per chunk. Long chunks
     keep the fp32 grad_W traffic small (one read and write per chunk); a bf16 gradient buffer holds 3x the rows of
-    fp32 logits plus their bf16 copy. Without gradients only the staging buffer exists; the stages are the same, so
+    fp32 logits plus their bf16 copy. Both hold at most half the scored tokens (rounded up). Without gradients only the staging buffer exists; the stages are the same, so
     the log-probabilities are the same bits with and without grad mode."""
     itemsize = operand_dtype.itemsize
     budget = _chunk_budget(device, V * H * itemsize)
+    # Neither buffer spans every scored token, however small the batch, so the logits of the whole batch (or
+    # their gradient) never exist at once; where all would have fit in one chunk that costs one more read and
+    # write of the fp32 weight-gradient accumulator.
+    most = max(1, -(-n // 2))
     by_share, by_flops = budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
-    stage_rows = max(1, min(n, max(by_share, by_flops), budget // 2 // (4 * V)))
-    return stage_rows, max(stage_rows, min(n, (budget - 4 * V * stage_rows) // (itemsize * V)))
+    stage_rows = max(1, min(most, max(by_share, by_flops), budget // 2 // (4 * V)))
+    return stage_rows, max(stage_rows, min(most, (budget - 4 * V * stage_rows) // (itemsize * V)))
 
 
 def _operand_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

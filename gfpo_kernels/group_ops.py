@@ -42,7 +42,7 @@ def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool =
         ValueError: N not a multiple of G, k out of range, k tensor of the wrong length, input not 1-D/2-D.
     """
     group_size = check_group_size(group_size)
-    s = as_groups(scores, group_size, "scores")
+    s = as_groups(scores, group_size, "scores", ranked=True)
     kk = check_k(k, s.shape[0], group_size, s.device)
     largest = check_largest(largest)
     backend = select_backend("group", s.device, group_size)
@@ -123,7 +123,7 @@ def gfpo_filter_advantages(
     check_scale_eps(scale, eps)
     check_same_shape(rewards, "rewards", scores, "scores")
     r = as_groups(rewards, group_size, "rewards")
-    s = as_groups(scores, group_size, "scores")
+    s = as_groups(scores, group_size, "scores", ranked=True)
     kk = check_k(k, s.shape[0], group_size, s.device)
     largest = check_largest(largest)
     if r.device != s.device:

@@ -6,7 +6,9 @@ exception: its one batch-wide std is applied afterwards by the wrapper). Ranks a
 row i's rank is the number of rows j that rank before it (better score, NaN last, ties -> lower index),
 accumulated over a loop on j. That is G^2 comparisons per group, exact for every dtype (no key packing),
 and trivial next to the memory traffic for the group sizes GFPO uses (G <= 256; up to MAX_GROUP_SIZE).
-Statistics accumulate in fp32.
+Rewards are read in their own dtype and the statistics accumulate in fp64, as in the C++ and CUDA kernels: rewards
+up to FLT_MAX square without overflow and float64 rewards keep their digits (the kernel is bound by memory and
+launch latency, not by fp64 arithmetic, on every GPU).
 """
 
 from __future__ import annotations
@@ -79,9 +81,9 @@ def _group_filter_advantages_kernel(
         keep = tile_ok
 
     if HAS_REWARDS:
-        r = tl.load(rewards_ptr + offs, mask=tile_ok, other=0).to(tl.float32)
+        r = tl.load(rewards_ptr + offs, mask=tile_ok, other=0).to(tl.float64)
         valid = keep & (tl.abs(r) < float("inf"))  # non-finite rewards (NaN, +-inf) take no part and get 0
-        n = tl.sum(valid.to(tl.float32), axis=1)
+        n = tl.sum(valid.to(tl.float64), axis=1)
         # Mean of shifted data: a group of equal rewards gets a mean equal to them, so exactly 0 advantages.
         shift = tl.max(tl.where(valid, r, -float("inf")), axis=1)
         shift = tl.where(n > 0, shift, 0.0)
@@ -91,12 +93,12 @@ def _group_filter_advantages_kernel(
             m2 = tl.sum(centred * centred, axis=1)
             std = tl.where(n >= 2.0, tl.sqrt(m2 / tl.maximum(n - 1.0, 1.0)), 0.0)
             centred = centred / (std + eps)[:, None]
-        tl.store(adv_ptr + offs, centred, mask=tile_ok)
+        tl.store(adv_ptr + offs, centred.to(tl.float32), mask=tile_ok)
 
 
 def _batch_std(rewards: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """Unbiased std of all kept, finite rewards of the batch (0 when fewer than 2), in fp32."""
-    r = rewards.float()
+    """Unbiased std of all kept, finite rewards of the batch (0 when fewer than 2), in fp64."""
+    r = rewards.double()
     valid = torch.isfinite(r) if keep is None else keep & torch.isfinite(r)
     n = valid.sum()
     mean = torch.where(valid, r, 0.0).sum() / n.clamp_min(1)
@@ -171,5 +173,6 @@ def group_filter_advantages(
         num_warps=num_warps,
     )
     if adv is not None and scale == "batch":
-        adv = adv / (_batch_std(rewards, keep_out if (scores is not None or keep is not None) else None) + eps)
+        std = _batch_std(rewards, keep_out if (scores is not None or keep is not None) else None)
+        adv = (adv.double() / (std + eps)).float()
     return keep_out, adv

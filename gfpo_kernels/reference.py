@@ -50,7 +50,7 @@ def _ranks(s: torch.Tensor, largest: bool) -> torch.Tensor:
 def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool = True) -> torch.Tensor:
     """Reference of :func:`gfpo_kernels.group_topk_mask`: True for the top-k rows of every group."""
     group_size = check_group_size(group_size)
-    s = as_groups(scores, group_size, "scores")
+    s = as_groups(scores, group_size, "scores", ranked=True)
     kk = check_k(k, s.shape[0], group_size, s.device)
     largest = check_largest(largest)
     k_col = kk[:, None] if isinstance(kk, torch.Tensor) else kk

@@ -1,7 +1,7 @@
 """Every kernel backend (Triton, C++/CUDA) against gfpo_kernels.reference.
 
-Masks must be identical; advantages agree to fp32 accuracy (the kernels accumulate in fp32, the reference
-in fp64). On CPU the Triton kernel runs under the interpreter, so shapes stay small."""
+Masks must be identical; advantages agree to fp32 accuracy (the kernels accumulate in fp64 as the reference does,
+and return fp32). On CPU the Triton kernel runs under the interpreter, so shapes stay small."""
 
 import pytest
 import torch
@@ -140,6 +140,51 @@ def test_int64_scores_beyond_float_precision(backend):
     scores = torch.tensor([base + 1, base, base + 3, base + 2] * 2, dtype=torch.int64).to(DEVICE)
     keep = gfpo_kernels.group_topk_mask(scores, 4, 2)
     assert keep.cpu().tolist() == [False, False, True, True] * 2
+
+
+def test_uint64_scores_and_rewards(backend):
+    """uint64, which no signed type holds: scores rank by their full 64-bit value (2**64 - 1 highest, values past
+    2**63 above every smaller one), rewards are taken as float64 values."""
+    top, high = 2**64 - 1, 2**63 + 1
+    scores = torch.tensor([5, top, 0, high, high - 2, 7, 2**63, 6], dtype=torch.uint64)
+    keep = gfpo_kernels.group_topk_mask(scores.to(DEVICE), 4, 2)
+    assert keep.cpu().tolist() == [False, True, False, True, True, False, True, False]
+    keep = gfpo_kernels.group_topk_mask(scores.to(DEVICE), 4, 1, largest=False)
+    assert keep.cpu().tolist() == [False, False, True, False, False, False, False, True]
+    rewards = torch.tensor([1, 2, 3, 4, 10, 10, 10, 30], dtype=torch.uint64)
+    values = rewards.double().reshape(2, 4)
+    want = (values - values.mean(1, keepdim=True)) / (values.std(1, keepdim=True) + 1e-4)
+    got = gfpo_kernels.group_advantages(rewards.to(DEVICE), 4)
+    torch.testing.assert_close(got.cpu(), want.float().flatten(), rtol=RTOL, atol=ATOL)
+    _, got = gfpo_kernels.gfpo_filter_advantages(rewards.to(DEVICE), scores.to(DEVICE), 4, 4)
+    torch.testing.assert_close(got.cpu(), want.float().flatten(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("dtype, offset", [(torch.float64, 1e8), (torch.int64, 2**40), (torch.int32, 2**30)])
+def test_rewards_beyond_float32_precision(backend, dtype, offset, scale):
+    """float64 and wide integer rewards keep the digits float32 would round away: 1e8 + 0.1 ... 1e8 + 0.4 are one
+    float32 value (every advantage 0 when the kernels read float32), the reference's float64 tells them apart."""
+    steps = torch.tensor([1, 2, 3, 4, 4, 1, 3, 2], dtype=torch.float64)
+    if dtype == torch.float64:
+        rewards = offset + 0.1 * steps
+    else:
+        rewards = (offset + steps).to(dtype)
+    want = ref.group_advantages(rewards, 4, scale=scale)
+    got = gfpo_kernels.group_advantages(rewards.to(DEVICE), 4, scale=scale)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_rewards_whose_squares_overflow_float32(backend, scale):
+    """Finite float32 rewards of 1e20 square beyond float32's range: the statistics accumulate in fp64 (the Triton
+    kernel's fp32 variance was inf, every advantage 0)."""
+    rewards = torch.tensor([1e20, -1e20, 3e20, 0.0, 2e30, -1e30, 0.0, 5e29], dtype=torch.float32)
+    want = ref.group_advantages(rewards, 4, scale=scale)
+    got = gfpo_kernels.group_advantages(rewards.to(DEVICE), 4, scale=scale)
+    assert (want != 0).all()
+    torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("reward_dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int32])
