@@ -59,7 +59,7 @@ TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_m
                       "cispo_clip_ratio")
 # GRPOTrainer attributes GFPO reads
 _ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "beta", "ref_model", "temperature", "loss_type",
-               "eos_token_ids", "use_vllm", "use_transformers_continuous_batching", "tools")
+               "eos_token_ids", "use_vllm", "use_transformers_continuous_batching", "tools", "pad_to_multiple_of")
 
 
 class TRLSurfaceError(RuntimeError):

@@ -48,9 +48,12 @@ class GFPOConfig(GRPOConfig):
             gradient when `beta == 0`, there is no entropy bonus, `top_entropy_quantile == 1` and no MoE auxiliary
             loss: they are then left out of the old-policy pass and the policy forward/backward, while every
             normaliser keeps counting them, so loss and gradients equal those with skipping off. Also without a
-            filter (plain GRPO). Not applied when `steps_per_generation > gradient_accumulation_steps` (TRL's shuffle
-            then decides which rows share an optimizer step), with `loss_type="bnpo"` (it divides by the tokens of each micro-batch)
-            or `"vespo"`; there every row is trained, as in GRPO. With skipping, TRL's entropy and clip-ratio metrics
+            filter (plain GRPO). Not applied when `gradient_accumulation_steps` is not a multiple of
+            `steps_per_generation` (a generation batch then straddles two optimizer steps, and TRL's shuffle decides
+            which rows land in which), with `loss_type="bnpo"` (it divides by the tokens of each micro-batch) or
+            `"vespo"`, or with dropout active in the policy (`disable_dropout=False` on a model with dropout, or
+            attention dropout applied inline: a shorter batch draws differently); there every row is trained, as in
+            GRPO. With skipping, TRL's entropy and clip-ratio metrics
             cover the trained rows; `gfpo/skipped_zero_gradient_fraction` logs the share of kept rows skipped.
     """
 
@@ -125,15 +128,21 @@ class GFPOConfig(GRPOConfig):
             raise ValueError("adaptive_num_remains is set but adaptive_difficulty=False; set adaptive_difficulty=True")
         entropy_coef, adaptive_entropy = getattr(self, "entropy_coef", 0.0), getattr(self, "use_adaptive_entropy", False)
         uneven = self.adaptive_difficulty or (k is not None and self.per_device_train_batch_size * k % G != 0)
-        if k is not None and uneven and (entropy_coef or adaptive_entropy):
-            # The kept rows then need padding rows to fill equal micro-batches, and weights for the per-sequence
-            # losses (gfpo_trainer/rows.py); TRL's entropy bonus is a mean over a micro-batch's tokens inside its
-            # loss, which neither can keep as an even split would have it.
+        # The kept rows then need padding rows to fill equal micro-batches, and weights for the per-sequence losses
+        # (gfpo_trainer/rows.py). Terms normalised per micro-batch inside TRL's loss cannot be kept as an even split
+        # would have them: the entropy bonus (a mean over a micro-batch's tokens) and bnpo (a micro-batch's token
+        # mean over gradient_accumulation_steps: padding-only micro-batches would shrink the gradient).
+        needs_even = []
+        if entropy_coef or adaptive_entropy:
+            needs_even.append(f"the entropy bonus (entropy_coef={entropy_coef}, use_adaptive_entropy={adaptive_entropy})")
+        if self.loss_type == "bnpo":
+            needs_even.append("loss_type='bnpo' (dapo normalises by the whole batch's tokens and pads exactly)")
+        if k is not None and uneven and needs_even:
             raise ValueError(
-                f"the entropy bonus (entropy_coef={entropy_coef}, use_adaptive_entropy={adaptive_entropy}) needs the "
-                "kept rows to divide evenly into micro-batches: per_device_train_batch_size * num_remains_in_group "
-                f"divisible by num_generations (got {self.per_device_train_batch_size} * {k} and {G}), and no "
-                f"adaptive_difficulty (got {self.adaptive_difficulty}); change one of them or turn the bonus off"
+                f"{' and '.join(needs_even)} needs the kept rows to divide evenly into micro-batches: "
+                "per_device_train_batch_size * num_remains_in_group divisible by num_generations (got "
+                f"{self.per_device_train_batch_size} * {k} and {G}), and no adaptive_difficulty (got "
+                f"{self.adaptive_difficulty}); change one of them, or the loss options"
             )
         if k is not None and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(

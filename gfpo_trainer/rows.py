@@ -14,8 +14,9 @@ B = K / (P * steps_per_generation). Every micro-batch here has B = share / steps
 trained row gets the same factor P * share / K over TRL's weight: `weight_loss` applies it (one factor per micro-
 batch, since the rows of one batch share it; it holds with beta != 0 too). dapo and cispo already divide by the
 tokens of the whole generation batch (num_items_in_batch, which keeps counting skipped rows); padding rows hold no
-token. bnpo divides by the tokens of its own micro-batch, as in TRL: padding does not change that, but skipping
-would, so rows are not skipped for bnpo.
+token. bnpo divides by the tokens of its own micro-batch and by gradient_accumulation_steps: a micro-batch of
+padding rows only would shrink the step's gradient, and which rows share a micro-batch changes every row's weight,
+so GFPOConfig refuses bnpo where the kept rows need padding, and rows are not skipped for bnpo.
 """
 
 from __future__ import annotations
@@ -36,12 +37,30 @@ REAL_ROW_KEY = "gfpo_real_row"
 ROW_WEIGHT_KEY = "gfpo_row_weight"
 
 
+# Float attributes through which transformers' attention modules apply dropout inline (`dropout=0.0 if not
+# self.training else self.attention_dropout`), which TRL's disable_dropout (it zeroes nn.Dropout modules) misses
+_INLINE_DROPOUT_ATTRIBUTES = ("attention_dropout", "dropout", "dropout_p", "dropout_prob", "attn_dropout", "attn_drop")
+
+
+def dropout_active(model) -> bool:
+    """Whether the policy's training forward draws random numbers: an nn.Dropout with p > 0, or an inline dropout
+    rate > 0 on an attention module. Skipping rows then changes the batch shapes and so each row's draws."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        for name in _INLINE_DROPOUT_ATTRIBUTES:
+            rate = module.__dict__.get(name)  # plain attributes only (submodules live in _modules)
+            if isinstance(rate, float) and rate > 0:
+                return True
+    return False
+
+
 def zero_gradient_skip_applies(trainer) -> bool:
     """Whether rows with advantage exactly 0 can leave the batch without changing loss or gradients: their loss
     term is advantage x (something finite) for every loss type in _SKIPPABLE_LOSSES, unless a term that does not
     depend on the advantage is added (the KL with beta != 0, the entropy bonus, an MoE auxiliary loss) or the
     rows take part in a statistic over the micro-batch (the entropy quantile mask), or an optimizer step covers part
-    of a generation batch."""
+    of a generation batch, or dropout draws depend on the batch's shape."""
     args = trainer.args
     return bool(
         args.skip_zero_gradient_rows
@@ -50,9 +69,10 @@ def zero_gradient_skip_applies(trainer) -> bool:
         and not getattr(trainer, "_entropy_bonus_enabled", False)
         and not getattr(trainer, "aux_loss_enabled", False)
         and trainer.loss_type in _SKIPPABLE_LOSSES
-        # each optimizer step sees whole generation batches: with more micro-batches per generation than per step,
-        # TRL's shuffle decides which rows share a step, and skipping would change that split
-        and args.steps_per_generation <= args.gradient_accumulation_steps
+        # each optimizer step sees whole generation batches: otherwise a generation batch straddles two steps,
+        # TRL's shuffle decides which rows land in which, and skipping (a shorter batch) would change that split
+        and args.gradient_accumulation_steps % args.steps_per_generation == 0
+        and not dropout_active(trainer.model)
     )
 
 
@@ -95,9 +115,12 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
             # restore_shuffle_rng puts back the state the unskipped batch's shuffle leaves.
             trainer._gfpo_rng_after_shuffle = rng_state_after_shuffle(unskipped_share)
     # Drop the padding columns past the longest trained completion: less work in the loss, and the batch no
-    # longer depends on how long the dropped completions ran (see gfpo_stop_dropped_generations).
+    # longer depends on how long the dropped completions ran (see gfpo_stop_dropped_generations). The width keeps
+    # TRL's pad_to_multiple_of (Neuron and torch.compile compile once per shape).
     T = output["completion_ids"].size(1)
     width = max(1, int(output["completion_mask"].sum(dim=1).max()))
+    if trainer.pad_to_multiple_of:
+        width = min(T, -(-width // trainer.pad_to_multiple_of) * trainer.pad_to_multiple_of)
     for key in row_keys:
         if not ROW_KEYS[key][1] and output[key].dim() > 1 and output[key].size(1) == T:
             output[key] = output[key][:, :width]

@@ -12,6 +12,7 @@ pytest.importorskip("trl")
 from test_trainer import PROMPTS, make_trainer, model_dir, scored_batch, tokenizer  # noqa: E402,F401
 
 from gfpo_trainer import rows  # noqa: E402
+from gfpo_trainer.tiny import make_tiny_model  # noqa: E402
 
 
 class _FakeAccelerator:
@@ -50,7 +51,7 @@ def test_row_weights_equal_an_even_split(P, kept_rows, spg, loss_type, monkeypat
             accelerator=_FakeAccelerator(P, rank, {"mask": completion_mask, "tokens": completion_mask.sum(1),
                                                    "ids": torch.arange(N * 4).view(N, 4)}),
             args=types.SimpleNamespace(steps_per_generation=spg), loss_type=loss_type, _metrics={"train": {}},
-            _tokenizer=types.SimpleNamespace(pad_token_id=0),
+            _tokenizer=types.SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None,
         )
         local = slice(rank * 8, (rank + 1) * 8)
         output = {"completion_mask": completion_mask[local], "completion_ids": torch.arange(N * 4).view(N, 4)[local]}
@@ -112,8 +113,10 @@ def test_skipping_zero_gradient_rows_changes_no_parameter(model_dir, tokenizer, 
 
 
 @pytest.mark.parametrize("case", [dict(loss_type="bnpo"), dict(loss_type="grpo", beta=0.04),
-                                  dict(loss_type="grpo", steps_per_generation=4)],
-                         ids=["bnpo", "beta", "spg>ga"])
+                                  dict(loss_type="grpo", steps_per_generation=4),
+                                  # a generation batch of 3 micro-batches straddles optimizer steps of 4
+                                  dict(loss_type="grpo", steps_per_generation=3, gradient_accumulation_steps=4)],
+                         ids=["bnpo", "beta", "spg>ga", "ga%spg"])
 def test_no_skip_where_it_would_change_the_update(model_dir, tokenizer, tmp_path, case):  # noqa: F811
     on, rows_on = _train(model_dir, tokenizer, tmp_path, True, count_rows=True, **case)
     off, rows_off = _train(model_dir, tokenizer, tmp_path, False, count_rows=True, **case)
@@ -121,6 +124,36 @@ def test_no_skip_where_it_would_change_the_update(model_dir, tokenizer, tmp_path
     for a, b in zip(on.model.parameters(), off.model.parameters()):
         assert torch.equal(a, b)
     assert not any("gfpo/skipped_zero_gradient_fraction" in h for h in on.state.log_history)
+
+
+def test_no_skip_with_dropout_active(tokenizer, tmp_path):  # noqa: F811
+    """Qwen2 applies attention dropout inline (TRL's disable_dropout does not reach it): the draws depend on the
+    batch's shape, so skipping rows would change the update; rows are trained as usual, and the update equals the
+    one with skipping off."""
+    config = make_tiny_model(tokenizer).config
+    config.attention_dropout = 0.1
+    torch.manual_seed(0)
+    model = type(make_tiny_model(tokenizer))(config)
+    model.save_pretrained(tmp_path / "dropout-model")
+    tokenizer.save_pretrained(tmp_path / "dropout-model")
+    assert rows.dropout_active(model) and not rows.dropout_active(make_tiny_model(tokenizer))
+    path = str(tmp_path / "dropout-model")
+    on, rows_on = _train(path, tokenizer, tmp_path, True, count_rows=True, loss_type="grpo")
+    off, rows_off = _train(path, tokenizer, tmp_path, False, count_rows=True, loss_type="grpo")
+    assert rows_on == rows_off
+    for a, b in zip(on.model.parameters(), off.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_dropout_modules_count_until_disabled(tokenizer):  # noqa: F811
+    """nn.Dropout modules with p > 0 count as active dropout; TRL's disable_dropout (p = 0) turns them off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from trl.trainer.utils import disable_dropout_in_model
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
+    assert rows.dropout_active(model)
+    disable_dropout_in_model(model)
+    assert not rows.dropout_active(model)
 
 
 def test_batch_of_only_zero_advantages_trains_nothing(model_dir, tokenizer, tmp_path):  # noqa: F811

@@ -118,6 +118,12 @@ def real_rows(output):
          r"entropy bonus \(entropy_coef=0.1, use_adaptive_entropy=False\) needs .* \(got 4 \* 3 and 8\)"),
         (dict(entropy_coef=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=2, loss_type="dapo"),
          r"entropy bonus"),
+        # bnpo divides each micro-batch's token mean by gradient_accumulation_steps: padding-only micro-batches
+        # would shrink the step's gradient (to 1/2 with two of four micro-batches padding)
+        (dict(loss_type="bnpo", per_device_train_batch_size=4, gradient_accumulation_steps=2),
+         r"loss_type='bnpo' .* needs the kept rows to divide evenly .* \(got 4 \* 3 and 8\)"),
+        (dict(loss_type="bnpo", adaptive_difficulty=True, adaptive_num_remains=[4, 4, 4, 4]),
+         r"loss_type='bnpo'.*adaptive_difficulty \(got True\)"),
         (dict(use_adaptive_entropy=True, num_remains_in_group=4, adaptive_difficulty=True,
               adaptive_num_remains=[4, 4, 4, 4]), r"adaptive_difficulty \(got True\)"),
     ],
@@ -137,6 +143,10 @@ def test_config_accepts_trl_scale_rewards(tmp_path, value, stored):
 def test_entropy_bonus_with_evenly_dividing_kept_rows_is_accepted(tmp_path):
     """8 * 4 / 8 = 4 kept rows per micro-batch: no padding, no weight other than 1: TRL's bonus as it is."""
     assert make_config(tmp_path, entropy_coef=0.1, num_remains_in_group=4).entropy_coef == 0.1
+    assert make_config(tmp_path, loss_type="bnpo", num_remains_in_group=4).loss_type == "bnpo"
+    plain_grpo = dict(num_remains_in_group=None, group_filter=None)  # nothing padded
+    assert make_config(tmp_path, loss_type="bnpo", per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                       **plain_grpo).loss_type == "bnpo"
 
 
 def test_construction_errors(model_dir, tokenizer, tmp_path):
@@ -216,6 +226,21 @@ def test_deferred_logprob_passes_see_only_kept_rows(model_dir, tokenizer, tmp_pa
     with torch.no_grad():
         want, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, output["completion_ids"].size(1))
     torch.testing.assert_close(output["ref_per_token_logps"], want)
+
+
+@pytest.mark.parametrize("multiple", [None, 32])  # 32: wider than any completion (at most 20)
+def test_trained_rows_keep_trls_pad_to_multiple_of(model_dir, tokenizer, tmp_path, multiple):
+    """The trained rows are cropped to their longest completion, but no narrower than TRL's pad_to_multiple_of
+    asks (Neuron, torch.compile: one shape per multiple); the crop keeps every trained token."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, pad_to_multiple_of=multiple, max_completion_length=20)
+    output, _ = scored_batch(trainer)
+    longest = int(output["completion_mask"].sum(dim=1).max())
+    width = output["completion_ids"].size(1)
+    assert output["completion_mask"].size(1) == width
+    if multiple is None:
+        assert width == longest
+    else:
+        assert width % multiple == 0 and width - multiple < longest <= width, (width, longest)
 
 
 def test_remainder_rows_are_padded_not_dropped(model_dir, tokenizer, tmp_path):
