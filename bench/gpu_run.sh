@@ -65,9 +65,18 @@ run_step() {  # name, command...: runs under a timeout, log in OUTDIR/<name>.log
   return "$rc"
 }
 
+wheel_stamp() { ls -l .whl/ | sha256sum | cut -d' ' -f1; }  # the carried wheels: names and sizes
+
+extension_current() {  # the extension imports here and is newer than every csrc/ file
+  local so
+  so=$("$PY" -c 'import importlib.util as u; s = u.find_spec("gfpo_kernels._C"); print(s.origin if s else "")' 2>/dev/null)
+  [ -n "$so" ] && [ -z "$(find csrc -newer "$so" -type f | head -1)" ]
+}
+
 step_setup() {
   if [ "$ON_CPU" != 1 ]; then
-    if [ ! -f /tmp/site/.installed ]; then
+    if [ "$(cat /tmp/site/.installed 2>/dev/null)" != "$(wheel_stamp)" ]; then
+      rm -rf /tmp/site
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
       # Packages that PyPI has as sdists only (accumulation-tree, pyudorandom): built here, with the image's
       # setuptools and Cython (no isolation: nothing can be fetched).
@@ -75,7 +84,7 @@ step_setup() {
         [ -e "$sdist" ] || continue
         "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site "$sdist" || return 1
       done
-      touch /tmp/site/.installed
+      wheel_stamp >/tmp/site/.installed
     fi
     export PYTHONPATH=$PWD:/tmp/site
     # Against the machine's torch, no isolation; TORCH_CUDA_ARCH_LIST=9.0 builds sm_90 code only (fast build).
@@ -178,12 +187,12 @@ EOF
   "$PY" bench/report.py "$OUTDIR/$stem.json"
 }
 
-# A device call after a pause may land on a bare machine (no /tmp/site, no CUDA build): without them the
-# benchmarks' importorskip would drop TRL and Liger silently. So every step on a GPU runs setup first when this
-# machine has not had it (setup itself skips the wheel install when /tmp/site/.installed exists).
+# A device call after a pause may land on a bare machine (no /tmp/site, no CUDA build), and a warm one may hold
+# older wheels or an extension built from older csrc/: the benchmarks' importorskip would drop TRL and Liger
+# silently, or time old code. So every step on a GPU runs setup first unless both are current (setup itself
+# reinstalls the wheels only when .whl/ changed; the build is incremental).
 if [ "$ON_CPU" != 1 ] && [ "${STEPS[0]}" != setup ] && [ "${STEPS[0]}" != merge ] &&
-   { [ ! -f /tmp/site/.installed ] ||
-     ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gfpo_kernels._C") is None)'; }; then
+   { [ "$(cat /tmp/site/.installed 2>/dev/null)" != "$(wheel_stamp)" ] || ! extension_current; }; then
   echo "=== this machine has no setup yet: running it first"
   STEPS=(setup "${STEPS[@]}")
 fi

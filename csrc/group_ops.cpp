@@ -112,9 +112,9 @@ inline double select(bool ok, double a, double b) {
 // Per-lane count, mean and sum of squared deviations of the kept, finite rewards, in double, then the
 // advantages. The mean is taken of data shifted by the lane's largest reward, so a group of equal rewards
 // gets exactly 0. x and w are [row][lane] scratch.
-template <typename reward_t>
+template <typename reward_t, typename adv_t>
 void advantages_lanes(const reward_t* r, const bool* keep, int64_t G, int64_t lanes, Scale scale, double eps, double* x,
-                      double* w, float* adv, double* n_out, double* mean_out, double* m2_out) {
+                      double* w, adv_t* adv, double* n_out, double* mean_out, double* m2_out) {
   double n[kLanes] = {}, shift[kLanes], sum[kLanes] = {}, mean[kLanes], m2[kLanes] = {}, inv[kLanes];
   std::fill(shift, shift + kLanes, -INFINITY);
   for (int64_t i = 0; i < G; ++i) {
@@ -148,7 +148,7 @@ void advantages_lanes(const reward_t* r, const bool* keep, int64_t G, int64_t la
   }
   for (int64_t b = 0; b < lanes; ++b) {
     for (int64_t i = 0; i < G; ++i) {
-      adv[b * G + i] = static_cast<float>(w[i * kLanes + b] * (x[i * kLanes + b] - mean[b]) * inv[b]);
+      adv[b * G + i] = static_cast<adv_t>(w[i * kLanes + b] * (x[i * kLanes + b] - mean[b]) * inv[b]);
     }
     if (n_out != nullptr) {
       n_out[b] = n[b];
@@ -180,13 +180,14 @@ GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Ten
   const bool read_double = r.defined() && r.scalar_type() == at::kDouble;
   const float* rp = r.defined() && !read_double ? r.data_ptr<float>() : nullptr;
   const double* rdp = read_double ? r.data_ptr<double>() : nullptr;
-  float* ap = nullptr;
-  if (r.defined()) {
-    out.adv = at::empty({num_groups, G}, r.options().dtype(at::kFloat));
-    ap = out.adv.data_ptr<float>();
-  }
+  // Scale::kBatch: the centred rewards wait for the batch std in double (r - mean of finite rewards near the
+  // float32 or double range overflows float32, though the scaled advantage is finite)
+  const bool batch = r.defined() && scale == Scale::kBatch;
+  if (r.defined()) out.adv = at::empty({num_groups, G}, r.options().dtype(batch ? at::kDouble : at::kFloat));
+  float* ap = r.defined() && !batch ? out.adv.data_ptr<float>() : nullptr;
+  double* adp = batch ? out.adv.data_ptr<double>() : nullptr;
   double *np_ = nullptr, *mp = nullptr, *m2p = nullptr;
-  if (r.defined() && scale == Scale::kBatch) {
+  if (batch) {
     out.n = at::empty({num_groups}, r.options().dtype(at::kDouble));
     out.mean = at::empty_like(out.n);
     out.m2 = at::empty_like(out.n);
@@ -224,13 +225,14 @@ GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Ten
         double* const n_g = np_ ? np_ + g0 : nullptr;
         double* const mean_g = mp ? mp + g0 : nullptr;
         double* const m2_g = m2p ? m2p + g0 : nullptr;
-        if (rp != nullptr) {
-          advantages_lanes(rp + g0 * G, keep + g0 * G, G, lanes, scale, eps, x.data(), w.data(), ap + g0 * G, n_g,
-                           mean_g, m2_g);
-        } else if (rdp != nullptr) {
-          advantages_lanes(rdp + g0 * G, keep + g0 * G, G, lanes, scale, eps, x.data(), w.data(), ap + g0 * G, n_g,
-                           mean_g, m2_g);
-        }
+        const auto lanes_of = [&](const auto* rewards_g, auto* adv_g) {
+          advantages_lanes(rewards_g + g0 * G, keep + g0 * G, G, lanes, scale, eps, x.data(), w.data(), adv_g + g0 * G,
+                           n_g, mean_g, m2_g);
+        };
+        if (rp != nullptr && ap != nullptr) lanes_of(rp, ap);
+        if (rp != nullptr && adp != nullptr) lanes_of(rp, adp);
+        if (rdp != nullptr && ap != nullptr) lanes_of(rdp, ap);
+        if (rdp != nullptr && adp != nullptr) lanes_of(rdp, adp);
       }
     });
   });

@@ -17,8 +17,9 @@ Scale parse_scale(c10::string_view scale);
 
 // What a device kernel computes for every group in one pass.
 //   keep:     bool (num_groups, G); the top-k mask (or the given keep mask, or all true).
-//   adv:      float32 (num_groups, G); (r - mean_g) / (std_g + eps) for Scale::kGroup, r - mean_g otherwise;
-//             0 for rows not kept and rows whose reward is not finite (NaN, +-inf).
+//   adv:      (num_groups, G); (r - mean_g) / (std_g + eps) for Scale::kGroup, r - mean_g otherwise;
+//             0 for rows not kept and rows whose reward is not finite (NaN, +-inf). float32, but double for
+//             Scale::kBatch, whose centred rewards are divided by the batch std before the one rounding to float32.
 //   n, mean, m2: per-group count of kept finite rewards, their mean and sum of squared deviations
 //             (only filled for Scale::kBatch, where the host combines them into one batch std).
 struct GroupResult {

@@ -44,7 +44,7 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
                                                const bool* __restrict__ keep_in, const void* __restrict__ rewards,
                                                bool rewards_double, int64_t num_groups, int G, bool largest,
                                                bool divide_by_std, double eps, bool* __restrict__ keep_out,
-                                               float* __restrict__ adv, double* __restrict__ n_out,
+                                               void* __restrict__ adv, bool adv_double, double* __restrict__ n_out,
                                                double* __restrict__ mean_out, double* __restrict__ m2_out) {
   using opmath_t = at::opmath_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -108,7 +108,12 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
   const double denom = divide_by_std ? std_g + eps : 1.0;
   for (int i = lane; i < G; i += 32) {
     const double r = reward_at(rewards, rewards_double, base + i);
-    adv[base + i] = kept[i] && isfinite(r) ? static_cast<float>((r - mean) / denom) : 0.f;
+    const double a = kept[i] && isfinite(r) ? (r - mean) / denom : 0.0;
+    if (adv_double) {
+      static_cast<double*>(adv)[base + i] = a;
+    } else {
+      static_cast<float*>(adv)[base + i] = static_cast<float>(a);
+    }
   }
   if (n_out != nullptr && lane == 0) {
     n_out[g] = n;
@@ -133,8 +138,9 @@ GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Te
   const at::Tensor r =
       rewards.defined() ? rewards.to(reward_read_type(rewards.scalar_type())).contiguous() : at::Tensor();
   const bool rewards_double = r.defined() && r.scalar_type() == at::kDouble;
-  if (rewards.defined()) out.adv = at::empty({num_groups, G}, shape_src.options().dtype(at::kFloat));
   const bool batch = rewards.defined() && scale == Scale::kBatch;
+  // Scale::kBatch: centred rewards in double until the batch std divides them (see GroupResult)
+  if (rewards.defined()) out.adv = at::empty({num_groups, G}, shape_src.options().dtype(batch ? at::kDouble : at::kFloat));
   if (batch) {
     const auto dopts = shape_src.options().dtype(at::kDouble);
     out.n = at::empty({num_groups}, dopts);
@@ -154,7 +160,7 @@ GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Te
         s.defined() ? s.data_ptr<scalar_t>() : nullptr, kk.defined() ? kk.data_ptr<int64_t>() : nullptr,
         keep_c.defined() ? keep_c.data_ptr<bool>() : nullptr, r.defined() ? r.const_data_ptr() : nullptr,
         rewards_double, num_groups, static_cast<int>(G), largest, scale == Scale::kGroup, eps,
-        out.keep.data_ptr<bool>(), r.defined() ? out.adv.data_ptr<float>() : nullptr,
+        out.keep.data_ptr<bool>(), r.defined() ? out.adv.data_ptr() : nullptr, batch,
         batch ? out.n.data_ptr<double>() : nullptr, batch ? out.mean.data_ptr<double>() : nullptr,
         batch ? out.m2.data_ptr<double>() : nullptr);
   });

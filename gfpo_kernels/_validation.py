@@ -81,7 +81,9 @@ def check_k(k, num_groups: int, group_size: int, device: torch.device) -> int | 
                     f"k as a tensor must have shape (num_groups,) = ({num_groups},), got shape {tuple(k.shape)}"
                 )
             if num_groups > 0:
-                lo, hi = int(k.min()), int(k.max())
+                # uint64 has no min/max kernels; float64 holds every in-range k exactly and orders the rest
+                wide = k.double() if k.dtype == torch.uint64 else k
+                lo, hi = int(wide.min()), int(wide.max())
                 if lo < 0 or hi > group_size:
                     bad = lo if lo < 0 else hi
                     raise ValueError(f"every k_g must satisfy 0 <= k_g <= group_size={group_size}, got k_g={bad}")

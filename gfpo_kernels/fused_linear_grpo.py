@@ -107,20 +107,22 @@ def _chunk_budget(device: torch.device, weight_bytes: int | None = None) -> int:
     return int(budget)
 
 
-def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: torch.dtype) -> tuple[int, int]:
+def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: torch.dtype,
+                positions: int | None = None) -> tuple[int, int]:
     """(stage_rows, chunk_rows) for n scored tokens. The logits are projected stage_rows tokens at a time into an
     fp32 staging buffer (rows, V) (1/_STAGE_SHARE of the budget, or _STAGE_MIN_FLOPS of projection); with
     gradients, each stage's logits gradient is written, rounded once to the operand dtype, into a buffer of
     chunk_rows tokens (the rest of the budget), from which the two gradient GEMMs run once per chunk. Long chunks
     keep the fp32 grad_W traffic small (one read and write per chunk); a bf16 gradient buffer holds 3x the rows of
-    fp32 logits plus their bf16 copy. Both hold at most half the scored tokens (rounded up). Without gradients only the staging buffer exists; the stages are the same, so
+    fp32 logits plus their bf16 copy. When every one of the B*T `positions` is scored, both hold at most half of
+    them (rounded up), so that no buffer is the (B*T, V) logits. Without gradients only the staging buffer exists; the stages are the same, so
     the log-probabilities are the same bits with and without grad mode."""
     itemsize = operand_dtype.itemsize
     budget = _chunk_budget(device, V * H * itemsize)
-    # Neither buffer spans every scored token, however small the batch, so the logits of the whole batch (or
-    # their gradient) never exist at once; where all would have fit in one chunk that costs one more read and
-    # write of the fp32 weight-gradient accumulator.
-    most = max(1, -(-n // 2))
+    # A batch with every position scored (no padding) that fits one chunk would hold the whole (B*T, V) logits
+    # (or their gradient): two chunks instead, at the cost of one more read and write of the fp32 weight-gradient
+    # accumulator. GRPO batches carry padding, so their single chunk (fewer rows than B*T) is kept.
+    most = -(-n // 2) if positions is not None and n >= positions > 1 else n
     by_share, by_flops = budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
     stage_rows = max(1, min(most, max(by_share, by_flops), budget // 2 // (4 * V)))
     return stage_rows, max(stage_rows, min(most, (budget - 4 * V * stage_rows) // (itemsize * V)))
@@ -273,7 +275,7 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
 
     need_h, need_w, need_b = needs_grad
     want_grad = need_h or need_w or (bias is not None and need_b)
-    stage_rows, chunk_rows = _chunk_plan(n, V, H, device, w.dtype)
+    stage_rows, chunk_rows = _chunk_plan(n, V, H, device, w.dtype, positions=B * T)
     # grad_h: each row range is written once by its chunk's GEMM; grad_w: the first chunk's GEMM writes it, the
     # others add to it. Neither needs a zero fill (but no chunk runs when nothing is scored).
     alloc = torch.empty if n else torch.zeros

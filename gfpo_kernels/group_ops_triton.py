@@ -33,7 +33,7 @@ def _group_filter_advantages_kernel(
     num_groups,
     G,
     k_scalar,
-    eps,
+    EPS: tl.constexpr,  # a constexpr so that it stays an fp64 constant (a float argument arrives as fp32)
     LARGEST: tl.constexpr,
     HAS_SCORES: tl.constexpr,
     K_IS_TENSOR: tl.constexpr,
@@ -92,8 +92,8 @@ def _group_filter_advantages_kernel(
         if DIVIDE_BY_STD:
             m2 = tl.sum(centred * centred, axis=1)
             std = tl.where(n >= 2.0, tl.sqrt(m2 / tl.maximum(n - 1.0, 1.0)), 0.0)
-            centred = centred / (std + eps)[:, None]
-        tl.store(adv_ptr + offs, centred.to(tl.float32), mask=tile_ok)
+            centred = centred / (std + EPS)[:, None]
+        tl.store(adv_ptr + offs, centred.to(adv_ptr.dtype.element_ty), mask=tile_ok)
 
 
 def _batch_std(rewards: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -143,11 +143,13 @@ def group_filter_advantages(
         keep_out = keep.contiguous() if keep is not None else torch.ones(num_groups, G, dtype=torch.bool, device=device)
     if rewards is not None:
         rewards = rewards.contiguous()
-        adv = torch.empty(num_groups, G, dtype=torch.float32, device=device)
+        # scale="batch": centred rewards in fp64 until the batch std divides them (they may exceed fp32's range
+        # where the scaled advantages do not)
+        adv = torch.empty(num_groups, G, dtype=torch.float64 if scale == "batch" else torch.float32, device=device)
     else:
         adv = None
     if num_groups == 0:
-        return keep_out, adv
+        return keep_out, None if adv is None else adv.float()
 
     k_is_tensor = isinstance(k, torch.Tensor)
     _group_filter_advantages_kernel[(triton.cdiv(num_groups, rows),)](
@@ -160,7 +162,7 @@ def group_filter_advantages(
         num_groups,
         G,
         0 if (k is None or k_is_tensor) else k,
-        float(eps),
+        EPS=float(eps),
         LARGEST=bool(largest),
         HAS_SCORES=scores is not None,
         K_IS_TENSOR=k_is_tensor,
@@ -174,5 +176,5 @@ def group_filter_advantages(
     )
     if adv is not None and scale == "batch":
         std = _batch_std(rewards, keep_out if (scores is not None or keep is not None) else None)
-        adv = (adv.double() / (std + eps)).float()
+        adv = (adv / (std + eps)).float()
     return keep_out, adv

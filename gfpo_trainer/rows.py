@@ -22,11 +22,14 @@ so GFPOConfig refuses bnpo where the kept rows need padding, and rows are not sk
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
 
 from ._compat import ROW_KEYS, TOKEN_MEAN_METRICS
+
+logger = logging.getLogger(__name__)
 
 # Loss types whose value is a mean over the sequences of a micro-batch (or divides by their number)
 PER_SEQUENCE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
@@ -37,9 +40,10 @@ REAL_ROW_KEY = "gfpo_real_row"
 ROW_WEIGHT_KEY = "gfpo_row_weight"
 
 
-# Float attributes through which transformers' attention modules apply dropout inline (`dropout=0.0 if not
-# self.training else self.attention_dropout`), which TRL's disable_dropout (it zeroes nn.Dropout modules) misses
-_INLINE_DROPOUT_ATTRIBUTES = ("attention_dropout", "dropout", "dropout_p", "dropout_prob", "attn_dropout", "attn_drop")
+# Float attributes through which transformers' modules apply dropout inline (`dropout=0.0 if not self.training else
+# self.attention_dropout`, `hidden_dropout`, `residual_dropout`, ...), which TRL's disable_dropout (it zeroes
+# nn.Dropout modules) misses; layer drop and router jitter also draw random numbers in training
+_INLINE_DROPOUT_SUFFIXES = ("dropout", "dropout_p", "dropout_prob", "pdrop", "_drop", "layerdrop", "jitter_noise")
 
 
 def dropout_active(model) -> bool:
@@ -48,9 +52,8 @@ def dropout_active(model) -> bool:
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
-        for name in _INLINE_DROPOUT_ATTRIBUTES:
-            rate = module.__dict__.get(name)  # plain attributes only (submodules live in _modules)
-            if isinstance(rate, float) and rate > 0:
+        for name, rate in module.__dict__.items():  # plain attributes only (submodules live in _modules)
+            if isinstance(rate, float) and rate > 0 and name.endswith(_INLINE_DROPOUT_SUFFIXES):
                 return True
     return False
 
@@ -72,8 +75,22 @@ def zero_gradient_skip_applies(trainer) -> bool:
         # each optimizer step sees whole generation batches: otherwise a generation batch straddles two steps,
         # TRL's shuffle decides which rows land in which, and skipping (a shorter batch) would change that split
         and args.gradient_accumulation_steps % args.steps_per_generation == 0
-        and not dropout_active(trainer.model)
+        and not _dropout_in_the_way(trainer)
     )
+
+
+def _dropout_in_the_way(trainer) -> bool:
+    """dropout_active, with a one-time warning: TRL's disable_dropout defaults to False, so a model with dropout
+    (GPT-2, LoRA's lora_dropout) loses the skip unless the user turns it on."""
+    if not dropout_active(trainer.model):
+        return False
+    if not getattr(trainer, "_gfpo_warned_dropout", False):
+        trainer._gfpo_warned_dropout = True
+        logger.warning("gfpo: skip_zero_gradient_rows is not applied while dropout is active in the policy (a "
+                       "shorter batch would draw other dropout masks, changing the update); every row is trained. "
+                       "disable_dropout=True turns nn.Dropout off, and with it this fallback, where the model has no "
+                       "inline attention dropout")
+    return True
 
 
 def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: torch.Tensor, skip_zero: bool) -> int:

@@ -44,6 +44,8 @@ def _group_launches(group_sizes) -> list[Launch]:
         "filter+adv fp32, k int": dict(scores="*fp32", k=None, keep_in=None, rewards="*fp32", std=True),
         "filter+adv bf16, k per group": dict(scores="*bf16", k="*i64", keep_in=None, rewards="*fp32", std=True),
         "adv only, keep in": dict(scores=None, k=None, keep_in="*i1", rewards="*fp32", std=True),
+        # scale="batch": centred fp64 rewards out, for the wrapper to divide by the batch std
+        "adv only fp64, batch scale": dict(scores=None, k=None, keep_in=None, rewards="*fp64", std=False, adv="*fp64"),
         "filter only": dict(scores="*fp32", k=None, keep_in=None, rewards=None, std=False),
     }
     launches = []
@@ -51,11 +53,12 @@ def _group_launches(group_sizes) -> list[Launch]:
         rows, block_g, num_warps = group_ops_triton.launch_config(1 << 20, G)  # many groups: the widest tile
         for mode, m in modes.items():
             pointers = {"scores_ptr": m["scores"], "k_ptr": m["k"], "keep_in_ptr": m["keep_in"],
-                        "rewards_ptr": m["rewards"], "keep_out_ptr": "*i1", "adv_ptr": "*fp32" if m["rewards"] else None}
+                        "rewards_ptr": m["rewards"], "keep_out_ptr": "*i1",
+                        "adv_ptr": m.get("adv", "*fp32") if m["rewards"] else None}
             signature = {name: (kind or "constexpr") for name, kind in pointers.items()}
-            signature.update(num_groups="i32", G="i32", k_scalar="i32", eps="fp32")
+            signature.update(num_groups="i32", G="i32", k_scalar="i32")
             constexprs = {name: None for name, kind in pointers.items() if kind is None}
-            constexprs.update(LARGEST=False, HAS_SCORES=m["scores"] is not None, K_IS_TENSOR=m["k"] is not None,
+            constexprs.update(EPS=1e-4, LARGEST=False, HAS_SCORES=m["scores"] is not None, K_IS_TENSOR=m["k"] is not None,
                               HAS_KEEP_IN=m["keep_in"] is not None, HAS_REWARDS=m["rewards"] is not None,
                               DIVIDE_BY_STD=m["std"], UPCAST_SCORES=m["scores"] == "*bf16", ROWS=rows,
                               BLOCK_G=block_g)

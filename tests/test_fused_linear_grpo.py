@@ -21,7 +21,7 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
 
 def force_plan(monkeypatch, stage_rows, chunk_rows):
     """Chunks of `chunk_rows` tokens (their gradient GEMMs together), projected `stage_rows` at a time."""
-    def plan(n, V, H, device, operand_dtype):
+    def plan(n, V, H, device, operand_dtype, positions=None):
         return max(1, min(n, stage_rows)), max(1, min(n, chunk_rows))
 
     monkeypatch.setattr(flg, "_chunk_plan", plan)
@@ -488,7 +488,10 @@ def test_chunk_budget_follows_free_cuda_memory(monkeypatch):
     # 1/8 of it stages fp32 logits: H*2/8/4 = H/16 = 256 tokens; the rest, 7/8, holds the bf16 logits gradient of
     # a chunk: (H*2*7/8)/2 = 3584 tokens (3x the 1194 tokens fp32 logits plus their bf16 copy would fit)
     assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (256, 3584)
-    assert flg._chunk_plan(1000, V, 4096, cuda, torch.bfloat16) == (256, 500)  # never more than half the tokens
+    assert flg._chunk_plan(1000, V, 4096, cuda, torch.bfloat16) == (256, 1000)  # never more than n tokens
+    # ... and when all B*T positions are scored, never all of them: no buffer is the whole (B*T, V) logits
+    assert flg._chunk_plan(1000, V, 4096, cuda, torch.bfloat16, positions=1000) == (256, 500)
+    assert flg._chunk_plan(1000, V, 4096, cuda, torch.bfloat16, positions=1001) == (256, 1000)
     # a small head (H=896, 1 GiB budget): stages of ceil(2e11 / (2 V H)) = 735 tokens rather than 1/8 of the budget
     # (220), so that the projection outweighs the host's work per stage; the chunk gets the rest
     assert flg._chunk_plan(16384, V, 896, cuda, torch.bfloat16) == (735, (2**30 - 4 * V * 735) // (2 * V))
@@ -503,7 +506,7 @@ def test_chunk_budget_follows_free_cuda_memory(monkeypatch):
     assert flg._chunk_budget(torch.device("cpu"), qwen_head) == 64 << 20
     monkeypatch.setattr(flg, "_CHUNK_BYTES", {"cuda": 1 << 20})
     assert flg._chunk_budget(cuda, qwen_head) == 1 << 20
-    assert flg._chunk_plan(3, 1000, 8, cuda, torch.float32) == (2, 2)  # never more rows than half the tokens,
+    assert flg._chunk_plan(3, 1000, 8, cuda, torch.float32) == (3, 3)  # never more rows than tokens,
     assert flg._chunk_plan(100, 1 << 20, 8, cuda, torch.float32) == (1, 1)  # never fewer than one
 
 
@@ -682,8 +685,9 @@ def test_never_materialises_all_logits(backend, level, monkeypatch):
 
 def test_no_buffer_spans_every_token_at_the_default_budget(backend, monkeypatch):
     """The contract's "never materialises a (B*T, V) tensor" holds for a batch so small that all its logits would
-    fit in one chunk of the default budget: the largest tensor any op returns stays under B*T*V elements (half the
-    tokens is the most a stage or chunk holds; before, a single chunk of every token was allocated)."""
+    fit in one chunk of the default budget, every position scored: the largest tensor any op returns stays under
+    B*T*V elements (half the tokens is the most a stage or chunk then holds; before, a single chunk of every token
+    was allocated)."""
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops; measured on GPU")
     monkeypatch.undo()  # the fixture's forced plan: the real one here

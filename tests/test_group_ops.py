@@ -187,6 +187,19 @@ def test_rewards_whose_squares_overflow_float32(backend, scale):
     torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("rewards", [
+    torch.tensor([3.4e38, -3.4e38, -3.4e38, 0.0], dtype=torch.float32),
+    torch.tensor([1e150, 0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64),  # squares still in double
+], ids=["fp32-near-max", "fp64-1e150"])
+def test_batch_scale_of_rewards_whose_centred_values_leave_float32(backend, rewards):
+    """scale="batch": r - mean_g may lie beyond float32's range where (r - mean_g) / std_batch does not; the centred
+    rewards wait for the batch std in double (stored as float32 first they became inf, and inf / inf NaN)."""
+    want = ref.group_advantages(rewards, 4, scale="batch")
+    got = gfpo_kernels.group_advantages(rewards.to(DEVICE), 4, scale="batch")
+    assert torch.isfinite(want).all() and want.abs().max() > 0.5
+    torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("reward_dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int32])
 def test_reward_dtypes(backend, reward_dtype):
     g = torch.Generator().manual_seed(4)

@@ -145,6 +145,20 @@ def test_no_skip_with_dropout_active(tokenizer, tmp_path):  # noqa: F811
         assert torch.equal(a, b)
 
 
+def test_inline_dropout_rates_are_found_by_name():
+    """Rates applied inline (hidden, residual, layer drop, router jitter) count; zero rates and other floats do not."""
+    for name in ("attention_dropout", "hidden_dropout", "residual_dropout", "attn_pdrop", "attn_drop", "layerdrop",
+                 "jitter_noise", "dropout_p"):
+        module = torch.nn.Module()
+        setattr(module, name, 0.1)
+        assert rows.dropout_active(module), name
+        setattr(module, name, 0.0)
+        assert not rows.dropout_active(module), name
+    module = torch.nn.Module()
+    module.scaling, module.rope_theta, module.dropout = 0.125, 10000.0, 0
+    assert not rows.dropout_active(module)
+
+
 def test_dropout_modules_count_until_disabled(tokenizer):  # noqa: F811
     """nn.Dropout modules with p > 0 count as active dropout; TRL's disable_dropout (p = 0) turns them off."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -228,7 +228,7 @@ def test_deferred_logprob_passes_see_only_kept_rows(model_dir, tokenizer, tmp_pa
     torch.testing.assert_close(output["ref_per_token_logps"], want)
 
 
-@pytest.mark.parametrize("multiple", [None, 32])  # 32: wider than any completion (at most 20)
+@pytest.mark.parametrize("multiple", [None, 8, 32])  # 32: wider than any completion (at most 20)
 def test_trained_rows_keep_trls_pad_to_multiple_of(model_dir, tokenizer, tmp_path, multiple):
     """The trained rows are cropped to their longest completion, but no narrower than TRL's pad_to_multiple_of
     asks (Neuron, torch.compile: one shape per multiple); the crop keeps every trained token."""
