@@ -140,7 +140,9 @@ GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Te
   const bool rewards_double = r.defined() && r.scalar_type() == at::kDouble;
   const bool batch = rewards.defined() && scale == Scale::kBatch;
   // Scale::kBatch: centred rewards in double until the batch std divides them (see GroupResult)
-  if (rewards.defined()) out.adv = at::empty({num_groups, G}, shape_src.options().dtype(batch ? at::kDouble : at::kFloat));
+  if (rewards.defined()) {
+    out.adv = at::empty({num_groups, G}, shape_src.options().dtype(batch ? at::kDouble : at::kFloat));
+  }
   if (batch) {
     const auto dopts = shape_src.options().dtype(at::kDouble);
     out.n = at::empty({num_groups}, dopts);

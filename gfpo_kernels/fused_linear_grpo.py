@@ -115,8 +115,8 @@ def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: tor
     chunk_rows tokens (the rest of the budget), from which the two gradient GEMMs run once per chunk. Long chunks
     keep the fp32 grad_W traffic small (one read and write per chunk); a bf16 gradient buffer holds 3x the rows of
     fp32 logits plus their bf16 copy. When every one of the B*T `positions` is scored, both hold at most half of
-    them (rounded up), so that no buffer is the (B*T, V) logits. Without gradients only the staging buffer exists; the stages are the same, so
-    the log-probabilities are the same bits with and without grad mode."""
+    them (rounded up), so that no buffer is the (B*T, V) logits. Without gradients only the staging buffer exists;
+    the stages are the same, so the log-probabilities are the same bits with and without grad mode."""
     itemsize = operand_dtype.itemsize
     budget = _chunk_budget(device, V * H * itemsize)
     # A batch with every position scored (no padding) that fits one chunk would hold the whole (B*T, V) logits

@@ -53,8 +53,8 @@ class GFPOConfig(GRPOConfig):
             which rows land in which), with `loss_type="bnpo"` (it divides by the tokens of each micro-batch) or
             `"vespo"`, or with dropout active in the policy (`disable_dropout=False` on a model with dropout, or
             attention dropout applied inline: a shorter batch draws differently); there every row is trained, as in
-            GRPO. With skipping, TRL's entropy and clip-ratio metrics
-            cover the trained rows; `gfpo/skipped_zero_gradient_fraction` logs the share of kept rows skipped.
+            GRPO. With skipping, TRL's entropy and clip-ratio metrics cover the trained rows;
+            `gfpo/skipped_zero_gradient_fraction` logs the share of kept rows skipped.
     """
 
     num_remains_in_group: int | None = field(

@@ -47,8 +47,9 @@ _INLINE_DROPOUT_SUFFIXES = ("dropout", "dropout_p", "dropout_prob", "pdrop", "_d
 
 
 def dropout_active(model) -> bool:
-    """Whether the policy's training forward draws random numbers: an nn.Dropout with p > 0, or an inline dropout
-    rate > 0 on an attention module. Skipping rows then changes the batch shapes and so each row's draws."""
+    """Whether the policy's training forward draws random numbers: an nn.Dropout with p > 0, or a rate > 0 that a
+    module applies inline (_INLINE_DROPOUT_SUFFIXES). Skipping rows then changes the batch shapes and so each row's
+    draws."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
