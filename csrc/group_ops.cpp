@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <vector>
 #include <type_traits>
 #include <vector>
 
@@ -161,7 +162,8 @@ void advantages_lanes(const reward_t* r, const bool* keep, int64_t G, int64_t la
 }  // namespace
 
 GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Tensor& scores, const at::Tensor& k,
-                                        const at::Tensor& keep_in, bool largest, Scale scale, double eps) {
+                                        int64_t k_fixed, const at::Tensor& keep_in, bool largest, Scale scale,
+                                        double eps) {
   const at::Tensor& shape_src = rewards.defined() ? rewards : scores;
   const int64_t num_groups = shape_src.size(0), G = shape_src.size(1);
   GroupResult out;
@@ -196,8 +198,9 @@ GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Ten
     m2p = out.m2.data_ptr<double>();
   }
   const at::Tensor s = scores.defined() ? scores.contiguous() : at::Tensor();
-  const at::Tensor kk = scores.defined() ? k.to(at::kLong).contiguous() : at::Tensor();
+  const at::Tensor kk = scores.defined() && k.defined() ? k.to(at::kLong).contiguous() : at::Tensor();
   const int64_t* kp = kk.defined() ? kk.data_ptr<int64_t>() : nullptr;
+  const std::vector<int64_t> k_lanes(kLanes, k_fixed);  // k of every lane when one k holds for all groups
 
   const at::ScalarType score_type = s.defined() ? s.scalar_type() : at::kFloat;
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, score_type, "gfpo_group_filter_advantages_cpu", [&] {
@@ -215,11 +218,11 @@ GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Ten
           for (int64_t i = 0; i < G; ++i) {
             for (int64_t b = 0; b < kLanes; ++b) key[i * kLanes + b] = b < lanes ? order_key(sg[b * G + i], largest) : 0;
           }
-          topk_by_counting(key.data(), G, lanes, kp + g0, keep + g0 * G);
+          topk_by_counting(key.data(), G, lanes, kp ? kp + g0 : k_lanes.data(), keep + g0 * G);
         } else if (sp != nullptr) {
           for (int64_t b = 0; b < lanes; ++b) {
             for (int64_t i = 0; i < G; ++i) key[i] = order_key(sg[b * G + i], largest);
-            topk_by_selection(key.data(), G, kp[g0 + b], order.data(), keep + (g0 + b) * G);
+            topk_by_selection(key.data(), G, kp ? kp[g0 + b] : k_fixed, order.data(), keep + (g0 + b) * G);
           }
         }
         double* const n_g = np_ ? np_ + g0 : nullptr;
@@ -251,15 +254,22 @@ at::Tensor apply_batch_scale(const GroupResult& res, double eps) {
 
 namespace {
 
-using Kernel = GroupResult (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, Scale,
-                               double);
+using Kernel = GroupResult (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
+                               bool, Scale, double);
+
+// k: an int64 tensor of num_groups entries (adaptive k), or none and k_fixed for every group.
+at::Tensor k_per_group(const std::optional<at::Tensor>& k, const at::Tensor& scores) {
+  if (!k.has_value()) return at::Tensor();
+  TORCH_CHECK_VALUE(k->dim() == 1 && k->size(0) == scores.size(0), "k must have num_groups=", scores.size(0),
+                    " entries, got shape ", k->sizes());
+  return *k;
+}
 
 template <Kernel kernel>
-at::Tensor group_topk_mask_op(const at::Tensor& scores, const at::Tensor& k, bool largest) {
+at::Tensor group_topk_mask_op(const at::Tensor& scores, const std::optional<at::Tensor>& k, int64_t k_fixed,
+                              bool largest) {
   TORCH_CHECK_VALUE(scores.dim() == 2, "scores must be 2-D (num_groups, G), got ", scores.dim(), "-D");
-  TORCH_CHECK_VALUE(k.dim() == 1 && k.size(0) == scores.size(0), "k must have num_groups=", scores.size(0),
-                    " entries, got shape ", k.sizes());
-  return kernel(at::Tensor(), scores, k, at::Tensor(), largest, Scale::kGroup, 0.0).keep;
+  return kernel(at::Tensor(), scores, k_per_group(k, scores), k_fixed, at::Tensor(), largest, Scale::kGroup, 0.0).keep;
 }
 
 at::Tensor finish(const GroupResult& res, Scale scale, double eps) {
@@ -274,19 +284,17 @@ at::Tensor group_advantages_op(const at::Tensor& rewards, const std::optional<at
   TORCH_CHECK_VALUE(!keep_t.defined() || keep_t.sizes() == rewards.sizes(), "keep must have the shape of rewards ",
                     rewards.sizes(), ", got ", keep_t.sizes());
   const Scale s = parse_scale(scale);
-  return finish(kernel(rewards, at::Tensor(), at::Tensor(), keep_t, false, s, eps), s, eps);
+  return finish(kernel(rewards, at::Tensor(), at::Tensor(), 0, keep_t, false, s, eps), s, eps);
 }
 
 template <Kernel kernel>
 std::tuple<at::Tensor, at::Tensor> gfpo_filter_advantages_op(const at::Tensor& rewards, const at::Tensor& scores,
-                                                             const at::Tensor& k, bool largest, c10::string_view scale,
-                                                             double eps) {
+                                                             const std::optional<at::Tensor>& k, int64_t k_fixed,
+                                                             bool largest, c10::string_view scale, double eps) {
   TORCH_CHECK_VALUE(rewards.dim() == 2 && rewards.sizes() == scores.sizes(),
                     "rewards and scores must be 2-D of one shape, got ", rewards.sizes(), " and ", scores.sizes());
-  TORCH_CHECK_VALUE(k.dim() == 1 && k.size(0) == scores.size(0), "k must have num_groups=", scores.size(0),
-                    " entries, got shape ", k.sizes());
   const Scale s = parse_scale(scale);
-  GroupResult res = kernel(rewards, scores, k, at::Tensor(), largest, s, eps);
+  GroupResult res = kernel(rewards, scores, k_per_group(k, scores), k_fixed, at::Tensor(), largest, s, eps);
   return {res.keep, finish(res, s, eps)};
 }
 
@@ -304,10 +312,12 @@ void register_cuda_impls(torch::Library& m) {
 }  // namespace gfpo
 
 TORCH_LIBRARY(gfpo, m) {
-  m.def("group_topk_mask(Tensor scores, Tensor k, bool largest) -> Tensor");
+  // k: a tensor (adaptive k), or None and k_fixed for every group
+  m.def("group_topk_mask(Tensor scores, Tensor? k, int k_fixed, bool largest) -> Tensor");
   m.def("group_advantages(Tensor rewards, Tensor? keep, str scale, float eps) -> Tensor");
   m.def(
-      "gfpo_filter_advantages(Tensor rewards, Tensor scores, Tensor k, bool largest, str scale, float eps) "
+      "gfpo_filter_advantages(Tensor rewards, Tensor scores, Tensor? k, int k_fixed, bool largest, str scale, "
+      "float eps) "
       "-> (Tensor, Tensor)");
 }
 

@@ -1,7 +1,8 @@
 // Shared declarations of the gfpo group ops (segmented top-k + masked mean/std advantages).
 //
 // Every op takes 2-D (num_groups, G) contiguous tensors; the Python wrapper in gfpo_kernels validates input,
-// reshapes flat TRL-layout tensors and expands a scalar k into an int64 tensor of length num_groups.
+// reshapes flat TRL-layout tensors; k is an int64 tensor of length num_groups (adaptive k) or one int for every
+// group (k_fixed: no tensor to fill, so the CUDA op is one launch).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,14 +32,17 @@ struct GroupResult {
 };
 
 // The device kernels. `scores`, `k`, `keep_in`, `rewards` may be undefined tensors:
-//   scores defined -> the top-k mask of scores with k (int64 per group) decides which rows are kept;
+//   scores defined -> the top-k mask of scores with k (int64 per group; undefined: k_fixed for every group)
+//   decides which rows are kept;
 //   else keep_in defined -> that mask; else every row is kept.
 //   rewards undefined -> only the mask is computed.
 GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Tensor& scores, const at::Tensor& k,
-                                        const at::Tensor& keep_in, bool largest, Scale scale, double eps);
+                                        int64_t k_fixed, const at::Tensor& keep_in, bool largest, Scale scale,
+                                        double eps);
 #ifdef GFPO_WITH_CUDA
 GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Tensor& scores, const at::Tensor& k,
-                                         const at::Tensor& keep_in, bool largest, Scale scale, double eps);
+                                         int64_t k_fixed, const at::Tensor& keep_in, bool largest, Scale scale,
+                                         double eps);
 #endif
 
 // The dtype a kernel reads rewards in: float32 where that is exact (float32, the common case, is not copied;

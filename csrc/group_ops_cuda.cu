@@ -41,6 +41,7 @@ __device__ __forceinline__ double reward_at(const void* rewards, bool rewards_do
 
 template <typename scalar_t>
 __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scores, const int64_t* __restrict__ k,
+                                               int64_t k_fixed,
                                                const bool* __restrict__ keep_in, const void* __restrict__ rewards,
                                                bool rewards_double, int64_t num_groups, int G, bool largest,
                                                bool divide_by_std, double eps, bool* __restrict__ keep_out,
@@ -58,7 +59,7 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
   if (scores != nullptr) {
     for (int i = lane; i < G; i += 32) vals[i] = static_cast<opmath_t>(scores[base + i]);
     __syncwarp();
-    const int64_t kg = k[g];
+    const int64_t kg = k != nullptr ? k[g] : k_fixed;
     for (int i = lane; i < G; i += 32) {
       const opmath_t vi = vals[i];
       const bool ni = vi != vi;
@@ -125,7 +126,8 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
 }  // namespace
 
 GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Tensor& scores, const at::Tensor& k,
-                                         const at::Tensor& keep_in, bool largest, Scale scale, double eps) {
+                                         int64_t k_fixed, const at::Tensor& keep_in, bool largest, Scale scale,
+                                         double eps) {
   const at::Tensor& shape_src = rewards.defined() ? rewards : scores;
   const c10::cuda::CUDAGuard guard(shape_src.device());
   const int64_t num_groups = shape_src.size(0), G = shape_src.size(1);
@@ -133,7 +135,7 @@ GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Te
   GroupResult out;
   out.keep = at::empty({num_groups, G}, shape_src.options().dtype(at::kBool));
   const at::Tensor s = scores.defined() ? scores.contiguous() : at::Tensor();
-  const at::Tensor kk = scores.defined() ? k.to(at::kLong).contiguous() : at::Tensor();
+  const at::Tensor kk = scores.defined() && k.defined() ? k.to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor keep_c = keep_in.defined() ? keep_in.to(at::kBool).contiguous() : at::Tensor();
   const at::Tensor r =
       rewards.defined() ? rewards.to(reward_read_type(rewards.scalar_type())).contiguous() : at::Tensor();
@@ -159,7 +161,7 @@ GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Te
     using opmath_t = at::opmath_type<scalar_t>;
     const size_t smem = static_cast<size_t>(kWarpsPerBlock) * G * (sizeof(opmath_t) + sizeof(bool));
     group_filter_advantages_kernel<scalar_t><<<grid, block, smem, stream>>>(
-        s.defined() ? s.data_ptr<scalar_t>() : nullptr, kk.defined() ? kk.data_ptr<int64_t>() : nullptr,
+        s.defined() ? s.data_ptr<scalar_t>() : nullptr, kk.defined() ? kk.data_ptr<int64_t>() : nullptr, k_fixed,
         keep_c.defined() ? keep_c.data_ptr<bool>() : nullptr, r.defined() ? r.const_data_ptr() : nullptr,
         rewards_double, num_groups, static_cast<int>(G), largest, scale == Scale::kGroup, eps,
         out.keep.data_ptr<bool>(), r.defined() ? out.adv.data_ptr() : nullptr, batch,

@@ -107,6 +107,13 @@ def select_backend(op: str, device: torch.device, group_size: int = 1) -> str:
     return "reference"
 
 
+def on_device(device: torch.device):
+    """Makes `device` the current CUDA device for a Triton launch (a no-op context elsewhere): Triton launches on the
+    current device's current stream whatever device the tensors are on, so a tensor on cuda:1 while cuda:0 is
+    current would be read from the wrong device, or on a stream not ordered after the work that wrote it."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def use_backend(name: str | None):
     """Forces backend `name` (see BACKENDS; None: back to automatic) for the op families that have it, for the

@@ -81,8 +81,11 @@ def check_k(k, num_groups: int, group_size: int, device: torch.device) -> int | 
                     f"k as a tensor must have shape (num_groups,) = ({num_groups},), got shape {tuple(k.shape)}"
                 )
             if num_groups > 0:
-                # uint64 has no min/max kernels; float64 holds every in-range k exactly and orders the rest
-                wide = k.double() if k.dtype == torch.uint64 else k
+                # read on the host: one copy of num_groups values, no kernel on the device (the CUDA op stays the
+                # call's one launch). uint64 has no min/max kernels; float64 holds every in-range k exactly and
+                # orders the rest
+                host = k.cpu()
+                wide = host.double() if k.dtype == torch.uint64 else host
                 lo, hi = int(wide.min()), int(wide.max())
                 if lo < 0 or hi > group_size:
                     bad = lo if lo < 0 else hi
@@ -135,6 +138,11 @@ def check_linear_grpo_inputs(
             raise ValueError(f"{name} must have shape (B, T) = {(B, T)}, got {tuple(x.shape)}")
     if vllm_is_ratio is not None and tuple(vllm_is_ratio.shape) not in ((B, T), (B, 1)):
         raise ValueError(f"vllm_is_ratio must have shape (B, T) or (B, 1), got {tuple(vllm_is_ratio.shape)}")
+    named = (("weight", weight), ("target_ids", target_ids), ("mask", mask), ("advantages", advantages),
+             ("bias", bias), ("old_logps", old_logps), ("ref_logps", ref_logps), ("vllm_is_ratio", vllm_is_ratio))
+    for name, x in named:
+        if x is not None and x.device != hidden.device:
+            raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {name} on {x.device}")
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (the reference model's per-token log-probabilities)")
     # One host transfer for the count of scored tokens and their target range (the fused loss sizes its work by
@@ -156,6 +164,12 @@ def linear_grpo_call_options(arguments: dict) -> tuple[GRPOLossOptions, int]:
     names = {field.name for field in dataclasses.fields(GRPOLossOptions)}
     options = GRPOLossOptions(**{name: value for name, value in arguments.items() if name in names})
     a = arguments
+    n = a["num_items_in_batch"]
+    single = n.numel() == 1 and not (n.dtype == torch.bool or n.is_complex()) if isinstance(n, torch.Tensor) else (
+        isinstance(n, numbers.Real) and not isinstance(n, bool))
+    if n is not None and not single:
+        shown = f"a tensor of shape {tuple(n.shape)} and dtype {n.dtype}" if isinstance(n, torch.Tensor) else repr(n)
+        raise ValueError(f"num_items_in_batch must be None, a number or a one-element tensor, got {shown}")
     num_scored = check_linear_grpo_inputs(
         a["hidden"], a["weight"], a["target_ids"], a["mask"], a["advantages"], bias=a["bias"],
         old_logps=a["old_logps"], ref_logps=a["ref_logps"], vllm_is_ratio=a["vllm_is_ratio"], beta=options.beta,

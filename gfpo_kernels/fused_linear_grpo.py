@@ -6,8 +6,9 @@ Design
 Only the scored tokens (mask != 0) are projected: they are gathered once into (n, H), in the dtype TRL's head
 would use (the autocast dtype under autocast, else the common dtype of hidden and weight). They are then processed
 in chunks of `chunk_rows` tokens, each projected `stage_rows` tokens at a time (_chunk_plan; the buffers fit a
-budget, _chunk_budget: on CUDA a share of the free memory, bounded, and at most about the LM head weight's size).
-For each stage of a chunk:
+budget, _chunk_budget: on CUDA a share of the free memory, bounded, and at most about the LM head weight's size;
+the stages follow the shapes only, so the log-probabilities do not depend on the memory free). For each stage of a
+chunk:
 
 1. GEMM: logits = h_stage @ W^T (+ b) into the fp32 staging buffer (stage_rows, V) (cuBLAS with fp32
    accumulation and output for bf16/fp16).
@@ -41,7 +42,8 @@ whole batch, and a second sweep does steps 1, 4, 5 (four GEMMs). Without grad mo
 inference_mode) only steps 1-2 run, whatever the parameters' requires_grad.
 
 Host syncs: one per call, reading the number of scored tokens with the target-id range (_validation); the
-row gather then uses nonzero_static. Besides it, only the fp32-parameter backward on CPU reads grad_output.
+row gather then uses nonzero_static; a host num_items_in_batch goes to the device once per call. Besides it, only
+the fp32-parameter backward on CPU reads grad_output. The Triton launches make the tensors' device current.
 
 Extra memory: the staging and chunk buffers (_chunk_budget; on CUDA at most the LM head weight's size in the
 operand dtype, not under 1 GiB), the fp32 gradient accumulators (n x H, V x H), and O(B*T) per-token vectors;
@@ -93,15 +95,18 @@ _STAGE_SHARE = 8
 _STAGE_MIN_FLOPS = 2e11
 
 
-def _chunk_budget(device: torch.device, weight_bytes: int | None = None) -> int:
-    """Bytes the per-chunk buffers may take on `device` (weight_bytes: the LM head weight in the operand dtype)."""
+def _chunk_budget(device: torch.device, weight_bytes: int | None = None, *, free_memory: bool = True) -> int:
+    """Bytes the per-chunk buffers may take on `device` (weight_bytes: the LM head weight in the operand dtype).
+    free_memory=False: the budget of a device with memory to spare, which depends on the shapes only."""
     if device.type in _CHUNK_BYTES:
         return _CHUNK_BYTES[device.type]
     if device.type != "cuda":
         return _DEFAULT_CHUNK_BYTES
-    free, _total = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    budget = min(max(free * _CUDA_CHUNK_SHARE, _CUDA_CHUNK_BYTES_MIN), _CUDA_CHUNK_BYTES_MAX)
+    budget = _CUDA_CHUNK_BYTES_MAX
+    if free_memory:
+        free, _total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = min(max(free * _CUDA_CHUNK_SHARE, _CUDA_CHUNK_BYTES_MIN), _CUDA_CHUNK_BYTES_MAX)
     if weight_bytes is not None:
         budget = min(budget, max(weight_bytes, _CUDA_WEIGHT_CAP_MIN))
     return int(budget)
@@ -115,17 +120,30 @@ def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: tor
     chunk_rows tokens (the rest of the budget), from which the two gradient GEMMs run once per chunk. Long chunks
     keep the fp32 grad_W traffic small (one read and write per chunk); a bf16 gradient buffer holds 3x the rows of
     fp32 logits plus their bf16 copy. When every one of the B*T `positions` is scored, both hold at most half of
-    them (rounded up), so that no buffer is the (B*T, V) logits. Without gradients only the staging buffer exists;
-    the stages are the same, so the log-probabilities are the same bits with and without grad mode."""
+    them (rounded up), so that no buffer is the (B*T, V) logits. Without gradients only the staging buffer exists.
+    The stages follow the shapes only, not the free memory (the GEMM's row count can change its last bits), so the
+    log-probabilities and the loss are the same bits with and without grad mode and whatever memory is free; the
+    chunks follow the free memory, which orders the weight gradient's fp32 sum."""
     itemsize = operand_dtype.itemsize
     budget = _chunk_budget(device, V * H * itemsize)
+    stage_budget = _chunk_budget(device, V * H * itemsize, free_memory=False)
     # A batch with every position scored (no padding) that fits one chunk would hold the whole (B*T, V) logits
     # (or their gradient): two chunks instead, at the cost of one more read and write of the fp32 weight-gradient
     # accumulator. GRPO batches carry padding, so their single chunk (fewer rows than B*T) is kept.
     most = -(-n // 2) if positions is not None and n >= positions > 1 else n
-    by_share, by_flops = budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
-    stage_rows = max(1, min(most, max(by_share, by_flops), budget // 2 // (4 * V)))
+    by_share, by_flops = stage_budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
+    stage_rows = max(1, min(most, max(by_share, by_flops), stage_budget // 2 // (4 * V)))
     return stage_rows, max(stage_rows, min(most, (budget - 4 * V * stage_rows) // (itemsize * V)))
+
+
+def _normaliser_on(value, device: torch.device) -> torch.Tensor | None:
+    """The dapo/cispo normaliser (a number or a tensor) as an fp32 tensor on `device`, made once per call: each
+    stage's loss reads it, and a host value copied to a GPU there would wait for the stream every stage."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32, non_blocking=True)
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def _operand_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -409,7 +427,8 @@ def fused_linear_grpo_loss(
             "dr_grpo", "dapo", "cispo", "sapo", "luspo"), importance_sampling_level ("token", "sequence"),
             max_completion_length (dr_grpo; None: T), use_bias_correction_kl, sapo_temperature_pos/neg: as in
             TRL's GRPOConfig.
-        num_items_in_batch: the dapo/cispo normaliser (None: mask.sum()).
+        num_items_in_batch: the dapo/cispo normaliser: a number or a one-element tensor (None: mask.sum());
+            clamped to at least 1, as TRL does.
         vllm_is_ratio: (B, T) or (B, 1) importance-sampling correction of vLLM generation.
         logit_softcap: the model's final logit soft cap (Gemma 2's final_logit_softcapping): the logits become
             cap * tanh(logits / cap) before the temperature, as the model's forward and TRL's fused head do.
@@ -417,12 +436,17 @@ def fused_linear_grpo_loss(
 
     Returns:
         (loss, stats): the scalar fp32 loss, with gradients for hidden, weight and bias; stats holds detached
-        per-token "logps" and "entropy" (B, T) (0 where mask is 0), "kl" when beta != 0, and the loss type's
-        clip ratios ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"; "cispo_clip_ratio").
+        per-token "logps" and "entropy" (B, T) (0 where mask is 0), and as scalar means over the scored tokens
+        "kl" when beta != 0 and the loss type's clip ratios ("clip_ratio/low_mean", "clip_ratio/high_mean",
+        "clip_ratio/region_mean"; "cispo_clip_ratio"), each also per token as "per_token/<name>" ((B, T), or
+        (B, 1) at sequence level) for averaging over processes. NaN advantages or log-probabilities propagate
+        into the loss, as in TRL.
 
     Raises:
+        TypeError: a tensor argument that is not a torch.Tensor.
         ValueError: unknown loss_type or importance_sampling_level, beta != 0 without ref_logps, mismatched
-            shapes (H of hidden vs weight among them), target ids outside [0, V) where mask is set, bad options.
+            shapes (H of hidden vs weight among them), a tensor not on hidden's device, target ids outside [0, V)
+            where mask is set, a num_items_in_batch that is not a number, bad options.
     """
     options, num_scored = linear_grpo_call_options(locals())
     backend = select_backend("linear_grpo", hidden.device)
@@ -438,7 +462,7 @@ def fused_linear_grpo_loss(
         "old_logps": None if old_logps is None else old_logps.float(),
         "ref_logps": None if ref_logps is None else ref_logps.float(),
         "vllm_is_ratio": None if vllm_is_ratio is None else vllm_is_ratio.float(),
-        "num_items_in_batch": num_items_in_batch,
+        "num_items_in_batch": _normaliser_on(num_items_in_batch, hidden.device),
     }
     operand_dtype = _operand_dtype(hidden, weight)
     args = (hidden, weight, bias, target_ids, mask.float(), loss_inputs, options, backend, num_scored, operand_dtype)
@@ -468,7 +492,12 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     def __init__(self, **options):
         super().__init__()
-        GRPOLossOptions(**{k: v for k, v in options.items() if k != "num_items_in_batch"})  # validate early
+        if "num_items_in_batch" in options:  # forward takes it: it changes with every batch
+            raise ValueError(
+                f"num_items_in_batch is a per-batch value: pass it to forward(), not to FusedLinearGRPOLoss(...) "
+                f"(got num_items_in_batch={options['num_items_in_batch']!r})"
+            )
+        GRPOLossOptions(**options)  # validate early
         self.options = options
 
     def forward(

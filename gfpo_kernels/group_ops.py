@@ -17,11 +17,10 @@ from ._validation import (
 __all__ = ["group_topk_mask", "group_advantages", "gfpo_filter_advantages"]
 
 
-def _k_tensor(k: int | torch.Tensor, num_groups: int, device: torch.device) -> torch.Tensor:
-    """The C++ ops take k as an int64 tensor of length num_groups."""
-    if isinstance(k, torch.Tensor):
-        return k
-    return torch.full((num_groups,), k, dtype=torch.int64, device=device)
+def _k_args(k: int | torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """(k, k_fixed) of the C++ ops: an adaptive k as its tensor, a single k as an int (no tensor to fill on the
+    device, so the CUDA op is one launch)."""
+    return (k, 0) if isinstance(k, torch.Tensor) else (None, k)
 
 
 def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool = True) -> torch.Tensor:
@@ -31,7 +30,7 @@ def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool =
         scores: (N,) with each group's G rows contiguous (TRL's layout), or (num_groups, G). Any real dtype.
         group_size: G, the number of completions per prompt.
         k: rows kept per group: an int with 1 <= k <= G, or an integer tensor (num_groups,) with
-            0 <= k_g <= G (adaptive k).
+            0 <= k_g <= G (adaptive k; copied to the scores' device if it is elsewhere).
         largest: keep the highest scores (True) or the lowest (False, e.g. the shortest completions).
 
     Returns:
@@ -49,7 +48,7 @@ def group_topk_mask(scores: torch.Tensor, group_size: int, k, *, largest: bool =
     if backend == "reference":
         return reference.group_topk_mask(scores, group_size, kk, largest=largest)
     if backend == "cpp":
-        keep = torch.ops.gfpo.group_topk_mask(s, _k_tensor(kk, s.shape[0], s.device), bool(largest))
+        keep = torch.ops.gfpo.group_topk_mask(s, *_k_args(kk), bool(largest))
     else:
         from . import group_ops_triton
 
@@ -79,6 +78,10 @@ def group_advantages(
 
     Returns:
         float32 advantages of the shape of `rewards`.
+
+    Raises:
+        ValueError: N not a multiple of G, keep not a bool tensor of the shape of `rewards` (it is copied to the
+            rewards' device if it is elsewhere), bad scale or eps.
     """
     group_size = check_group_size(group_size)
     check_scale_eps(scale, eps)
@@ -116,8 +119,21 @@ def gfpo_filter_advantages(
     (see :func:`group_topk_mask`), then the advantages of `rewards` over the kept rows (see
     :func:`group_advantages`).
 
+    Args:
+        rewards: (N,) in TRL's group layout, or (num_groups, G). Any real dtype; non-finite rewards get 0.
+        scores: the filter's metric, of the shape of `rewards` and on its device. Any real dtype.
+        group_size: G.
+        k: rows kept per group: an int with 1 <= k <= G, or an integer tensor (num_groups,) with 0 <= k_g <= G
+            (copied to the scores' device if it is elsewhere).
+        largest: keep the highest scores (True) or the lowest (False).
+        scale, eps: as in :func:`group_advantages`.
+
     Returns:
         (keep, advantages): a bool mask and float32 advantages, both of the shape of `rewards`.
+
+    Raises:
+        ValueError: N not a multiple of G, rewards and scores of different shapes or devices, k out of range or a
+            k tensor of the wrong length, bad scale or eps.
     """
     group_size = check_group_size(group_size)
     check_scale_eps(scale, eps)
@@ -134,9 +150,7 @@ def gfpo_filter_advantages(
             rewards, scores, group_size, kk, largest=largest, scale=scale, eps=eps
         )
     if backend == "cpp":
-        keep, adv = torch.ops.gfpo.gfpo_filter_advantages(
-            r, s, _k_tensor(kk, s.shape[0], s.device), bool(largest), scale, float(eps)
-        )
+        keep, adv = torch.ops.gfpo.gfpo_filter_advantages(r, s, *_k_args(kk), bool(largest), scale, float(eps))
     else:
         from . import group_ops_triton
 
@@ -149,7 +163,7 @@ def gfpo_filter_advantages(
 if HAS_CPP:
     # Shapes for tracing (torch.compile, meta tensors): the ops keep the (num_groups, G) shape.
     @torch.library.register_fake("gfpo::group_topk_mask")
-    def _(scores, k, largest):
+    def _(scores, k, k_fixed, largest):
         return torch.empty_like(scores, dtype=torch.bool)
 
     @torch.library.register_fake("gfpo::group_advantages")
@@ -157,5 +171,5 @@ if HAS_CPP:
         return torch.empty_like(rewards, dtype=torch.float32)
 
     @torch.library.register_fake("gfpo::gfpo_filter_advantages")
-    def _(rewards, scores, k, largest, scale, eps):
+    def _(rewards, scores, k, k_fixed, largest, scale, eps):
         return torch.empty_like(scores, dtype=torch.bool), torch.empty_like(rewards, dtype=torch.float32)

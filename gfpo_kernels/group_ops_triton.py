@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch import on_device
+
 MAX_GROUP_SIZE = 4096
 # Elements per program tile: enough rows per program for small G, one group per program from G=1024 on.
 _TILE_ELEMENTS = 1024
@@ -152,28 +154,29 @@ def group_filter_advantages(
         return keep_out, None if adv is None else adv.float()
 
     k_is_tensor = isinstance(k, torch.Tensor)
-    _group_filter_advantages_kernel[(triton.cdiv(num_groups, rows),)](
-        scores,
-        k if k_is_tensor else None,
-        keep_out if (scores is None and keep is not None) else None,
-        rewards,
-        keep_out,
-        adv,
-        num_groups,
-        G,
-        0 if (k is None or k_is_tensor) else k,
-        EPS=float(eps),
-        LARGEST=bool(largest),
-        HAS_SCORES=scores is not None,
-        K_IS_TENSOR=k_is_tensor,
-        HAS_KEEP_IN=scores is None and keep is not None,
-        HAS_REWARDS=rewards is not None,
-        DIVIDE_BY_STD=scale == "group",
-        UPCAST_SCORES=scores is not None and scores.dtype in (torch.float16, torch.bfloat16),
-        ROWS=rows,
-        BLOCK_G=block_g,
-        num_warps=num_warps,
-    )
+    with on_device(device):
+        _group_filter_advantages_kernel[(triton.cdiv(num_groups, rows),)](
+            scores,
+            k.contiguous() if k_is_tensor else None,  # read at k_ptr + g
+            keep_out if (scores is None and keep is not None) else None,
+            rewards,
+            keep_out,
+            adv,
+            num_groups,
+            G,
+            0 if (k is None or k_is_tensor) else k,
+            EPS=float(eps),
+            LARGEST=bool(largest),
+            HAS_SCORES=scores is not None,
+            K_IS_TENSOR=k_is_tensor,
+            HAS_KEEP_IN=scores is None and keep is not None,
+            HAS_REWARDS=rewards is not None,
+            DIVIDE_BY_STD=scale == "group",
+            UPCAST_SCORES=scores is not None and scores.dtype in (torch.float16, torch.bfloat16),
+            ROWS=rows,
+            BLOCK_G=block_g,
+            num_warps=num_warps,
+        )
     if adv is not None and scale == "batch":
         std = _batch_std(rewards, keep_out if (scores is not None or keep is not None) else None)
         adv = (adv / (std + eps)).float()

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._dispatch import on_device
+
 # -1.0e30 in the kernels is a finite stand-in for -inf: exp(-1e30 - m) is exactly 0 and no inf - inf makes a NaN.
 BLOCK_V = 1024
 # log-prob pass: programs to aim for when a stage has few rows (16 per SM of an H100), and the fewest blocks a
@@ -172,14 +174,15 @@ def logprob_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: f
         splits, span = _split_span(rows, V, block)
         partial_m, partial_s, partial_d = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
         cap = 1.0 if softcap is None else float(softcap)
-        _logsumexp_partial_kernel[(rows, splits)](
-            logits, logits.stride(0), partial_m, partial_s, partial_d, V, span, float(inv_t), cap, splits,
-            BLOCK=block, HAS_SOFTCAP=softcap is not None,
-        )
-        _logprob_entropy_combine_kernel[(rows,)](
-            logits, logits.stride(0), targets, partial_m, partial_s, partial_d, logp, entropy, lse, float(inv_t), cap,
-            splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SOFTCAP=softcap is not None,
-        )
+        with on_device(logits.device):
+            _logsumexp_partial_kernel[(rows, splits)](
+                logits, logits.stride(0), partial_m, partial_s, partial_d, V, span, float(inv_t), cap, splits,
+                BLOCK=block, HAS_SOFTCAP=softcap is not None,
+            )
+            _logprob_entropy_combine_kernel[(rows,)](
+                logits, logits.stride(0), targets, partial_m, partial_s, partial_d, logp, entropy, lse, float(inv_t),
+                cap, splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SOFTCAP=softcap is not None,
+            )
     return logp, entropy, lse
 
 
@@ -199,10 +202,12 @@ def grad_logits_triton(
     assert out.shape == logits.shape and out.stride(1) == 1, (out.shape, out.stride())
     block = min(BLOCK_V, triton.next_power_of_2(V))
     if rows:
-        _grad_logits_kernel[(rows, triton.cdiv(V, block))](
-            logits, logits.stride(0), out, out.stride(0), targets, lse, g.float().contiguous(), V, float(inv_t),
-            1.0 if softcap is None else float(softcap), BLOCK=block, HAS_SOFTCAP=softcap is not None,
-        )
+        g = g.float().contiguous()
+        with on_device(logits.device):
+            _grad_logits_kernel[(rows, triton.cdiv(V, block))](
+                logits, logits.stride(0), out, out.stride(0), targets, lse, g, V, float(inv_t),
+                1.0 if softcap is None else float(softcap), BLOCK=block, HAS_SOFTCAP=softcap is not None,
+            )
     return out
 
 
@@ -212,7 +217,9 @@ def scale_into_triton(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     assert acc.dtype == torch.float32 and acc.is_contiguous() and dtype in (torch.bfloat16, torch.float16)
     out = torch.empty_like(acc, dtype=dtype)
     if acc.numel():
-        _scale_into_kernel[(triton.cdiv(acc.numel(), SCALE_BLOCK),)](
-            acc, scale.to(acc.device, torch.float32).reshape(1), out, acc.numel(), BLOCK=SCALE_BLOCK, num_warps=8
-        )
+        scale = scale.to(acc.device, torch.float32).reshape(1)
+        with on_device(acc.device):
+            _scale_into_kernel[(triton.cdiv(acc.numel(), SCALE_BLOCK),)](
+                acc, scale, out, acc.numel(), BLOCK=SCALE_BLOCK, num_warps=8
+            )
     return out

@@ -10,6 +10,8 @@ import gfpo_kernels
 from gfpo_kernels import _dispatch
 from gfpo_kernels import reference as ref
 
+from gfpo_test_utils import DEVICE
+
 needs_cpp = pytest.mark.skipif(not _dispatch.HAS_CPP, reason="gfpo_kernels._C not built")
 
 
@@ -31,16 +33,17 @@ def test_default_dispatch():
 @needs_cpp
 def test_ops_trace_under_torch_compile():
     def step(rewards, scores, k):
-        keep, adv = torch.ops.gfpo.gfpo_filter_advantages(rewards, scores, k, False, "group", 1e-4)
-        return keep, adv * 2.0, torch.ops.gfpo.group_advantages(rewards, keep, "batch", 1e-4)
+        keep, adv = torch.ops.gfpo.gfpo_filter_advantages(rewards, scores, k, 0, False, "group", 1e-4)
+        fixed_keep = torch.ops.gfpo.group_topk_mask(scores, None, 3, False)
+        return keep, adv * 2.0, torch.ops.gfpo.group_advantages(rewards, keep, "batch", 1e-4), fixed_keep
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     g = torch.Generator().manual_seed(0)
     rewards, scores = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
     k = torch.full((6,), 3)
-    keep, adv2, adv_batch = compiled(rewards, scores, k)
+    keep, adv2, adv_batch, fixed_keep = compiled(rewards, scores, k)
     want_keep, want_adv = ref.gfpo_filter_advantages(rewards, scores, 8, 3, largest=False)
-    assert torch.equal(keep, want_keep)
+    assert torch.equal(keep, want_keep) and torch.equal(fixed_keep, want_keep)
     torch.testing.assert_close(adv2, want_adv * 2.0)
     torch.testing.assert_close(adv_batch, ref.group_advantages(rewards, 8, keep=want_keep, scale="batch"))
 
@@ -64,7 +67,47 @@ def test_fake_tensor_shapes():
 
     with FakeTensorMode():
         keep, adv = torch.ops.gfpo.gfpo_filter_advantages(
-            torch.empty(5, 16), torch.empty(5, 16, dtype=torch.bfloat16), torch.empty(5, dtype=torch.int64), True,
+            torch.empty(5, 16), torch.empty(5, 16, dtype=torch.bfloat16), torch.empty(5, dtype=torch.int64), 0, True,
             "group", 1e-4,
         )
-    assert keep.shape == adv.shape == (5, 16) and keep.dtype == torch.bool and adv.dtype == torch.float32
+        fixed = torch.ops.gfpo.group_topk_mask(torch.empty(5, 16), None, 4, True)
+    assert keep.shape == adv.shape == fixed.shape == (5, 16) and keep.dtype == fixed.dtype == torch.bool
+    assert adv.dtype == torch.float32
+
+
+@needs_cpp
+@pytest.mark.parametrize("k", [3, "adaptive"])
+def test_one_op_per_call(k):
+    """gfpo_filter_advantages with the extension runs the custom op and nothing else on the groups (one launch on
+    CUDA, as DESIGN.md says): a single k reaches the op as an int, where it was filled into a tensor first (a second
+    kernel per call on the H100, bench/results/2026-11-23-h100-cec7c50-group-kernel-time.txt); an adaptive k is
+    range-checked on a host copy (its min and max are then host ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpLog(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            devices = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+            self.ops.append((str(func.overloadpacket), devices))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(3)
+    rewards, scores = torch.randn(64, generator=g).to(DEVICE), torch.randn(64, generator=g).to(DEVICE)
+    kk = torch.tensor([3, 0, 8, 5, 1, 2, 4, 6]).to(DEVICE) if k == "adaptive" else k
+    with gfpo_kernels.use_backend("cpp"), OpLog() as log:
+        keep, adv = gfpo_kernels.gfpo_filter_advantages(rewards, scores, 8, kk)
+    views = ("aten.view", "aten._reshape_alias", "aten.reshape")
+    ops = [(op, devices) for op, devices in log.ops if op not in views]
+    assert ops[-1][0] == "gfpo.gfpo_filter_advantages"
+    if k == "adaptive":  # a copy of k to the host (on CUDA), then its min and max read there
+        reads = {"aten._to_copy", "aten.min", "aten.max", "aten._local_scalar_dense"}
+        assert {op for op, _ in ops[:-1]} <= reads
+        assert all(devices == {"cpu"} for op, devices in ops[:-1] if op != "aten._to_copy")
+    else:
+        assert ops[:-1] == []
+    want_keep, want_adv = ref.gfpo_filter_advantages(rewards, scores, 8, kk)
+    assert torch.equal(keep.cpu(), want_keep.cpu())
+    torch.testing.assert_close(adv.cpu(), want_adv.cpu())

@@ -495,6 +495,11 @@ def test_chunk_budget_follows_free_cuda_memory(monkeypatch):
     # a small head (H=896, 1 GiB budget): stages of ceil(2e11 / (2 V H)) = 735 tokens rather than 1/8 of the budget
     # (220), so that the projection outweighs the host's work per stage; the chunk gets the rest
     assert flg._chunk_plan(16384, V, 896, cuda, torch.bfloat16) == (735, (2**30 - 4 * V * 735) // (2 * V))
+    # the stages follow the shapes only, so the log-probabilities keep their bits whatever memory is free; the
+    # chunk shrinks with the free memory (256 MiB budget: 371 rows of bf16 gradient beside the 256-row stage)
+    memory.update(free=100 << 20)
+    assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (256, ((256 << 20) - 4 * V * 256) // (2 * V))
+    assert flg._chunk_plan(16384, V, 896, cuda, torch.bfloat16)[0] == 735
     memory.update(free=8 << 30, reserved=6 << 30, allocated=2 << 30)  # 4 GiB cached but unused count as free
     assert flg._chunk_budget(cuda) == 3 << 30
     memory.update(free=100 << 20, reserved=0, allocated=0)
@@ -735,6 +740,46 @@ def test_bad_input(kwargs, match, impl):
     with pytest.raises(ValueError, match=match):
         fn(args["hidden"].to(DEVICE), args["weight"].to(DEVICE), args["target"].to(DEVICE), args["mask"].to(DEVICE),
            args["adv"].to(DEVICE), bias=None if args["bias"] is None else args["bias"].to(DEVICE), **kwargs)
+
+
+@pytest.mark.parametrize("key, name", [("weight", "weight"), ("bias", "bias"), ("target", "target_ids"),
+                                       ("mask", "mask"), ("adv", "advantages"), ("old", "old_logps"),
+                                       ("ref", "ref_logps"), ("is_ratio", "vllm_is_ratio")])
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_tensors_on_another_device_are_refused(key, name, impl):
+    """Every tensor argument must be on hidden's device: a ValueError naming it and both devices (a Triton launch
+    would otherwise read another device's pointer)."""
+    p = _problem(1)
+    p[key] = p[key].to("meta")
+    fn = gfpo_kernels.fused_linear_grpo_loss if impl == "kernel" else ref.fused_linear_grpo_loss
+    with pytest.raises(ValueError, match=rf"{name} must be on hidden's device {DEVICE}.*got {name} on meta"):
+        fn(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"], bias=p["bias"], old_logps=p["old"],
+           ref_logps=p["ref"], vllm_is_ratio=p["is_ratio"], beta=0.1)
+
+
+@pytest.mark.parametrize("normaliser", [20, 20.0, torch.tensor(20), torch.tensor(20.0, dtype=torch.float64)])
+def test_normaliser_made_once_on_the_device(backend, monkeypatch, normaliser):
+    """num_items_in_batch given as a number or a host tensor becomes one fp32 tensor on hidden's device per call,
+    which every stage's loss reads (a host value copied to a GPU in each stage waits for the stream each time);
+    the loss is the reference's."""
+    seen = []
+    loss_from_logps = flg.grpo_loss_from_logps
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["num_items_in_batch"])
+        return loss_from_logps(*args, **kwargs)
+
+    monkeypatch.setattr(flg, "grpo_loss_from_logps", recording)
+    p = _problem(59)
+    hidden = p["hidden"].clone().requires_grad_()
+    loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, p["weight"], p["target"], p["mask"], p["adv"],
+                                                  old_logps=p["old"], num_items_in_batch=normaliser)
+    assert len(seen) > 3  # a loss per stage (stages of 2 tokens), the final loss and the statistics
+    assert all(x is seen[0] for x in seen)
+    assert seen[0].device == hidden.device and seen[0].dtype == torch.float32 and seen[0].item() == 20.0
+    want, _ = ref.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"],
+                                         old_logps=p["old"], num_items_in_batch=20)
+    torch.testing.assert_close(loss.detach().double().cpu(), want.double().cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_masked_positions_may_hold_any_id(backend):

@@ -207,3 +207,31 @@ def test_fused_loss_peak_memory_within_the_weight_gradients():
     weight_fp32, weight_bf16, per_token = 4 * V * H, 2 * V * H, 10 * B * T * H
     assert peak <= weight_fp32 + weight_bf16 + per_token + (64 << 20), f"peak extra {peak / 2**30:.2f} GiB"
     assert torch.isfinite(weight.grad.float()).all()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_triton_kernels_on_a_device_that_is_not_current():
+    """Tensors on cuda:1 while cuda:0 is current: the Triton launches run on the tensors' device and stream
+    (Triton launches on the current device whatever the pointers are), with the values of a run where cuda:1 is
+    current."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 64, 256, generator=g), torch.randn(4096, 256, generator=g) / 16
+    target, adv = torch.randint(0, 4096, (2, 64), generator=g), torch.randn(2, generator=g)
+    mask = torch.ones(2, 64)
+    rewards, scores = torch.randn(64 * 16, generator=g), torch.randn(64 * 16, generator=g)
+
+    def run():
+        d = "cuda:1"
+        h, w = hidden.to(d).requires_grad_(), weight.to(d).requires_grad_()
+        with gfpo_kernels.use_backend("triton"):
+            loss, stats = gfpo_kernels.fused_linear_grpo_loss(h, w, target.to(d), mask.to(d), adv.to(d))
+            loss.backward()
+            keep, a = gfpo_kernels.gfpo_filter_advantages(rewards.to(d), scores.to(d), 16, 4)
+        return [x.cpu() for x in (loss.detach(), stats["logps"], h.grad, w.grad, keep, a)]
+
+    with torch.cuda.device(1):
+        want = run()
+    with torch.cuda.device(0):
+        got = run()
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)

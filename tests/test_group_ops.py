@@ -223,6 +223,19 @@ def test_adaptive_k(backend):
     assert torch.equal(keep.cpu(), ref.group_topk_mask(scores.cpu(), G, k.cpu()))
 
 
+def test_adaptive_k_as_a_strided_view(backend):
+    """An int64 k that is a view with stride 2 (a column of a (groups, 2) tensor): every backend reads k_g, not the
+    element g of the underlying storage (the Triton kernel read [1, 0, 2, 0] for k = [1, 2, 3, 4])."""
+    g = torch.Generator().manual_seed(6)
+    G = 4
+    k = torch.tensor([[1, 0], [2, 0], [3, 0], [4, 0]]).to(DEVICE)[:, 0]
+    assert k.stride() == (2,)
+    scores = torch.randn(4 * G, generator=g).to(DEVICE)
+    rewards = torch.randn(4 * G, generator=g).to(DEVICE)
+    _check_all(rewards, scores, G, k)
+    _k_count(gfpo_kernels.group_topk_mask(scores, G, k), G, k)
+
+
 def test_empty_batch(backend):
     empty = torch.empty(0).to(DEVICE)
     assert gfpo_kernels.group_topk_mask(empty, 8, 2).shape == (0,)

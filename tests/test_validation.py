@@ -87,4 +87,4 @@ def test_errors_from_the_cpp_ops_name_the_argument():
     with pytest.raises(ValueError, match="scale must be 'group', 'batch' or 'none', got 'std'"):
         torch.ops.gfpo.group_advantages(torch.randn(2, 4), None, "std", 1e-4)
     with pytest.raises(ValueError, match="k must have num_groups=2 entries"):
-        torch.ops.gfpo.group_topk_mask(torch.randn(2, 4), torch.tensor([1, 2, 3]), True)
+        torch.ops.gfpo.group_topk_mask(torch.randn(2, 4), torch.tensor([1, 2, 3]), 0, True)
