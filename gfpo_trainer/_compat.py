@@ -33,6 +33,7 @@ _SURFACES = {
     "_compute_loss": ["model", "inputs"],
     "_generate_single_turn": ["prompt_ids", "images", "multimodal_fields", "num_generations"],
     "_generate": ["prompts"],
+    "_save_checkpoint": ["model", "trial"],  # transformers' (TRL overrides it too); GFPO adds its state file
 }
 # keys of the dict `_generate_and_score_completions` returns that GFPO reads or rewrites
 OUTPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch")
@@ -59,7 +60,8 @@ TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_m
                       "cispo_clip_ratio")
 # GRPOTrainer attributes GFPO reads
 _ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "beta", "ref_model", "temperature", "loss_type",
-               "eos_token_ids", "use_vllm", "use_transformers_continuous_batching", "tools", "pad_to_multiple_of")
+               "eos_token_ids", "use_vllm", "use_transformers_continuous_batching", "tools", "pad_to_multiple_of",
+               "_get_output_dir")
 
 
 class TRLSurfaceError(RuntimeError):

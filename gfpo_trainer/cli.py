@@ -54,6 +54,8 @@ def load_reward_func(spec: str):
 def load_train_dataset(name: str, split: str = "train"):
     import datasets
 
+    if not isinstance(name, str):
+        raise ConfigError(f"dataset must be a file path or a datasets hub name, got {name!r}")
     if not isinstance(split, str):
         raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
     extension = os.path.splitext(name)[1].lower()
@@ -124,7 +126,9 @@ def build_trainer(config: dict):
 def _convert_args(args: dict) -> dict:
     """YAML strings -> the GFPOConfig field types, as TRL's CLI converts them: PyYAML reads `1e-6` as a string, a
     quoted '4' or 'false' stays one, and GFPOConfig converts nothing. The types are those of HfArgumentParser's
-    actions (what `trl grpo --learning_rate 1e-6` goes through); values that are not strings pass unchanged."""
+    actions (what `trl grpo --learning_rate 1e-6` goes through). Values that are not strings must already be of the
+    field's type (an int field takes no 2.5 nor 4.0, a float field no list), or the run would fail steps later
+    inside transformers or TRL, naming neither the key nor the value."""
     from enum import Enum
 
     from transformers import HfArgumentParser
@@ -145,8 +149,28 @@ def _convert_args(args: dict) -> dict:
         if isinstance(value, str):
             converted[name] = _convert_value(name, value, action)
         elif action.nargs == "+" and isinstance(value, list):  # list[int] and the like: item by item
-            converted[name] = [_convert_value(name, v, action) if isinstance(v, str) else v for v in value]
+            converted[name] = [_convert_value(name, v, action) if isinstance(v, str) else _checked(name, v, action)
+                               for v in value]
+        elif value is not None:  # None: an optional field left unset
+            converted[name] = _checked(name, value, action)
     return converted
+
+
+def _checked(name: str, value, action):
+    """A value YAML gave as a number, bool or list, checked against the field's type (a bool field also takes 0/1)."""
+    kind = action.type
+    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(kind)
+    what = {int: "an int", float: "a number"}.get(kind)
+    if getattr(kind, "__name__", None) == "string_to_bool":
+        if type(value) is int and value in (0, 1):
+            return bool(value)
+        ok, what = (lambda v: isinstance(v, bool)), "a bool (true/false, 1/0)"
+    if ok is not None and not ok(value):
+        raise ConfigError(f"args: {name}={value!r} is not {what}")
+    if ok is None and action.choices is not None and value not in action.choices:
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}")
+    return value
 
 
 def _convert_value(name: str, value: str, action):
@@ -172,13 +196,14 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="GRPO vs GFPO on a synthetic task with a tiny model (no downloads)")
     demo.add_argument("--quick", action="store_true",
-                      help="a shorter run (about 2.5 minutes on 2 CPU cores, the default about 6)")
+                      help="a shorter run (about 3 minutes of training on 2 CPU cores, the default about 10)")
     demo.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds; for tests
     demo.add_argument("--output-dir", default="gfpo_demo_output", help="where the plot, results and models go")
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
     demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
     train = commands.add_parser("train", help="train with GFPO from a YAML config")
-    train.add_argument("--config", required=True, help="YAML file: model, dataset, reward_funcs, args")
+    train.add_argument("--config", required=True, help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
+                       "and optionally dataset_split (default train)")
     options = parser.parse_args(argv)
 
     if options.command == "demo":
@@ -199,6 +224,16 @@ def main(argv=None) -> int:
     except (ConfigError, OSError, yaml.YAMLError) as error:
         print(f"error: {_one_line(error)}", file=sys.stderr)
         return 2
-    trainer.train()
+    # TrainingArguments.resume_from_checkpoint is read by the caller of train(), not by the Trainer (TRL's scripts
+    # pass it too): without this, a config asking to resume would start again from the model and overwrite
+    # the checkpoints
+    from transformers.trainer_utils import get_last_checkpoint
+
+    resume, output_dir = trainer.args.resume_from_checkpoint, trainer.args.output_dir
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    if resume is None and last is not None:
+        print(f"warning: {output_dir} already holds {last}; this run starts from the model and writes its checkpoints "
+              "over those (set args.resume_from_checkpoint to continue it)", file=sys.stderr)
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     return 0

@@ -7,8 +7,14 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from gfpo_kernels.grpo_loss_math import IMPORTANCE_SAMPLING_LEVELS
+from gfpo_kernels.grpo_loss_math import LOSS_TYPES as FUSED_LOSS_TYPES
+
 GROUP_FILTERS = ("length", "token_efficiency")
 SCALE_REWARDS = ("group", "batch", "none")
+# The loss types TRL's GRPOTrainer computes (the same in TRL 1.14.2 to 1.16): the fused loss's and vespo (trained
+# without the kernels). GRPOConfig takes any string and fails at the first training step.
+LOSS_TYPES = (*FUSED_LOSS_TYPES, "vespo")
 
 
 @dataclass
@@ -42,7 +48,8 @@ class GFPOConfig(GRPOConfig):
             With `group_filter="length"`: once k completions of a group have ended, stop generating the group's
             other completions, which the filter is certain to drop. The kept rows, their rewards, advantages and
             the loss are unchanged; generation ends sooner. Not applied with adaptive difficulty (whose difficulty
-            reads every completion's reward), vLLM, continuous batching or tool calling (a warning says so).
+            reads every completion's reward), nor, with a warning logged once, with vLLM, continuous batching,
+            tool calling or beam search.
         skip_zero_gradient_rows (`bool`, *optional*, defaults to `True`):
             Rows whose advantage is exactly 0 (groups of equal rewards, unscorable rows) contribute exactly zero
             gradient when `beta == 0`, there is no entropy bonus, `top_entropy_quantile == 1` and no MoE auxiliary
@@ -94,6 +101,13 @@ class GFPOConfig(GRPOConfig):
             mapped = s
         if not (isinstance(mapped, str) and mapped in SCALE_REWARDS):
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, True or False, got scale_rewards={s!r}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got loss_type={self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
+                f"importance_sampling_level={self.importance_sampling_level!r}"
+            )
         if self.bf16 is None and not self.fp16:
             # TRL turns bf16 on by default, which fails on a machine without bf16 hardware (CPU only, older GPUs):
             # left unset, bf16 is on only where the device supports it, so one config runs everywhere

@@ -42,8 +42,8 @@ def correctness_reward(prompts, completions, **kwargs) -> list[float]:
 
 @dataclasses.dataclass
 class DemoSettings:
-    """Sizes of one demo run. On 2 CPU cores the default takes about 6 minutes, `quick()` about 2.5 (2 min 24 s
-    measured with another job sharing the cores)."""
+    """Sizes of one demo run. On 2 CPU cores shared with other jobs, the warm-up and training stages took 10 min 19 s
+    at the default sizes and 2 min 52 s with `quick()` (docs/demo/*.json)."""
 
     max_operand: int = 50
     warmup_steps: int = 2000

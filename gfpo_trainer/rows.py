@@ -134,9 +134,11 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
             trainer._gfpo_rng_after_shuffle = rng_state_after_shuffle(unskipped_share)
     # Drop the padding columns past the longest trained completion: less work in the loss, and the batch no
     # longer depends on how long the dropped completions ran (see gfpo_stop_dropped_generations). The width keeps
-    # TRL's pad_to_multiple_of (Neuron and torch.compile compile once per shape).
+    # TRL's pad_to_multiple_of (Neuron and torch.compile compile once per shape), and at least 2 columns: TRL's
+    # metrics (and the fused path's) read a (B, 1) tensor as one value per sequence (sequence-level sampling), so
+    # a width of 1 would count the padding rows' entropy and clip ratios as real ones.
     T = output["completion_ids"].size(1)
-    width = max(1, int(output["completion_mask"].sum(dim=1).max()))
+    width = min(T, max(2, int(output["completion_mask"].sum(dim=1).max())))
     if trainer.pad_to_multiple_of:
         width = min(T, -(-width // trainer.pad_to_multiple_of) * trainer.pad_to_multiple_of)
     for key in row_keys:

@@ -42,7 +42,7 @@ from .rows import (
     no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss, zero_gradient_skip_applies
 )
 from .selection import log_selection, select
-from .state import SaveGFPOState, load_gfpo_state
+from .state import load_gfpo_state, save_gfpo_state
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,6 @@ class GFPOTrainer(GRPOTrainer):
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
         self._stopped_rows: torch.Tensor | None = None  # local rows the early-stop rule ended, this batch
         self._tool_mask: list | None = None  # this batch's tool masks (0 = tool-output token), from _generate
-        self.add_callback(SaveGFPOState(self))
         self._warned_no_early_stop = False
         if args.use_gfpo_kernels:
             install_fused_loss_forward(self.model.get_base_model() if _is_peft_model(self.model) else self.model,
@@ -131,6 +130,10 @@ class GFPOTrainer(GRPOTrainer):
         # GFPO's own state (the adaptive-difficulty digest) comes back with the checkpoint, before the first batch
         load_gfpo_state(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        save_gfpo_state(self, trial)
 
     # ------------------------------------------------------------------ selection
     def _filtering(self) -> bool:
@@ -281,18 +284,30 @@ class GFPOTrainer(GRPOTrainer):
         logged.extend(selection["advantages"].tolist())
         return output
 
+    def _forwards_in_lockstep(self) -> bool:
+        """Whether every process must run as many forwards: a sharded model (FSDP, DeepSpeed ZeRO-3) gathers its
+        parameters in each forward, a collective that waits for every process."""
+        if self.accelerator.num_processes == 1:
+            return False
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return self.is_fsdp_enabled or (plugin is not None and plugin.zero_stage == 3)
+
     @torch.no_grad()
     def _deferred_logps(self, model, batch_size, output: dict, n_real: int) -> torch.Tensor:
-        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)[:n_real]
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)[:n_real]
+        # The real rows only, where the forwards need no lockstep; otherwise every row, padding included (the
+        # same number on every process), and the padding rows' values are then dropped
+        rows = output["completion_ids"].size(0) if self._forwards_in_lockstep() else n_real
+        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)[:rows]
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)[:rows]
         logits_to_keep = output["completion_ids"].size(1)
         logps = torch.zeros(output["completion_ids"].shape, device=prompt_completion_ids.device)
-        self.gfpo_logp_rows_seen += n_real
-        if n_real:
+        self.gfpo_logp_rows_seen += rows
+        if rows:
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                logps[:n_real], _, _ = super()._get_per_token_logps_and_entropies(
+                logps[:rows], _, _ = super()._get_per_token_logps_and_entropies(
                     model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
                 )
+            logps[n_real:] = 0.0
         return logps
 
     # ------------------------------------------------------------------ loss

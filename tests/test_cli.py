@@ -87,6 +87,33 @@ def test_train_command(model_dir, dataset_file, tmp_path):
     assert (tmp_path / "out" / "config.json").exists()  # the trained model was saved
 
 
+def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_path, capsys):
+    """args.resume_from_checkpoint continues the run (the Trainer does not read it itself: the CLI passes it to
+    train(), as TRL's scripts do); a run into an output_dir holding checkpoints without it warns that it starts
+    again."""
+    args = dict(_config(model_dir, dataset_file, tmp_path)["args"], save_strategy="steps", save_steps=1, max_steps=2,
+                logging_steps=1)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path, args=args)))
+    assert main(["train", "--config", str(config_file)]) == 0
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and "warning:" not in capsys.readouterr().err
+
+    resumed = dict(args, max_steps=3, resume_from_checkpoint=str(checkpoint))
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path, args=resumed)))
+    assert main(["train", "--config", str(config_file)]) == 0
+    state = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())
+    steps = [entry["step"] for entry in state["log_history"] if "loss" in entry]
+    assert state["global_step"] == 3 and steps == [1, 2, 3]  # steps 1-2 from the first run's history, then 3
+    assert "warning:" not in capsys.readouterr().err
+
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path, args=dict(args, max_steps=1))))
+    assert main(["train", "--config", str(config_file)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'out'} already holds" in err and "set args.resume_from_checkpoint" in err
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -118,6 +145,18 @@ def test_train_command(model_dir, dataset_file, tmp_path):
          r"cannot load dataset file '.*train.jsonl' with dataset_split='test': Unknown split \"test\"\. Should be "
          r"one of \['train'\]"),
         (dict(dataset_split=3), r"dataset_split must be a split name such as 'train', got 3"),
+        # values YAML gives as numbers or lists, of the wrong type: transformers or TRL would fail steps later
+        (dict(args={"max_steps": 2.5}), r"^args: max_steps=2.5 is not an int$"),
+        (dict(args={"num_generations": 8.0}), r"^args: num_generations=8.0 is not an int$"),
+        (dict(args={"learning_rate": [1]}), r"^args: learning_rate=\[1\] is not a number$"),
+        (dict(args={"use_cpu": 2}), r"^args: use_cpu=2 is not a bool \(true/false, 1/0\)$"),
+        (dict(args={"adaptive_difficulty": True, "adaptive_num_remains": [8, 2.5, 4, 2]}),
+         r"^args: adaptive_num_remains=2.5 is not an int$"),
+        (dict(dataset=["a.jsonl", "b.jsonl"]), r"^dataset must be a file path or a datasets hub name, got \['a.jsonl'"),
+        # GRPOConfig takes these and TRL fails only at the first training step
+        (dict(args={"loss_type": "foo"}), r"^args: loss_type must be one of \('grpo', .*'vespo'\), got loss_type='foo'$"),
+        (dict(args={"importance_sampling_level": "tok"}),
+         r"^args: importance_sampling_level must be one of \('token', 'sequence'\), got importance_sampling_level='tok'$"),
     ],
 )
 def test_train_config_errors(model_dir, dataset_file, tmp_path, change, match):

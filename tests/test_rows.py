@@ -68,6 +68,27 @@ def test_row_weights_equal_an_even_split(P, kept_rows, spg, loss_type, monkeypat
         assert weight_of_row == pytest.approx({r: 1 / kept_rows for r in weight_of_row})
 
 
+def test_trained_rows_keep_two_columns_when_every_completion_is_one_token(monkeypatch):
+    """Cropped to the longest trained completion, but never to one column: TRL's metrics and the fused path read a
+    (B, 1) tensor as one value per sequence, so one-token completions cropped to width 1 logged an entropy of 2.94
+    where the real tokens' was 3.93 (the padding rows counted as zeros)."""
+    completion_mask = torch.zeros(8, 5, dtype=torch.int32)
+    completion_mask[:, 0] = 1  # every completion is one token (an EOS)
+    ids = torch.arange(40).view(8, 5)
+    global_rows = {"completion_mask": completion_mask, "completion_ids": ids}
+    monkeypatch.setattr(rows, "take_global_rows", lambda trainer, key, tensor, wanted: global_rows[key][wanted])
+    trainer = types.SimpleNamespace(
+        accelerator=_FakeAccelerator(1, 0, {"mask": completion_mask, "tokens": completion_mask.sum(1), "ids": ids}),
+        args=types.SimpleNamespace(steps_per_generation=2), loss_type="dapo", _metrics={"train": {}},
+        _tokenizer=types.SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None,
+    )
+    keep = torch.tensor([True, True, True, False] * 2)
+    output = {"completion_mask": completion_mask, "completion_ids": ids}
+    rows.take_trained_rows(trainer, output, keep, torch.where(keep, 1.0, 0.0), skip_zero=False)
+    assert output["completion_ids"].shape == output["completion_mask"].shape == (6, 2)
+    assert output["completion_mask"][:, 1].sum() == 0 and output["completion_mask"][:, 0].tolist() == [1] * 6
+
+
 def _constant_for_some_prompts(prompts, completions, **kwargs):
     """Half the prompts get one reward for every completion: zero-variance groups (advantage exactly 0)."""
     return [1.0 if p in PROMPTS[::2] else sum(ch.isdigit() for ch in c) - 0.05 * len(c)

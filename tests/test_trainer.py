@@ -228,6 +228,29 @@ def test_deferred_logprob_passes_see_only_kept_rows(model_dir, tokenizer, tmp_pa
     torch.testing.assert_close(output["ref_per_token_logps"], want)
 
 
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_deferred_passes_run_every_row_where_forwards_are_collective(model_dir, tokenizer, tmp_path, monkeypatch,
+                                                                      lockstep):
+    """Under FSDP or ZeRO-3 each forward gathers parameters with the other processes, so every process must run as
+    many: the deferred passes then run on all of this process's rows, padding included (the same count on every
+    process; with the real rows only, 2 processes holding 2 and 0 real rows hung), and the padding rows' values are
+    dropped: the same log-probabilities either way."""
+    monkeypatch.setattr(GFPOTrainer, "_forwards_in_lockstep", lambda self: lockstep)
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, beta=0.04, per_device_train_batch_size=4,
+                           steps_per_generation=2, num_remains_in_group=3)
+    output, _ = scored_batch(trainer)
+    real = output["gfpo_real_row"]
+    n_rows, n_real = real.numel(), int(real.sum())
+    assert (n_rows, n_real) == (4, 3)  # 3 kept rows in 2 micro-batches of 2: one padding row
+    assert trainer.gfpo_logp_rows_seen == 2 * (n_rows if lockstep else n_real)  # old-policy and reference passes
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)[:n_real]
+    mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)[:n_real]
+    with torch.no_grad():
+        want, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, output["completion_ids"].size(1))
+    torch.testing.assert_close(output["ref_per_token_logps"][:n_real], want)
+    assert torch.all(output["ref_per_token_logps"][n_real:] == 0)
+
+
 @pytest.mark.parametrize("multiple", [None, 8, 32])  # 32: wider than any completion (at most 20)
 def test_trained_rows_keep_trls_pad_to_multiple_of(model_dir, tokenizer, tmp_path, multiple):
     """The trained rows are cropped to their longest completion, but no narrower than TRL's pad_to_multiple_of
@@ -238,7 +261,7 @@ def test_trained_rows_keep_trls_pad_to_multiple_of(model_dir, tokenizer, tmp_pat
     width = output["completion_ids"].size(1)
     assert output["completion_mask"].size(1) == width
     if multiple is None:
-        assert width == longest
+        assert width == max(2, longest)  # never one column (tests/test_rows.py)
     else:
         assert width % multiple == 0 and width - multiple < longest <= width, (width, longest)
 

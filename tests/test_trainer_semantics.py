@@ -5,6 +5,7 @@ search with the early-stop rule, and the adaptive-difficulty state across a resu
 import json
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -181,6 +182,27 @@ def test_adaptive_digest_round_trips_exactly():
         AdaptiveDifficulty([8, 4, 3, 2]).load_state_dict(adaptive.state_dict())
 
 
+def test_adaptive_digest_ignores_the_global_random_state():
+    """The digest merges centroids in a random order drawn from Python's global `random`, which TRL seeds per
+    process (set_seed(device_specific=True)) and other code draws from: processes fed the same group means must
+    still hold the same digest and choose the same k (two processes chose different k at 5 of 66 steps, then
+    crashed in a collective), and the caller's random stream is left as it was."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.rand(32, generator=g).mul(4).round().div(4) for _ in range(30)]  # ties: many equal distances
+    processes = [AdaptiveDifficulty([6, 4, 3, 2]) for _ in range(2)]
+    for rank, adaptive in enumerate(processes):
+        random.seed(1000 + rank)  # a per-process seed
+        for step, means in enumerate(batches):
+            random.random() if (step + rank) % 3 == 0 else None  # other code drawing on some steps only
+            before = random.getstate()
+            adaptive.update_and_assign(means)
+            assert random.getstate() == before
+    a, b = processes
+    assert a.digest.centroids_to_list() == b.digest.centroids_to_list()
+    for means in batches[:5]:
+        assert torch.equal(a.update_and_assign(means)[1], b.update_and_assign(means)[1])
+
+
 def test_resume_restores_the_adaptive_digest(model_dir, tokenizer, tmp_path):  # noqa: F811
     options = dict(adaptive_difficulty=True, adaptive_num_remains=[6, 4, 3, 2], num_remains_in_group=3,
                    per_device_train_batch_size=16, save_strategy="steps", save_steps=2, max_steps=3)
@@ -195,10 +217,15 @@ def test_resume_restores_the_adaptive_digest(model_dir, tokenizer, tmp_path):  #
     assert resumed.adaptive_difficulty.digest.centroids_to_list() == straight.adaptive_difficulty.digest.centroids_to_list()
 
 
-def test_resume_without_saved_gfpo_state_is_refused_with_adaptive(model_dir, tokenizer, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("saved", [None, {}], ids=["no-file", "saved-without-adaptive"])
+def test_resume_without_saved_gfpo_state_is_refused_with_adaptive(model_dir, tokenizer, tmp_path, saved):  # noqa: F811
+    """A checkpoint without the digest (no gfpo_state.json, or one from a run without adaptive difficulty) is a
+    ValueError naming the folder, not a KeyError."""
     (tmp_path / "checkpoint-1").mkdir()
+    if saved is not None:
+        (tmp_path / "checkpoint-1" / "gfpo_state.json").write_text(json.dumps(saved))
     trainer = make_trainer(model_dir, tokenizer, tmp_path, adaptive_difficulty=True,
                            adaptive_num_remains=[6, 4, 3, 2], num_remains_in_group=3)
-    with pytest.raises(ValueError, match="no gfpo_state.json in"):
+    with pytest.raises(ValueError, match="checkpoint-1' holds no adaptive-difficulty state in gfpo_state.json"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 

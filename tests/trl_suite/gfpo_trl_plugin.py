@@ -222,6 +222,8 @@ REFUSAL_SITES = {
     ("config.py", "__post_init__"),
     ("trainer.py", "__init__"),
     ("fused_head.py", "check_fused_loss_supported"),
+    ("fused_head.py", "_check_plain_linear_head"),  # an adapter on the LM head
+    ("fused_head.py", "fused_compute_loss"),  # a multimodal batch
     ("fused_head.py", "_probe"),
 }
 
