@@ -6,9 +6,8 @@ Design
 Only the scored tokens (mask != 0) are projected: they are gathered once into (n, H), in the dtype TRL's head
 would use (the autocast dtype under autocast, else the common dtype of hidden and weight). They are then processed
 in chunks of `chunk_rows` tokens, each projected `stage_rows` tokens at a time (_chunk_plan; the buffers fit a
-budget, _chunk_budget: on CUDA a share of the free memory, bounded, and at most about the LM head weight's size;
-the stages follow the shapes only, so the log-probabilities do not depend on the memory free). For each stage of a
-chunk:
+budget, _chunk_budget: on CUDA a share of the free memory, bounded, and at most about the LM head weight's size).
+For each stage of a chunk:
 
 1. GEMM: logits = h_stage @ W^T (+ b) into the fp32 staging buffer (stage_rows, V) (cuBLAS with fp32
    accumulation and output for bf16/fp16).
@@ -95,18 +94,15 @@ _STAGE_SHARE = 8
 _STAGE_MIN_FLOPS = 2e11
 
 
-def _chunk_budget(device: torch.device, weight_bytes: int | None = None, *, free_memory: bool = True) -> int:
-    """Bytes the per-chunk buffers may take on `device` (weight_bytes: the LM head weight in the operand dtype).
-    free_memory=False: the budget of a device with memory to spare, which depends on the shapes only."""
+def _chunk_budget(device: torch.device, weight_bytes: int | None = None) -> int:
+    """Bytes the per-chunk buffers may take on `device` (weight_bytes: the LM head weight in the operand dtype)."""
     if device.type in _CHUNK_BYTES:
         return _CHUNK_BYTES[device.type]
     if device.type != "cuda":
         return _DEFAULT_CHUNK_BYTES
-    budget = _CUDA_CHUNK_BYTES_MAX
-    if free_memory:
-        free, _total = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = min(max(free * _CUDA_CHUNK_SHARE, _CUDA_CHUNK_BYTES_MIN), _CUDA_CHUNK_BYTES_MAX)
+    free, _total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    budget = min(max(free * _CUDA_CHUNK_SHARE, _CUDA_CHUNK_BYTES_MIN), _CUDA_CHUNK_BYTES_MAX)
     if weight_bytes is not None:
         budget = min(budget, max(weight_bytes, _CUDA_WEIGHT_CAP_MIN))
     return int(budget)
@@ -120,19 +116,19 @@ def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: tor
     chunk_rows tokens (the rest of the budget), from which the two gradient GEMMs run once per chunk. Long chunks
     keep the fp32 grad_W traffic small (one read and write per chunk); a bf16 gradient buffer holds 3x the rows of
     fp32 logits plus their bf16 copy. When every one of the B*T `positions` is scored, both hold at most half of
-    them (rounded up), so that no buffer is the (B*T, V) logits. Without gradients only the staging buffer exists.
-    The stages follow the shapes only, not the free memory (the GEMM's row count can change its last bits), so the
-    log-probabilities and the loss are the same bits with and without grad mode and whatever memory is free; the
-    chunks follow the free memory, which orders the weight gradient's fp32 sum."""
+    them (rounded up), so that no buffer is the (B*T, V) logits. Without gradients only the staging buffer exists;
+    the stages are the same, so the log-probabilities are the same bits with and without grad mode. The plan
+    follows the free memory only where a quarter of it is less than the head-size cap (for Qwen's vocabulary at
+    H=4096, under 4.6 GiB free): there the stages and chunks shrink, and the GEMMs' row counts with them, which may
+    change the last bits of the log-probabilities and the weight gradient's fp32 sum."""
     itemsize = operand_dtype.itemsize
     budget = _chunk_budget(device, V * H * itemsize)
-    stage_budget = _chunk_budget(device, V * H * itemsize, free_memory=False)
     # A batch with every position scored (no padding) that fits one chunk would hold the whole (B*T, V) logits
     # (or their gradient): two chunks instead, at the cost of one more read and write of the fp32 weight-gradient
     # accumulator. GRPO batches carry padding, so their single chunk (fewer rows than B*T) is kept.
     most = -(-n // 2) if positions is not None and n >= positions > 1 else n
-    by_share, by_flops = stage_budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
-    stage_rows = max(1, min(most, max(by_share, by_flops), stage_budget // 2 // (4 * V)))
+    by_share, by_flops = budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
+    stage_rows = max(1, min(most, max(by_share, by_flops), budget // 2 // (4 * V)))
     return stage_rows, max(stage_rows, min(most, (budget - 4 * V * stage_rows) // (itemsize * V)))
 
 
@@ -141,8 +137,8 @@ def _normaliser_on(value, device: torch.device) -> torch.Tensor | None:
     stage's loss reads it, and a host value copied to a GPU there would wait for the stream every stage."""
     if value is None:
         return None
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=torch.float32, non_blocking=True)
+    if isinstance(value, torch.Tensor):  # one element (validated), as a 0-d tensor: the loss stays a scalar
+        return value.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
     return torch.full((), value, dtype=torch.float32, device=device)
 
 

@@ -39,12 +39,16 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
     attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
-    num_items = None
+    num_items, loss_scale = None, 1.0
     if trainer.loss_type in ("cispo", "dapo"):
-        # TRL's normaliser: num_items_in_batch spans the generation batch of every process
-        num_items = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        # TRL's normaliser: num_items_in_batch (the generation batch of every process), clamped to 1, over the
+        # processes and, in training, times accumulation / steps_per_generation. The fused loss divides by the
+        # clamped count and the rest is a factor on its loss: passed as one normaliser, a value below 1 would be
+        # clamped a second time by the fused loss
+        num_items = inputs["num_items_in_batch"].clamp(min=1.0)
+        loss_scale = trainer.accelerator.num_processes
         if mode == "train":
-            num_items = num_items * accumulation / trainer.args.steps_per_generation
+            loss_scale = loss_scale * trainer.args.steps_per_generation / accumulation
     use_is = trainer.use_vllm and trainer.vllm_importance_sampling_correction
     loss_fn = functools.partial(
         _fused_loss_on_head,
@@ -75,8 +79,7 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
             gfpo_logits_to_keep=completion_ids.size(1),
             gfpo_aux_loss=trainer.aux_loss_enabled,
         )
-    if trainer.loss_type not in ("cispo", "dapo"):
-        loss = loss / accumulation
+    loss = loss * loss_scale if trainer.loss_type in ("cispo", "dapo") else loss / accumulation
     aux_term = None
     if aux_loss is not None:  # an MoE model's router load-balancing loss, added as TRL adds it
         aux_term = router_aux_term(trainer, aux_loss)

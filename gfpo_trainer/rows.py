@@ -136,14 +136,18 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
     # longer depends on how long the dropped completions ran (see gfpo_stop_dropped_generations). The width keeps
     # TRL's pad_to_multiple_of (Neuron and torch.compile compile once per shape), and at least 2 columns: TRL's
     # metrics (and the fused path's) read a (B, 1) tensor as one value per sequence (sequence-level sampling), so
-    # a width of 1 would count the padding rows' entropy and clip ratios as real ones.
+    # a width of 1 would count the padding rows' entropy and clip ratios as real ones. A batch generated 1 token wide
+    # (max_completion_length=1, or the early-stop rule ending every group at its first token) gets a padding column.
     T = output["completion_ids"].size(1)
-    width = min(T, max(2, int(output["completion_mask"].sum(dim=1).max())))
+    width = max(2, int(output["completion_mask"].sum(dim=1).max()))
     if trainer.pad_to_multiple_of:
-        width = min(T, -(-width // trainer.pad_to_multiple_of) * trainer.pad_to_multiple_of)
+        width = -(-width // trainer.pad_to_multiple_of) * trainer.pad_to_multiple_of
+    width = min(max(T, 2), width)
     for key in row_keys:
-        if not ROW_KEYS[key][1] and output[key].dim() > 1 and output[key].size(1) == T:
-            output[key] = output[key][:, :width]
+        pad_value, pad_left = ROW_KEYS[key]
+        if not pad_left and output[key].dim() > 1 and output[key].size(1) == T:
+            pad_value = trainer._tokenizer.pad_token_id if pad_value is None else pad_value
+            output[key] = pad_to_width(output[key][:, :width], width, pad_value, pad_left=False)
     return n_real
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,7 +103,9 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
 
     resumed = dict(args, max_steps=3, resume_from_checkpoint=str(checkpoint))
     config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path, args=resumed)))
+    shutil.rmtree(tmp_path / "out" / "checkpoint-1")  # a run restarted from the model would write it again
     assert main(["train", "--config", str(config_file)]) == 0
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
     state = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())
     steps = [entry["step"] for entry in state["log_history"] if "loss" in entry]
     assert state["global_step"] == 3 and steps == [1, 2, 3]  # steps 1-2 from the first run's history, then 3

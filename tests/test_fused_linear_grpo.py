@@ -495,11 +495,13 @@ def test_chunk_budget_follows_free_cuda_memory(monkeypatch):
     # a small head (H=896, 1 GiB budget): stages of ceil(2e11 / (2 V H)) = 735 tokens rather than 1/8 of the budget
     # (220), so that the projection outweighs the host's work per stage; the chunk gets the rest
     assert flg._chunk_plan(16384, V, 896, cuda, torch.bfloat16) == (735, (2**30 - 4 * V * 735) // (2 * V))
-    # the stages follow the shapes only, so the log-probabilities keep their bits whatever memory is free; the
-    # chunk shrinks with the free memory (256 MiB budget: 371 rows of bf16 gradient beside the 256-row stage)
+    # the plan is the same whatever memory is free above 4x the head-size cap (4.6 GiB here): the same stages, so
+    # the same log-probability bits; below it the buffers shrink with the budget (256 MiB: stages of the 161 rows
+    # _STAGE_MIN_FLOPS asks)
+    memory.update(free=int(4.7 * 2**30))
+    assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (256, 3584)
     memory.update(free=100 << 20)
-    assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (256, ((256 << 20) - 4 * V * 256) // (2 * V))
-    assert flg._chunk_plan(16384, V, 896, cuda, torch.bfloat16)[0] == 735
+    assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (161, ((256 << 20) - 4 * V * 161) // (2 * V))
     memory.update(free=8 << 30, reserved=6 << 30, allocated=2 << 30)  # 4 GiB cached but unused count as free
     assert flg._chunk_budget(cuda) == 3 << 30
     memory.update(free=100 << 20, reserved=0, allocated=0)
@@ -780,6 +782,60 @@ def test_normaliser_made_once_on_the_device(backend, monkeypatch, normaliser):
     want, _ = ref.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"],
                                          old_logps=p["old"], num_items_in_batch=20)
     torch.testing.assert_close(loss.detach().double().cpu(), want.double().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_triton_launches_make_the_tensors_device_current(monkeypatch):
+    """Triton launches on the current CUDA device whatever device the pointers are on: each wrapper enters
+    _dispatch.on_device(its tensors' device) around its launches (the two-GPU check is in tests/test_gpu.py)."""
+    if "triton" not in LOSS_BACKENDS:
+        pytest.skip("Triton not available")
+    from gfpo_kernels import linear_grpo_triton
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(linear_grpo_triton, "on_device", recording)
+    force_plan(monkeypatch, 4, 8)
+    p = _problem(71, dtype=torch.bfloat16)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    with gfpo_kernels.use_backend("triton"):
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"])
+        loss.backward()
+    # the log-prob pass and the logits-gradient pass of every stage, and the backward's bf16 conversions
+    assert len(entered) >= 2 * -(-int(p["mask"].sum()) // 4) + 2
+    assert set(entered) == {hidden.device}
+
+
+def test_module_takes_num_items_in_batch_per_call():
+    """The normaliser changes with every batch: FusedLinearGRPOLoss refuses it at construction (it failed at every
+    forward with "multiple values for keyword argument") and takes it in forward."""
+    with pytest.raises(ValueError, match=r"num_items_in_batch is a per-batch value: pass it to forward\(\).*got "
+                                         r"num_items_in_batch=5"):
+        gfpo_kernels.FusedLinearGRPOLoss(num_items_in_batch=5)
+    p = _problem(61)
+    loss_fn = gfpo_kernels.FusedLinearGRPOLoss(loss_type="dapo")
+    got, _ = loss_fn(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"], num_items_in_batch=7)
+    want, _ = ref.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"],
+                                         num_items_in_batch=7)
+    torch.testing.assert_close(got.double().cpu(), want.double().cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("normaliser", [torch.tensor([20.0]), torch.tensor([[20]]), "x", torch.ones(2), True])
+def test_normaliser_forms(normaliser):
+    """A one-element tensor of any shape gives a scalar loss; anything else is refused naming the argument."""
+    p = _problem(67)
+    call = lambda: gfpo_kernels.fused_linear_grpo_loss(  # noqa: E731
+        p["hidden"], p["weight"], p["target"], p["mask"], p["adv"], num_items_in_batch=normaliser)
+    if isinstance(normaliser, torch.Tensor) and normaliser.numel() == 1:
+        loss, _ = call()
+        assert loss.shape == ()
+    else:
+        with pytest.raises(ValueError, match=r"num_items_in_batch must be None, a number or a one-element tensor"):
+            call()
 
 
 def test_masked_positions_may_hold_any_id(backend):

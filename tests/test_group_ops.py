@@ -3,6 +3,8 @@
 Masks must be identical; advantages agree to fp32 accuracy (the kernels accumulate in fp64 as the reference does,
 and return fp32). On CPU the Triton kernel runs under the interpreter, so shapes stay small."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -234,6 +236,26 @@ def test_adaptive_k_as_a_strided_view(backend):
     rewards = torch.randn(4 * G, generator=g).to(DEVICE)
     _check_all(rewards, scores, G, k)
     _k_count(gfpo_kernels.group_topk_mask(scores, G, k), G, k)
+
+
+def test_triton_launch_makes_the_tensors_device_current(backend, monkeypatch):
+    """The Triton group kernel is launched inside _dispatch.on_device(the scores' device): Triton launches on the
+    current CUDA device whatever device the pointers are on."""
+    if backend != "triton":
+        pytest.skip("Triton only")
+    from gfpo_kernels import group_ops_triton
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(group_ops_triton, "on_device", recording)
+    scores = torch.randn(32).to(DEVICE)
+    gfpo_kernels.gfpo_filter_advantages(torch.randn(32).to(DEVICE), scores, 8, 2)
+    assert entered == [scores.device]
 
 
 def test_empty_batch(backend):

@@ -87,6 +87,16 @@ def test_trained_rows_keep_two_columns_when_every_completion_is_one_token(monkey
     rows.take_trained_rows(trainer, output, keep, torch.where(keep, 1.0, 0.0), skip_zero=False)
     assert output["completion_ids"].shape == output["completion_mask"].shape == (6, 2)
     assert output["completion_mask"][:, 1].sum() == 0 and output["completion_mask"][:, 0].tolist() == [1] * 6
+    # generated one token wide (max_completion_length=1, or the early-stop rule ending every group at its first
+    # token): a padding column (pad id, mask 0) is added, so the batch is the same as with the rule off
+    narrow_mask, narrow_ids = completion_mask[:, :1], ids[:, :1]
+    global_rows.update(completion_mask=narrow_mask, completion_ids=narrow_ids)
+    trainer.accelerator = _FakeAccelerator(1, 0, {"mask": narrow_mask, "tokens": narrow_mask.sum(1), "ids": narrow_ids})
+    trainer._tokenizer.pad_token_id = 99
+    output = {"completion_mask": narrow_mask, "completion_ids": narrow_ids}
+    rows.take_trained_rows(trainer, output, keep, torch.where(keep, 1.0, 0.0), skip_zero=False)
+    assert output["completion_ids"].shape == output["completion_mask"].shape == (6, 2)
+    assert output["completion_ids"][:, 1].tolist() == [99] * 6 and output["completion_mask"][:, 1].sum() == 0
 
 
 def _constant_for_some_prompts(prompts, completions, **kwargs):

@@ -210,6 +210,23 @@ def test_kernels_on_and_off_agree(model_dir, tokenizer, tmp_path):
         torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+def test_kernels_on_and_off_agree_when_the_normaliser_is_below_one(model_dir, tokenizer, tmp_path, loss_type):
+    """TRL divides dapo/cispo by max(num_items_in_batch, 1) / processes * accumulation / steps_per_generation, which
+    can be below 1 (here 1 token over steps_per_generation=2: 0.5). The fused path clamps the count only, not the
+    scaled normaliser a second time (it gave half of TRL's loss)."""
+    losses = []
+    for use_kernels in (False, True):
+        trainer = make_trainer(model_dir, tokenizer, tmp_path, use_gfpo_kernels=use_kernels, loss_type=loss_type,
+                               per_device_train_batch_size=4, steps_per_generation=2, num_remains_in_group=4)
+        output, _ = scored_batch(trainer, seed=5)
+        output["num_items_in_batch"] = torch.tensor(1.0)
+        with torch.no_grad():
+            losses.append(trainer.compute_loss(trainer.model, output))
+    assert losses[0].abs() > 0
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-7)
+
+
 def test_deferred_logprob_passes_see_only_kept_rows(model_dir, tokenizer, tmp_path):
     """beta > 0 (reference model) and steps_per_generation=2 with gradient_accumulation_steps=1 (old policy):
     both no-grad passes run on the k/G kept rows, and give what TRL's own pass gives on those rows."""

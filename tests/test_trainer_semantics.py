@@ -188,7 +188,7 @@ def test_adaptive_digest_ignores_the_global_random_state():
     still hold the same digest and choose the same k (two processes chose different k at 5 of 66 steps, then
     crashed in a collective), and the caller's random stream is left as it was."""
     g = torch.Generator().manual_seed(1)
-    batches = [torch.rand(32, generator=g).mul(4).round().div(4) for _ in range(30)]  # ties: many equal distances
+    batches = [torch.rand(64, generator=g) for _ in range(200)]  # enough for the digest's merges to draw
     processes = [AdaptiveDifficulty([6, 4, 3, 2]) for _ in range(2)]
     for rank, adaptive in enumerate(processes):
         random.seed(1000 + rank)  # a per-process seed
@@ -201,6 +201,30 @@ def test_adaptive_digest_ignores_the_global_random_state():
     assert a.digest.centroids_to_list() == b.digest.centroids_to_list()
     for means in batches[:5]:
         assert torch.equal(a.update_and_assign(means)[1], b.update_and_assign(means)[1])
+
+
+def test_gfpo_state_is_written_where_the_trainer_saves(tmp_path):
+    """gfpo_state.json goes into the checkpoint folder of the trial's output dir, on the processes that save
+    (args.should_save: every node's main process with save_on_each_node), not on the others."""
+    import types
+
+    from gfpo_trainer.state import STATE_FILE, save_gfpo_state
+
+    adaptive = AdaptiveDifficulty([6, 4, 3, 2])
+    adaptive.update_and_assign(torch.rand(8))
+    for should_save in (True, False):
+        trainer = types.SimpleNamespace(
+            args=types.SimpleNamespace(should_save=should_save, output_dir=str(tmp_path / "out")),
+            state=types.SimpleNamespace(global_step=7), adaptive_difficulty=adaptive,
+            _get_output_dir=lambda trial: str(tmp_path / f"run-{trial}"),
+        )
+        save_gfpo_state(trainer, trial="t1")
+        path = tmp_path / "run-t1" / "checkpoint-7" / STATE_FILE
+        assert path.is_file() == should_save
+        if should_save:
+            assert json.loads(path.read_text()) == json.loads(json.dumps({"adaptive_difficulty": adaptive.state_dict()}))
+            path.unlink()
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_restores_the_adaptive_digest(model_dir, tokenizer, tmp_path):  # noqa: F811
