@@ -33,6 +33,15 @@ def _positive(value, name: str, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a float > 0, got {name}={value!r}")
 
 
+def check_loss_kind(loss_type, importance_sampling_level, loss_types: tuple[str, ...] = LOSS_TYPES) -> None:
+    """ValueError naming the value unless loss_type is one of `loss_types` and the level one of TRL's."""
+    if loss_type not in loss_types:
+        raise ValueError(f"loss_type must be one of {loss_types}, got loss_type={loss_type!r}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
+                         f"importance_sampling_level={importance_sampling_level!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GRPOLossOptions:
     """The scalar options of the GRPO loss (the names of TRL's GRPOConfig fields)."""
@@ -53,13 +62,7 @@ class GRPOLossOptions:
     logit_softcap: float | None = None
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got loss_type={self.loss_type!r}")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                f"got importance_sampling_level={self.importance_sampling_level!r}"
-            )
+        check_loss_kind(self.loss_type, self.importance_sampling_level)
         if isinstance(self.beta, bool) or not isinstance(self.beta, numbers.Real) or self.beta != self.beta:
             raise ValueError(f"beta must be a float, got beta={self.beta!r}")
         if isinstance(self.epsilon_low, bool) or not isinstance(self.epsilon_low, numbers.Real) or not self.epsilon_low >= 0:

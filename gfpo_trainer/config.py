@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from gfpo_kernels.grpo_loss_math import IMPORTANCE_SAMPLING_LEVELS
 from gfpo_kernels.grpo_loss_math import LOSS_TYPES as FUSED_LOSS_TYPES
+from gfpo_kernels.grpo_loss_math import check_loss_kind
 
 GROUP_FILTERS = ("length", "token_efficiency")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -101,13 +101,7 @@ class GFPOConfig(GRPOConfig):
             mapped = s
         if not (isinstance(mapped, str) and mapped in SCALE_REWARDS):
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, True or False, got scale_rewards={s!r}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got loss_type={self.loss_type!r}")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
-                f"importance_sampling_level={self.importance_sampling_level!r}"
-            )
+        check_loss_kind(self.loss_type, self.importance_sampling_level, LOSS_TYPES)
         if self.bf16 is None and not self.fp16:
             # TRL turns bf16 on by default, which fails on a machine without bf16 hardware (CPU only, older GPUs):
             # left unset, bf16 is on only where the device supports it, so one config runs everywhere

@@ -44,3 +44,19 @@ def launch_cpu_workers(script: str, nproc: int, *args: str, timeout: int = 300, 
                "--master_addr=127.0.0.1", str(here / script), *map(str, args)]
     done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def record_on_device(monkeypatch, module) -> list:
+    """Replaces `module.on_device` (gfpo_kernels._dispatch.on_device, imported by a Triton wrapper module) by a
+    context that records the device it is entered with; returns the list it fills."""
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(torch.device(device))
+        yield
+
+    monkeypatch.setattr(module, "on_device", recording)
+    return entered

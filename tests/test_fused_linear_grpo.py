@@ -13,7 +13,7 @@ from gfpo_kernels import fused_linear_grpo as flg
 from gfpo_kernels import reference as ref
 from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 
-from gfpo_test_utils import DEVICE, LOSS_BACKENDS
+from gfpo_test_utils import DEVICE, LOSS_BACKENDS, record_on_device
 
 B, T, H, V = 3, 6, 16, 40
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
@@ -791,14 +791,7 @@ def test_triton_launches_make_the_tensors_device_current(monkeypatch):
         pytest.skip("Triton not available")
     from gfpo_kernels import linear_grpo_triton
 
-    entered = []
-
-    @contextlib.contextmanager
-    def recording(device):
-        entered.append(torch.device(device))
-        yield
-
-    monkeypatch.setattr(linear_grpo_triton, "on_device", recording)
+    entered = record_on_device(monkeypatch, linear_grpo_triton)
     force_plan(monkeypatch, 4, 8)
     p = _problem(71, dtype=torch.bfloat16)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()

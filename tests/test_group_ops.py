@@ -3,8 +3,6 @@
 Masks must be identical; advantages agree to fp32 accuracy (the kernels accumulate in fp64 as the reference does,
 and return fp32). On CPU the Triton kernel runs under the interpreter, so shapes stay small."""
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +11,7 @@ from hypothesis import strategies as st
 import gfpo_kernels
 from gfpo_kernels import reference as ref
 
-from gfpo_test_utils import DEVICE
+from gfpo_test_utils import DEVICE, record_on_device
 
 NAN = float("nan")
 INF = float("inf")
@@ -245,14 +243,7 @@ def test_triton_launch_makes_the_tensors_device_current(backend, monkeypatch):
         pytest.skip("Triton only")
     from gfpo_kernels import group_ops_triton
 
-    entered = []
-
-    @contextlib.contextmanager
-    def recording(device):
-        entered.append(torch.device(device))
-        yield
-
-    monkeypatch.setattr(group_ops_triton, "on_device", recording)
+    entered = record_on_device(monkeypatch, group_ops_triton)
     scores = torch.randn(32).to(DEVICE)
     gfpo_kernels.gfpo_filter_advantages(torch.randn(32).to(DEVICE), scores, 8, 2)
     assert entered == [scores.device]
