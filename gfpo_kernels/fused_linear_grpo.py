@@ -439,7 +439,7 @@ def fused_linear_grpo_loss(
         into the loss, as in TRL.
 
     Raises:
-        TypeError: a tensor argument that is not a torch.Tensor.
+        TypeError: hidden, weight, target_ids, mask or advantages not a torch.Tensor.
         ValueError: unknown loss_type or importance_sampling_level, beta != 0 without ref_logps, mismatched
             shapes (H of hidden vs weight among them), a tensor not on hidden's device, target ids outside [0, V)
             where mask is set, a num_items_in_batch that is not a number, bad options.
