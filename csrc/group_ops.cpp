@@ -14,7 +14,6 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
-#include <vector>
 #include <type_traits>
 #include <vector>
 

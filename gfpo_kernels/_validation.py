@@ -158,18 +158,28 @@ def check_linear_grpo_inputs(
     return num_scored
 
 
+def check_num_items_in_batch(n) -> None:
+    """The dapo/cispo normaliser: None, a real number, or a one-element real tensor."""
+    if n is None:
+        return
+    if isinstance(n, torch.Tensor):
+        if n.numel() == 1 and n.dtype != torch.bool and not n.is_complex():
+            return
+        shown = f"a tensor of shape {tuple(n.shape)} and dtype {n.dtype}"
+    elif isinstance(n, numbers.Real) and not isinstance(n, bool):
+        return
+    else:
+        shown = repr(n)
+    raise ValueError(f"num_items_in_batch must be None, a number or a one-element tensor, got {shown}")
+
+
 def linear_grpo_call_options(arguments: dict) -> tuple[GRPOLossOptions, int]:
     """Checks a fused_linear_grpo_loss call (reference or kernel) from its arguments (the function's locals())
     and returns its loss options and the number of scored tokens."""
     names = {field.name for field in dataclasses.fields(GRPOLossOptions)}
     options = GRPOLossOptions(**{name: value for name, value in arguments.items() if name in names})
     a = arguments
-    n = a["num_items_in_batch"]
-    single = n.numel() == 1 and not (n.dtype == torch.bool or n.is_complex()) if isinstance(n, torch.Tensor) else (
-        isinstance(n, numbers.Real) and not isinstance(n, bool))
-    if n is not None and not single:
-        shown = f"a tensor of shape {tuple(n.shape)} and dtype {n.dtype}" if isinstance(n, torch.Tensor) else repr(n)
-        raise ValueError(f"num_items_in_batch must be None, a number or a one-element tensor, got {shown}")
+    check_num_items_in_batch(a["num_items_in_batch"])
     num_scored = check_linear_grpo_inputs(
         a["hidden"], a["weight"], a["target_ids"], a["mask"], a["advantages"], bias=a["bias"],
         old_logps=a["old_logps"], ref_logps=a["ref_logps"], vllm_is_ratio=a["vllm_is_ratio"], beta=options.beta,

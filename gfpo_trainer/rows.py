@@ -144,9 +144,8 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
         width = -(-width // trainer.pad_to_multiple_of) * trainer.pad_to_multiple_of
     width = min(max(T, 2), width)
     for key in row_keys:
-        pad_value, pad_left = ROW_KEYS[key]
+        pad_value, pad_left = row_padding(trainer, key)
         if not pad_left and output[key].dim() > 1 and output[key].size(1) == T:
-            pad_value = trainer._tokenizer.pad_token_id if pad_value is None else pad_value
             output[key] = pad_to_width(output[key][:, :width], width, pad_value, pad_left=False)
     return n_real
 
@@ -175,6 +174,12 @@ def restore_shuffle_rng(trainer) -> None:
         trainer._gfpo_rng_after_shuffle = None
 
 
+def row_padding(trainer, key: str) -> tuple:
+    """(pad value, pads on the left) of row key `key` (ROW_KEYS; None there is the tokenizer's pad id)."""
+    pad_value, pad_left = ROW_KEYS[key]
+    return (trainer._tokenizer.pad_token_id if pad_value is None else pad_value), pad_left
+
+
 def take_global_rows(trainer, key: str, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """tensor's rows at global indices `rows` (local rows of every process, in process order).
 
@@ -182,9 +187,7 @@ def take_global_rows(trainer, key: str, tensor: torch.Tensor, rows: torch.Tensor
     tensors of different widths are padded to the widest process's width first (on the left for prompts)."""
     if trainer.accelerator.num_processes == 1:
         return tensor[rows]
-    pad_value, pad_left = ROW_KEYS[key]
-    if pad_value is None:
-        pad_value = trainer._tokenizer.pad_token_id
+    pad_value, pad_left = row_padding(trainer, key)
     plan = getattr(trainer, "_gfpo_row_exchange_plan", None)
     if plan is None or plan.rows is not rows:  # `rows` is the same object for every key of one batch
         plan = RowExchangePlan(rows, tensor.size(0))
