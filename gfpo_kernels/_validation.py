@@ -136,8 +136,9 @@ def check_linear_grpo_inputs(
     for x, name in ((old_logps, "old_logps"), (ref_logps, "ref_logps")):
         if x is not None and tuple(x.shape) != (B, T):
             raise ValueError(f"{name} must have shape (B, T) = {(B, T)}, got {tuple(x.shape)}")
-    if vllm_is_ratio is not None and tuple(vllm_is_ratio.shape) not in ((B, T), (B, 1)):
-        raise ValueError(f"vllm_is_ratio must have shape (B, T) or (B, 1), got {tuple(vllm_is_ratio.shape)}")
+    if vllm_is_ratio is not None and tuple(vllm_is_ratio.shape) not in ((B, T), (B, 1), (B,)):
+        raise ValueError(f"vllm_is_ratio must have shape (B, T) = {(B, T)}, (B, 1) or (B,), got "
+                         f"{tuple(vllm_is_ratio.shape)}")
     named = (("weight", weight), ("target_ids", target_ids), ("mask", mask), ("advantages", advantages),
              ("bias", bias), ("old_logps", old_logps), ("ref_logps", ref_logps), ("vllm_is_ratio", vllm_is_ratio))
     for name, x in named:

@@ -38,7 +38,8 @@ GEMMs per chunk (6*N*H*V FLOPs) instead of the four (8*N*H*V) of a forward + rec
 TRL's chunked log-prob kernel or Liger's, and nothing is recomputed. With sequence-level importance sampling
 the loss is not token-local: a first sweep (steps 1-2) computes all log-probabilities, g is taken once over the
 whole batch, and a second sweep does steps 1, 4, 5 (four GEMMs). Without grad mode (eval, no_grad,
-inference_mode) only steps 1-2 run, whatever the parameters' requires_grad.
+inference_mode) only steps 1-2 run, whatever the parameters' requires_grad. vespo given old log-probabilities takes
+the two sweeps too: its per-sequence weight phi is a function of every log-probability of the sequence.
 
 Host syncs: one per call, reading the number of scored tokens with the target-id range (_validation); the
 row gather then uses nonzero_static; a host num_items_in_batch goes to the device once per call. Besides it, only
@@ -317,9 +318,10 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
         if grad_w is not None:
             _addmm_fp32(grad_w, d.t(), h[start:end], accumulate=start > 0)
 
-    # Token-level IS: one sweep computes the statistics and the gradients. Otherwise (sequence level) g needs every
-    # log-probability first: a statistics sweep, then a gradient sweep that projects again.
-    single_sweep = want_grad and options.token_local
+    # Token-level IS: one sweep computes the statistics and the gradients. Otherwise (sequence level; vespo with old
+    # log-probabilities) g needs every log-probability first: a statistics sweep, then a gradient sweep that
+    # projects again.
+    single_sweep = want_grad and options.is_token_local(with_old_logps=loss_inputs["old_logps"] is not None)
     sweeps = [(True, single_sweep)] if single_sweep or not want_grad else [(True, False), (False, True)]
     for stats_sweep, grad_sweep in sweeps:
         g_all = None if stats_sweep else dloss_dlogp(flat_logps[rows], rows)
@@ -407,6 +409,10 @@ def fused_linear_grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     logit_softcap: float | None = None,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's GRPO loss (GRPOTrainer._compute_loss of TRL 1.16, one process, no gradient accumulation) of the
     LM head `hidden @ weight.T (+ bias)`, without materialising the (B*T, V) logits.
@@ -420,12 +426,14 @@ def fused_linear_grpo_loss(
         old_logps, ref_logps: (B, T) log-probabilities of the old policy (None: this policy, detached) and of the
             reference model (needed when beta != 0).
         beta, epsilon_low, epsilon_high (None: epsilon_low), delta, temperature, loss_type ("grpo", "bnpo",
-            "dr_grpo", "dapo", "cispo", "sapo", "luspo"), importance_sampling_level ("token", "sequence"),
-            max_completion_length (dr_grpo; None: T), use_bias_correction_kl, sapo_temperature_pos/neg: as in
-            TRL's GRPOConfig.
-        num_items_in_batch: the dapo/cispo normaliser: a number or a one-element tensor (None: mask.sum());
+            "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"), importance_sampling_level ("token",
+            "sequence"), max_completion_length (dr_grpo; None: T), use_bias_correction_kl,
+            sapo_temperature_pos/neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: as in TRL's
+            GRPOConfig.
+        num_items_in_batch: the dapo/cispo/vespo normaliser: a number or a one-element tensor (None: mask.sum());
             clamped to at least 1, as TRL does.
-        vllm_is_ratio: (B, T) or (B, 1) importance-sampling correction of vLLM generation.
+        vllm_is_ratio: (B, T), or one ratio a sequence, (B, 1) or (B,): importance-sampling correction of vLLM
+            generation (it multiplies the per-token loss; vespo takes it into its weight phi instead, as TRL does).
         logit_softcap: the model's final logit soft cap (Gemma 2's final_logit_softcapping): the logits become
             cap * tanh(logits / cap) before the temperature, as the model's forward and TRL's fused head do.
             None: no cap.
@@ -435,8 +443,11 @@ def fused_linear_grpo_loss(
         per-token "logps" and "entropy" (B, T) (0 where mask is 0), and as scalar means over the scored tokens
         "kl" when beta != 0 and the loss type's clip ratios ("clip_ratio/low_mean", "clip_ratio/high_mean",
         "clip_ratio/region_mean"; "cispo_clip_ratio"), each also per token as "per_token/<name>" ((B, T), or
-        (B, 1) at sequence level) for averaging over processes. NaN advantages or log-probabilities propagate
-        into the loss, as in TRL.
+        (B, 1) at sequence level) for averaging over processes; vespo: the mean of its per-sequence weight,
+        "vespo/phi_seq_mean" (per sequence, (B, 1), as "per_token/vespo/phi_seq_mean"). NaN advantages or
+        log-probabilities at scored positions propagate into the loss, as in TRL; masked positions (mask 0: padding,
+        tool output) take no part in any ratio, exp, clip or KL, whatever old_logps, ref_logps or vllm_is_ratio
+        hold there (-1e4, inf, NaN), so the loss is finite and equals TRL's.
 
     Raises:
         TypeError: hidden, weight, target_ids, mask or advantages not a torch.Tensor.

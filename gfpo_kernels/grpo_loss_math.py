@@ -5,19 +5,32 @@ It is the one place this formula lives: the reference computes log-probabilities
 it; the fused kernel computes them tile by tile and calls it too, and takes d(loss)/d(logp) from it by
 autograd, so neither re-derives the gradient by hand. tests/test_grpo_loss_math.py checks it against TRL's
 own `_compute_loss`.
+
+Masked positions (mask == 0: padding, tool output) take no part in any exp, ratio, clip or KL: the log-ratio, the
+KL's ref - logp and the vLLM ratio are replaced there by their neutral values (0, 0, 1) before any exp, whatever
+old_logps, ref_logps or vllm_is_ratio hold (-1e4, +-inf, NaN). TRL computes real log-probabilities there and
+multiplies the per-token loss by the mask afterwards, which gives the same loss wherever TRL's is finite; callers
+that leave 0 there (the fused loss scores masked positions not at all) would otherwise get exp(0 - old) = inf and
+inf x 0 = NaN.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # Loss types whose per-token loss clips the ratio to [1 - epsilon_low, 1 + epsilon_high]
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Loss types normalised by the token count num_items_in_batch (TRL: that of the whole generation batch)
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
+# vespo's log-space clamps (TRL's get_gamma_weights): log(1e-8) below, 20 above
+_VESPO_LOG_MIN = math.log(1e-8)
+_VESPO_LOG_MAX = 20.0
 
 
 def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -31,6 +44,11 @@ def _positive(value, name: str, *, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or value != value:
         raise ValueError(f"{name} must be a float > 0, got {name}={value!r}")
+
+
+def _finite(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite float, got {name}={value!r}")
 
 
 def check_loss_kind(loss_type, importance_sampling_level, loss_types: tuple[str, ...] = LOSS_TYPES) -> None:
@@ -57,6 +75,11 @@ class GRPOLossOptions:
     use_bias_correction_kl: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    # vespo's gamma weight phi(w) = exp(lambda) w^k exp(-lambda w) of the sequence ratio w, by advantage sign
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     # not a GRPOConfig field: the model's final logit soft cap (Gemma 2's final_logit_softcapping), applied to the
     # logits before the temperature by the log-probability code (fused loss and reference); None: none
     logit_softcap: float | None = None
@@ -78,6 +101,8 @@ class GRPOLossOptions:
         _positive(self.sapo_temperature_pos, "sapo_temperature_pos")
         _positive(self.sapo_temperature_neg, "sapo_temperature_neg")
         _positive(self.logit_softcap, "logit_softcap", allow_none=True)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _finite(getattr(self, name), name)
         cap = self.logit_softcap
         if cap is not None and cap == float("inf"):
             raise ValueError(f"logit_softcap must be a finite float > 0 or None, got logit_softcap={cap!r}")
@@ -92,11 +117,15 @@ class GRPOLossOptions:
     def eps_high(self) -> float:
         return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
 
-    @property
-    def token_local(self) -> bool:
-        """True when d(loss)/d(logp[t]) depends on no other token's log-probability, so it can be computed
-        for a subset of the tokens at a time (token-level importance sampling)."""
-        return self.importance_sampling_level == "token"
+    def is_token_local(self, *, with_old_logps: bool) -> bool:
+        """True when d(loss)/d(logp[t]) depends on no other token's log-probability, so it can be computed for a
+        subset of the tokens at a time: token-level importance sampling, except vespo given old log-probabilities
+        (`with_old_logps`), whose weight phi of a sequence (detached) is a function of the sum of its log-ratios,
+        so of every log-probability of the sequence. Without them the log-ratios are logp - logp.detach() = 0 and
+        phi depends on the advantage and the vLLM ratio only."""
+        if self.importance_sampling_level != "token":
+            return False
+        return not (self.loss_type == "vespo" and with_old_logps)
 
 
 def _global_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -104,6 +133,28 @@ def _global_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if x.shape[1] == 1:
         return x.sum() / max(x.shape[0], 1)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@torch.no_grad()
+def vespo_gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor | None,
+                        options: GRPOLossOptions) -> torch.Tensor:
+    """vespo's detached weight phi(w) = exp(lambda + k log w - lambda w) (phi(1) = 1) of the sequence ratio w, the
+    product of the token ratios pi/pi_old and of the vLLM ratios, in log space with TRL's clamps; (k, lambda) by
+    the advantage's sign; non-finite phi becomes 0. TRL's `get_gamma_weights` (TRL 1.16). The caller gives
+    `log_ratio` 0 and `is_ratio` 1 at masked positions: TRL sums log(ratio) over every position, and its ratio
+    there is exp(0) = 1 clipped to [C_min, C_max] (so 1, unless C_min > 1 or C_max < 1, where TRL lets masked
+    positions weigh in phi and this function does not). A ratio per sequence ((B, 1)) enters once, as in TRL."""
+    o = options
+    seq_log_ratio = (torch.clamp(log_ratio, -_VESPO_LOG_MAX, _VESPO_LOG_MAX) * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        log_is_ratio = torch.clamp(torch.log(is_ratio), _VESPO_LOG_MIN, _VESPO_LOG_MAX)
+        seq_log_ratio = seq_log_ratio + log_is_ratio.sum(-1, keepdim=True)
+    log_w = torch.clamp(seq_log_ratio, _VESPO_LOG_MIN, _VESPO_LOG_MAX)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, o.vespo_k_pos, o.vespo_k_neg)
+    lam = torch.where(nonneg, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def grpo_loss_from_logps(
@@ -118,19 +169,23 @@ def grpo_loss_from_logps(
     num_items_in_batch: torch.Tensor | float | None = None,
     with_stats: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO loss of per-token log-probabilities `logps` (B, T), differentiable in `logps`.
+    """The GRPO loss of per-token log-probabilities `logps` (B, T), differentiable in `logps`. vllm_is_ratio: (B, T),
+    or one ratio a sequence, (B, 1) or (B,).
 
     Returns (loss, stats); stats holds detached "kl" (beta != 0), and the clip ratios of the loss type
-    ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", or "cispo_clip_ratio").
+    ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", or "cispo_clip_ratio") or vespo's
+    mean weight "vespo/phi_seq_mean".
     """
     o = options
+    live = mask != 0
     mask = mask.to(logps.dtype)
     adv = advantages.to(logps.dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(1)
     old = logps.detach() if old_logps is None else old_logps.to(logps.dtype)
 
-    log_ratio = logps - old
+    # masked positions: log-ratio 0 (ratio 1), before any exp (see the module docstring)
+    log_ratio = torch.where(live, logps - old, 0.0)
     if o.importance_sampling_level == "token":
         log_importance_weights = log_ratio
     else:
@@ -138,10 +193,18 @@ def grpo_loss_from_logps(
     coef_1 = torch.exp(log_importance_weights)
 
     if o.beta != 0.0:
-        ref = ref_logps.to(logps.dtype)
-        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        ref_minus_logps = torch.where(live, ref_logps.to(logps.dtype) - logps, 0.0)
+        per_token_kl = torch.exp(ref_minus_logps) - ref_minus_logps - 1
         if o.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
+
+    is_ratio = None
+    if vllm_is_ratio is not None:
+        is_ratio = vllm_is_ratio.to(logps.dtype)
+        if is_ratio.dim() == 1:  # (B,): one ratio a sequence, as (B, 1)
+            is_ratio = is_ratio.unsqueeze(1)
+        # 1 at masked positions, and for a sequence without a scored token (what TRL computes there)
+        is_ratio = torch.where(live if is_ratio.shape[1] != 1 else live.any(-1, keepdim=True), is_ratio, 1.0)
 
     if o.loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=o.eps_high).detach()
@@ -151,12 +214,15 @@ def grpo_loss_from_logps(
         if o.delta is not None:
             coef_1 = torch.clamp(coef_1, max=o.delta)
         per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    else:  # sapo
+    elif o.loss_type == "sapo":
         temperatures = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
         per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * adv
+    else:  # vespo: the vLLM ratio enters phi, not the per-token loss
+        phi_seq = vespo_gamma_weights(adv, log_ratio, mask, is_ratio, o)
+        per_token_loss = -phi_seq * adv * logps
 
-    if vllm_is_ratio is not None:
-        per_token_loss = per_token_loss * vllm_is_ratio.to(logps.dtype)
+    if is_ratio is not None and o.loss_type != "vespo":
+        per_token_loss = per_token_loss * is_ratio
     if o.beta != 0.0:
         per_token_loss = per_token_loss + o.beta * per_token_kl
 
@@ -167,7 +233,7 @@ def grpo_loss_from_logps(
     elif o.loss_type == "dr_grpo":
         max_len = o.max_completion_length if o.max_completion_length is not None else mask.shape[1]
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len)
-    elif o.loss_type in ("cispo", "dapo"):
+    elif o.loss_type in TOKEN_COUNT_LOSS_TYPES:
         n = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=logps.dtype)
         loss = (per_token_loss * mask).sum() / n.to(device=logps.device, dtype=logps.dtype).clamp(min=1.0)
     else:  # luspo
@@ -189,6 +255,8 @@ def grpo_loss_from_logps(
                 per_token["clip_ratio/region_mean"] = torch.maximum(low, high)
             elif o.loss_type == "cispo":
                 per_token["cispo_clip_ratio"] = ((coef_1 > o.eps_high) & (adv > 0)).to(logps.dtype)
+            elif o.loss_type == "vespo":
+                per_token["vespo/phi_seq_mean"] = phi_seq
             for name, value in per_token.items():
                 stats[name] = _global_masked_mean(value, mask)
                 stats["per_token/" + name] = value.detach()

@@ -132,6 +132,10 @@ def fused_linear_grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     logit_softcap: float | None = None,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reference of :func:`gfpo_kernels.fused_linear_grpo_loss`: the full (B, T, V) logits in float64, then
     TRL's loss (gfpo_kernels.grpo_loss_math). Gradients flow to hidden, weight and bias by autograd."""

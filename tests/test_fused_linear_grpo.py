@@ -16,7 +16,7 @@ from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 from gfpo_test_utils import DEVICE, LOSS_BACKENDS, record_on_device
 
 B, T, H, V = 3, 6, 16, 40
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
 
 def force_plan(monkeypatch, stage_rows, chunk_rows):
@@ -102,6 +102,9 @@ CONFIGS += [
     dict(loss_type="sapo", sapo_temperature_pos=0.7, sapo_temperature_neg=1.3, beta=0.02, uses_ref=True),
     dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.05, uses_ref=True, uses_vllm=True),
     dict(loss_type="dapo", num_items_in_batch=25, temperature=1.3, uses_vllm=True),
+    dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=4.0, vespo_lambda_neg=1.5,
+         num_items_in_batch=25, uses_vllm=True),
+    dict(loss_type="vespo", beta=0.04, use_bias_correction_kl=True, uses_ref=True, temperature=0.8),
 ]
 
 
@@ -120,6 +123,49 @@ def test_matches_reference(backend, config, with_old):
     loss, stats, _ = _compare(p, **options)
     assert torch.isfinite(loss)
     assert torch.all(stats["logps"][p["mask"] == 0] == 0) and torch.all(stats["entropy"][p["mask"] == 0] == 0)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_masked_positions_take_no_part(backend, loss_type, level):
+    """Issue 29: old_logps, ref_logps and the vLLM ratio may hold anything at masked positions (-1e4: the reviewer's
+    NaN loss, exp(0 - (-1e4)) = inf times mask 0; +-inf, NaN): the loss, statistics and gradients are finite and
+    those of the reference on ordinary values there (tests/test_grpo_loss_math.py: TRL's on the same)."""
+    p = _problem(83)
+    masked = p["mask"] == 0
+    bad = torch.tensor([-1e4, float("inf"), float("-inf"), float("nan")], device=DEVICE).repeat(B * T)[: B * T]
+    bad = bad.view(B, T)
+    clean = dict(old_logps=p["old"], ref_logps=p["ref"], vllm_is_ratio=torch.where(masked, 1.0, p["is_ratio"]))
+    dirty = {name: torch.where(masked, bad, value) for name, value in clean.items()}
+    options = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04, use_bias_correction_kl=True)
+    loss, stats, grads = _run(gfpo_kernels.fused_linear_grpo_loss, p, **options, **dirty)
+    want_loss, want_stats, want_grads = _run(ref.fused_linear_grpo_loss, p, **options, **clean)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    for name in want_stats:
+        if name.startswith("per_token/") and want_stats[name].shape[1] != 1:
+            assert torch.all(stats[name][masked] == want_stats[name][masked].nan_to_num()), name
+        torch.testing.assert_close(stats[name], want_stats[name], rtol=1e-5, atol=1e-5, msg=name)
+    for got, want in zip(grads, want_grads):
+        scale = want.abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(got / scale, want / scale, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "vespo"])
+def test_vllm_ratio_per_sequence_as_b_or_b1(backend, loss_type):
+    """A per-sequence vLLM ratio given as (B,) is the same as (B, 1), in both implementations (Liger takes (B,);
+    it was a ValueError)."""
+    p = _problem(89)
+    ratio = p["is_ratio"][:, 0]
+    options = dict(loss_type=loss_type, old_logps=p["old"])
+    loss, _, grads = _run(gfpo_kernels.fused_linear_grpo_loss, p, vllm_is_ratio=ratio, **options)
+    want, _, want_grads = _run(ref.fused_linear_grpo_loss, p, vllm_is_ratio=ratio.unsqueeze(1), **options)
+    ref_b, _, _ = _run(ref.fused_linear_grpo_loss, p, vllm_is_ratio=ratio, **options)
+    without, _, _ = _run(ref.fused_linear_grpo_loss, p, **options)
+    assert ref_b.item() == want.item() and abs(want.item() - without.item()) > 1e-3
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("vocab", [1, 37, 1100])
@@ -244,21 +290,24 @@ GEMMS = ("mm", "addmm", "addmm_")
 
 
 @pytest.mark.parametrize(
-    "mode, level, gemms_per_chunk",
-    [("grad", "token", 3), ("grad", "sequence", 4), ("no_grad", "token", 1), ("no_grad", "sequence", 1),
-     ("inference_mode", "token", 1)],
+    "mode, level, gemms_per_chunk, loss_type, with_old",
+    [("grad", "token", 3, "dapo", True), ("grad", "sequence", 4, "dapo", True), ("no_grad", "token", 1, "dapo", True),
+     ("no_grad", "sequence", 1, "dapo", True), ("inference_mode", "token", 1, "dapo", True),
+     ("grad", "token", 4, "vespo", True), ("grad", "token", 3, "vespo", False)],
 )
-def test_gemm_count_per_chunk(backend, monkeypatch, mode, level, gemms_per_chunk):
-    """Token-level IS: each token projected once and two gradient GEMMs per chunk (6*N*H*V FLOPs); sequence level:
-    a second sweep that projects again (8*N*H*V); without grad mode (parameters requiring grad): the projection
-    only. The gradient accumulators are never zero-filled (the first chunk's GEMMs write them)."""
+def test_gemm_count_per_chunk(backend, monkeypatch, mode, level, gemms_per_chunk, loss_type, with_old):
+    """Token-level IS: each token projected once and two gradient GEMMs per chunk (6*N*H*V FLOPs); sequence level,
+    and vespo given old log-probabilities (its weight phi sums the sequence's log-ratios): a second sweep that
+    projects again (8*N*H*V); without grad mode (parameters requiring grad): the projection only. The gradient
+    accumulators are never zero-filled (the first chunk's GEMMs write them)."""
     force_plan(monkeypatch, 2, 3)
     p = _problem(31)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
     context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
     with context(), _OpLog() as log:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
-                                                      old_logps=p["old"], importance_sampling_level=level)
+                                                      old_logps=p["old"] if with_old else None, loss_type=loss_type,
+                                                      importance_sampling_level=level)
         if mode == "grad":
             loss.backward()
     n = int(p["mask"].sum())
@@ -652,6 +701,19 @@ def test_module_matches_function(backend):
                                          ref_logps=p["ref"], beta=0.04, loss_type="grpo", temperature=0.9)
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
     assert "kl" in stats
+    vespo = dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=1.5, vespo_k_neg=2.0, vespo_lambda_neg=0.5)
+    module = gfpo_kernels.FusedLinearGRPOLoss(**vespo)
+    loss, stats = module(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"], old_logps=p["old"],
+                         vllm_is_ratio=p["is_ratio"], num_items_in_batch=30)
+    want, want_stats = ref.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"],
+                                                  old_logps=p["old"], vllm_is_ratio=p["is_ratio"],
+                                                  num_items_in_batch=30, **vespo)
+    default, _ = ref.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"],
+                                            old_logps=p["old"], vllm_is_ratio=p["is_ratio"], num_items_in_batch=30,
+                                            loss_type="vespo")
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    assert abs(want.item() - default.item()) > 1e-4  # the options reach the loss
+    torch.testing.assert_close(stats["vespo/phi_seq_mean"], want_stats["vespo/phi_seq_mean"])
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -730,6 +792,11 @@ def test_no_buffer_spans_every_token_at_the_default_budget(backend, monkeypatch)
         (dict(adv=torch.zeros(B + 1)), r"advantages must have shape \(B,\) = \(3,\) or \(B, T\)"),
         (dict(bias=torch.zeros(V - 1)), r"bias must have shape \(V,\) = \(40,\)"),
         (dict(old_logps=torch.zeros(B, T + 2)), r"old_logps must have shape \(B, T\)"),
+        (dict(vllm_is_ratio=torch.ones(B, T + 1)),
+         r"vllm_is_ratio must have shape \(B, T\) = \(3, 6\), \(B, 1\) or \(B,\), got \(3, 7\)"),
+        (dict(vllm_is_ratio=torch.ones(B + 1)), r"vllm_is_ratio must have shape .* got \(4,\)"),
+        (dict(loss_type="vespo", vespo_k_pos=float("nan")), r"vespo_k_pos must be a finite float, got vespo_k_pos=nan"),
+        (dict(loss_type="vespo", vespo_lambda_neg="2"), r"vespo_lambda_neg must be a finite float"),
         (dict(logit_softcap=0.0), r"logit_softcap must be a float > 0, got logit_softcap=0.0"),
         (dict(logit_softcap=float("inf")), r"logit_softcap must be a finite float > 0 or None, got logit_softcap=inf"),
     ],
@@ -840,7 +907,7 @@ def test_masked_positions_may_hold_any_id(backend):
     torch.testing.assert_close(loss, want)
 
 
-LIGER_CASES = [(lt, "token") for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")] + [
+LIGER_CASES = [(lt, "token") for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo")] + [
     (lt, "sequence") for lt in ("grpo", "bnpo", "dr_grpo", "dapo")
 ]
 

@@ -55,10 +55,15 @@ def _trl_loss(logps, entropies, inputs, opts: GRPOLossOptions, use_vllm: bool):
             delta=opts.delta,
             sapo_temperature_pos=opts.sapo_temperature_pos,
             sapo_temperature_neg=opts.sapo_temperature_neg,
+            vespo_k_pos=opts.vespo_k_pos,
+            vespo_lambda_pos=opts.vespo_lambda_pos,
+            vespo_k_neg=opts.vespo_k_neg,
+            vespo_lambda_neg=opts.vespo_lambda_neg,
             steps_per_generation=1,
         ),
     )
     stand_in.get_off_policy_mask = grpo_trainer.GRPOTrainer.get_off_policy_mask
+    stand_in.get_gamma_weights = grpo_trainer.GRPOTrainer.get_gamma_weights
     loss = grpo_trainer.GRPOTrainer._compute_loss(stand_in, None, inputs)
     return loss, metrics["train"]
 
@@ -72,7 +77,8 @@ def _case(seed):
     old = logps + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
     ref = logps + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
     adv = torch.randn(B, generator=g, dtype=torch.float64)
-    is_ratio = 0.5 + torch.rand(B, T, generator=g, dtype=torch.float64)
+    # TRL's vLLM ratio is exp((old - sampling) * mask): 1 at masked positions (vespo's phi sums its log everywhere)
+    is_ratio = torch.where(mask != 0, 0.5 + torch.rand(B, T, generator=g, dtype=torch.float64), 1.0)
     return logps, mask, old, ref, adv, is_ratio
 
 
@@ -88,7 +94,52 @@ CONFIGS = [
     dict(loss_type="cispo", epsilon_high=1.2),
     dict(loss_type="sapo", sapo_temperature_pos=0.7, sapo_temperature_neg=1.3, beta=0.02),
     dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.05),
+    dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=4.0, vespo_lambda_neg=-1.0),
+    dict(loss_type="vespo", beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"),
 ]
+
+
+def _assert_matches_trl(opts, mask, adv, num_items, ours: dict, trl: dict):
+    """grpo_loss_from_logps on `ours` (logps, old, ref, is_ratio: None where not given) against TRL's _compute_loss on
+    `trl`: the same loss, gradient and metrics; returns our gradient."""
+    inputs = {
+        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "num_items_in_batch": num_items if num_items is not None else mask.sum(),
+    }
+    for key, name in (("old", "old_per_token_logps"), ("ref", "ref_per_token_logps"),
+                      ("is_ratio", "importance_sampling_ratio")):
+        if trl[key] is not None:
+            inputs[name] = trl[key]
+    use_vllm = trl["is_ratio"] is not None
+    trl_logps = trl["logps"].clone().requires_grad_()
+    trl_loss, trl_metrics = _trl_loss(trl_logps, torch.zeros(B, T, dtype=torch.float64), inputs, opts, use_vllm)
+    (trl_grad,) = torch.autograd.grad(trl_loss, trl_logps)
+
+    our_logps = ours["logps"].clone().requires_grad_()
+    loss, stats = grpo_loss_from_logps(our_logps, mask, adv, opts, old_logps=ours["old"], ref_logps=ours["ref"],
+                                       vllm_is_ratio=ours["is_ratio"], num_items_in_batch=num_items)
+    (grad,) = torch.autograd.grad(loss, our_logps)
+
+    assert torch.isfinite(trl_loss)
+    torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, trl_grad, rtol=1e-12, atol=1e-12)
+    scalars = {name: value for name, value in stats.items() if not name.startswith("per_token/")}
+    for name, value in scalars.items():
+        assert trl_metrics[name] == [pytest.approx(value.item(), rel=1e-9, abs=1e-12)], name
+        assert stats["per_token/" + name].shape[0] == B  # the per-token values the trainer reduces
+    expected_names = {"kl"} if opts.beta != 0.0 else set()
+    if opts.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        expected_names |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    elif opts.loss_type == "cispo":
+        expected_names |= {"cispo_clip_ratio"}
+    elif opts.loss_type == "vespo":
+        expected_names |= {"vespo/phi_seq_mean"}
+    assert set(scalars) == expected_names
+    return grad
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in CONFIGS])
@@ -97,64 +148,77 @@ def test_matches_trl_compute_loss(config, with_old, with_vllm, with_num_items):
     opts = GRPOLossOptions(**config)
     logps, mask, old, ref, adv, is_ratio = _case(sum(map(ord, str(config))))
     num_items = torch.tensor(37.0, dtype=torch.float64) if with_num_items else None
-    inputs = {
-        "prompt_ids": torch.zeros(B, 2, dtype=torch.long),
-        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-        "completion_ids": torch.zeros(B, T, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "num_items_in_batch": num_items if with_num_items else mask.sum(),
-    }
-    if with_old:
-        inputs["old_per_token_logps"] = old
-    if opts.beta != 0.0:
-        inputs["ref_per_token_logps"] = ref
-    if with_vllm:
-        inputs["importance_sampling_ratio"] = is_ratio
+    given = dict(logps=logps, old=old if with_old else None, ref=ref if opts.beta != 0.0 else None,
+                 is_ratio=is_ratio if with_vllm else None)
+    _assert_matches_trl(opts, mask, adv, num_items, given, given)
 
-    trl_logps = logps.clone().requires_grad_()
-    trl_loss, trl_metrics = _trl_loss(trl_logps, torch.zeros(B, T, dtype=torch.float64), inputs, opts, with_vllm)
-    (trl_grad,) = torch.autograd.grad(trl_loss, trl_logps)
 
-    our_logps = logps.clone().requires_grad_()
-    loss, stats = grpo_loss_from_logps(
-        our_logps, mask, adv, opts,
-        old_logps=old if with_old else None,
-        ref_logps=ref if opts.beta != 0.0 else None,
-        vllm_is_ratio=is_ratio if with_vllm else None,
-        num_items_in_batch=num_items,
-    )
-    (grad,) = torch.autograd.grad(loss, our_logps)
+MASKED_CONFIGS = [dict(loss_type=lt, importance_sampling_level=level) for lt in LOSS_TYPES
+                  for level in ("token", "sequence")]
 
-    torch.testing.assert_close(loss, trl_loss, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad, trl_grad, rtol=1e-12, atol=1e-12)
-    assert torch.isfinite(loss)
-    scalars = {name: value for name, value in stats.items() if not name.startswith("per_token/")}
-    for name, value in scalars.items():
-        assert trl_metrics[name] == [pytest.approx(value.item(), rel=1e-9, abs=1e-12)], name
-        assert stats["per_token/" + name].shape[0] == logps.shape[0]  # the per-token values the trainer reduces
-    expected_names = {"kl"} if opts.beta != 0.0 else set()
-    if opts.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        expected_names |= {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
-    elif opts.loss_type == "cispo":
-        expected_names |= {"cispo_clip_ratio"}
-    assert set(scalars) == expected_names
+
+@pytest.mark.parametrize("config", MASKED_CONFIGS, ids=lambda c: f"{c['loss_type']}-{c['importance_sampling_level']}")
+@pytest.mark.parametrize("ratio_shape", ["(B,T)", "(B,1)", "(B,)"])
+@pytest.mark.parametrize("garbage", ["-1e4", "non-finite"])
+def test_masked_positions_take_no_part(config, ratio_shape, garbage):
+    """Issue 29: masked positions (padding, tool output) of old_logps, ref_logps and vllm_is_ratio hold anything
+    (-1e4, the reviewer's case: exp(0 - (-1e4)) = inf, and inf x mask 0 = NaN; or +-inf, NaN), and our
+    log-probabilities there are 0 (the fused loss does not score them): the loss, gradient and metrics are TRL's,
+    whose log-probabilities there are real values (the old policy's own, near ours) and whose vLLM ratio there is
+    exp(0) = 1. The gradient at masked positions is exactly 0."""
+    beta = 0.0 if garbage == "-1e4" else 0.04  # the reviewer's case (no KL), then every input at once
+    opts = GRPOLossOptions(**config, beta=beta, use_bias_correction_kl=beta != 0.0)
+    logps, mask, old, ref, adv, is_ratio = _case(sum(map(ord, str(config) + ratio_shape)))
+    adv[1:3] = torch.tensor([-1.3, 0.7], dtype=torch.float64)  # a negative advantage turned inf into -inf
+    masked = mask == 0
+    tool_logps = -150.0 - torch.rand(B, T, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    trl = dict(logps=torch.where(masked, tool_logps, logps), old=torch.where(masked, tool_logps + 0.1, old),
+               ref=torch.where(masked, tool_logps - 0.2, ref) if beta else None)
+    if garbage == "-1e4":
+        bad = torch.full((B, T), -1e4, dtype=torch.float64)
+    else:
+        bad = torch.tensor([-1e4, float("inf"), float("-inf"), float("nan")], dtype=torch.float64).repeat(B * T)
+        bad = bad[: B * T].view(B, T)
+    ours = dict(logps=torch.where(masked, 0.0, logps), old=torch.where(masked, bad, old),
+                ref=torch.where(masked, bad, ref) if beta else None)
+    if ratio_shape == "(B,T)":
+        trl["is_ratio"] = torch.where(masked, 1.0, is_ratio)
+        ours["is_ratio"] = torch.where(masked, bad.exp() if garbage == "-1e4" else bad, is_ratio)
+    else:  # one ratio a sequence; row 0 has no scored token: TRL's ratio there is 1, ours anything
+        per_sequence = is_ratio[:, :1].clone()
+        trl["is_ratio"] = torch.where(masked.all(-1, keepdim=True), 1.0, per_sequence)
+        ours["is_ratio"] = torch.where(masked.all(-1, keepdim=True), float("nan"), per_sequence)
+        if ratio_shape == "(B,)":
+            ours["is_ratio"] = ours["is_ratio"].squeeze(1)
+    assert masked.any() and masked.all(-1).any()
+
+    grad = _assert_matches_trl(opts, mask, adv, None, ours, trl)
+    assert torch.all(grad[masked] == 0)
+    # without a vLLM ratio too (the trainer's common case), and old log-probs of -1e4 at sequence level as well
+    trl["is_ratio"] = ours["is_ratio"] = None
+    _assert_matches_trl(opts, mask, adv, None, ours, trl)
 
 
 def test_token_local_gradient():
-    """token_local promises d(loss)/d(logp[t]) does not depend on other tokens' log-probabilities: the
-    fused kernel relies on it to take the gradient of one chunk of tokens at a time."""
-    logps, mask, old, ref, adv, _ = _case(3)
+    """is_token_local promises d(loss)/d(logp[t]) does not depend on other tokens' log-probabilities: the fused kernel
+    relies on it to take the gradient of one chunk of tokens at a time. vespo given old log-probabilities breaks it
+    (its phi sums the sequence's log-ratios), so it must say so."""
+    logps, mask, old, ref, adv, is_ratio = _case(3)
+
+    def grad_at(x, opts, old_logps):
+        x = x.clone().requires_grad_()
+        loss, _ = grpo_loss_from_logps(x, mask, adv, opts, old_logps=old_logps, ref_logps=ref, vllm_is_ratio=is_ratio)
+        return torch.autograd.grad(loss, x)[0]
+
+    changed = logps.clone()
+    changed[:, 3:] -= 1.0  # other tokens move
     for loss_type in LOSS_TYPES:
         opts = GRPOLossOptions(loss_type=loss_type, beta=0.05, use_bias_correction_kl=True)
-        assert opts.token_local
-
-        def grad_at(x):
-            x = x.clone().requires_grad_()
-            loss, _ = grpo_loss_from_logps(x, mask, adv, opts, old_logps=old, ref_logps=ref)
-            return torch.autograd.grad(loss, x)[0]
-
-        changed = logps.clone()
-        changed[:, 3:] -= 1.0  # other tokens move
-        torch.testing.assert_close(grad_at(logps)[:, :3], grad_at(changed)[:, :3], rtol=1e-12, atol=1e-12)
-    assert not GRPOLossOptions(importance_sampling_level="sequence").token_local
+        for old_logps in (old, None):
+            local = opts.is_token_local(with_old_logps=old_logps is not None)
+            assert local == (loss_type != "vespo" or old_logps is None)
+            same = torch.allclose(grad_at(logps, opts, old_logps)[:, :3], grad_at(changed, opts, old_logps)[:, :3],
+                                  rtol=1e-12, atol=1e-12)
+            assert same == local, (loss_type, old_logps is None)
+    for with_old in (True, False):
+        assert not GRPOLossOptions(importance_sampling_level="sequence").is_token_local(with_old_logps=with_old)
