@@ -1,6 +1,6 @@
 """gfpo_kernels: fused kernels for GFPO (Group Filtered Policy Optimization, arXiv 2508.09726).
 
-Public ops (semantics in DESIGN.md; `gfpo_kernels.reference` holds the same functions in plain PyTorch):
+Public ops (semantics in docs/design.md; `gfpo_kernels.reference` holds the same functions in plain PyTorch):
 - group_topk_mask: the top-k rows of every group (segmented top-k, deterministic ties, NaN last).
 - group_advantages: GRPO advantages over the kept rows of every group.
 - gfpo_filter_advantages: both in one pass.

@@ -1,6 +1,6 @@
 """Pure-PyTorch reference of the gfpo ops: the oracle that every kernel is tested and benchmarked against.
 
-Written from the semantics in DESIGN.md, for clarity rather than speed: ranks come from counting, for every
+Written from the semantics in docs/design.md, for clarity rather than speed: ranks come from counting, for every
 row, the rows of its group that rank before it; statistics are computed in float64; the GRPO loss takes the
 full (B, T, V) logits in float64.
 """

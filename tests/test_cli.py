@@ -48,7 +48,7 @@ def test_demo_smoke(tmp_path):
     assert [r["run"] for r in results["rows"]] == ["warm-up", "grpo", "gfpo-length", "gfpo-token-efficiency"]
     assert len(results["history"]["gfpo-length"]) == 2
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for model in ("warmup_model", "grpo", "gfpo-length", "gfpo-token-efficiency"):  # what the README says is written
+    for model in ("warmup_model", "grpo", "gfpo-length", "gfpo-token-efficiency"):  # what docs/demo.md says is written
         assert (out / model / "model.safetensors").exists() and (out / model / "tokenizer_config.json").exists()
 
 

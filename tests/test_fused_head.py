@@ -161,7 +161,7 @@ def test_cast_lm_head_to_fp32_runs_the_fused_head_in_fp32(tmp_path):
     path = _save(Qwen2ForCausalLM(Qwen2Config(**_small(tokenizer))), tokenizer, tmp_path / "qwen2")
     # TRL 1.14 casts the head to fp32 but calls it under autocast, which runs that GEMM in bf16 (TRL 1.15 turned
     # autocast off there); the fused path runs the fp32 head the option asks for, so on 1.14 the two agree to bf16
-    # rounding only (gradients ~0.5% apart), as the README says.
+    # rounding only (gradients ~0.5% apart), as docs/limitations.md says.
     trl_runs_bf16_head = Version(trl.__version__) < Version("1.15")
     on, off, _ = _kernels_on_equals_off(path, tokenizer, tmp_path, bf16=True, cast_lm_head_to_fp32=True,
                                         bf16_rounding=trl_runs_bf16_head)

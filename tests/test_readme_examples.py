@@ -1,102 +1,383 @@
-"""Every code example of the README runs as written (issue: a README that drifted from the code).
+"""The README and docs/*.md stay true to the code: every relative link and #anchor resolves, every repository path
+named in backticks exists, every Python example runs, every YAML training config runs through the CLI, every shell
+command names scripts, modules, subcommands, flags and files that exist, and the API contract (docs/design.md)
+names functions, parameters and config fields the package has.
 
-The Hub model name is replaced by a tiny local model (no downloads here) and training gets a one-step limit;
-nothing else of an example is changed. The bash blocks are the setup/test commands that CI itself runs."""
+Markers, an HTML comment on the line before a code block (invisible on GitHub):
+- `<!-- docs-test: max_steps=N -->`: the Python block runs with every `max_steps=<number>` replaced by N (a training
+  example that takes minutes as written runs N steps here);
+- `<!-- docs-test: no-run REASON -->`: the Python block is compiled, not run (needs a GPU, several processes, ...).
+Shell blocks never run here (they install, train for minutes or need GPUs): their commands are checked statically.
+The Hub model of a YAML config is replaced by a tiny local model (no downloads) and training gets a one-step limit.
+"""
 
+from __future__ import annotations
+
+import ast
+import dataclasses
+import glob
+import importlib.util
+import inspect
 import re
+import shlex
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 
-README = (Path(__file__).parents[1] / "README.md").read_text()
+ROOT = Path(__file__).parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
+FENCE = re.compile(r"^(?P<marker><!-- docs-test: (?P<directive>[^>]*?) -->\n)?```(?P<lang>[\w-]*)\n(?P<code>.*?)^```",
+                   re.S | re.M)
 
 
-def _blocks(language: str) -> list[str]:
-    return [textwrap.dedent(b) for b in re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)]
+def page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
 
+
+@dataclasses.dataclass
+class Block:
+    page: Path
+    lang: str
+    code: str
+    directive: str | None
+    line: int
+
+    def __str__(self):
+        return f"{page_id(self.page)}:{self.line} ({self.lang or 'no language'})"
+
+
+def code_blocks(page: Path, *langs: str) -> list[Block]:
+    text = page.read_text()
+    blocks = [Block(page, m["lang"], textwrap.dedent(m["code"]), m["directive"], text[: m.start("code")].count("\n"))
+              for m in FENCE.finditer(text)]
+    return [b for b in blocks if not langs or b.lang in langs]
+
+
+def prose(page: Path) -> str:
+    """The page without its fenced code blocks (links, headings and inline code live here)."""
+    return FENCE.sub("", page.read_text())
+
+
+def all_blocks(*langs: str) -> list[Block]:
+    return [b for page in PAGES for b in code_blocks(page, *langs)]
+
+
+# --- links and anchors -----------------------------------------------------------------------------------------
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (backticks included), spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", prose(page), flags=re.M):
+        slug = github_anchor(heading)
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def relative_links(page: Path) -> list[str]:
+    targets = re.findall(r"\]\(([^)\s]+)\)", prose(page))
+    return [t for t in targets if not re.match(r"[a-z]+:", t)]  # http:, https:, mailto: are not checked here
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_relative_links_and_anchors_resolve(page):
+    broken = []
+    for target in relative_links(page):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no file {file}")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {file.name} (has {sorted(anchors(file))})")
+    assert not broken, f"{page_id(page)}: " + "; ".join(broken)
+
+
+def test_every_docs_page_is_linked():
+    """A page nobody links to is a page nobody reads: each docs/*.md is linked from the README or another page."""
+    linked = {(page.parent / t.partition("#")[0]).resolve() for page in PAGES for t in relative_links(page)
+              if t.partition("#")[0]}
+    orphans = [page_id(p) for p in PAGES[1:] if p.resolve() not in linked]
+    assert not orphans, f"docs pages linked from nowhere: {orphans}"
+
+
+TOP_LEVEL = {p.name for p in ROOT.iterdir()} - {".venv", ".git"}
+
+
+def expand_braces(path: str) -> list[str]:
+    match = re.search(r"\{([^{}]*)\}", path)
+    if not match:
+        return [path]
+    return [x for alt in match[1].split(",") for x in expand_braces(path[: match.start()] + alt + path[match.end():])]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_repository_paths_named_in_backticks_exist(page):
+    """`bench/results/....md`, `gfpo_trainer/rows.py`, `tests/test_trainer*.py`: the files a claim rests on exist."""
+    missing = []
+    for span in re.findall(r"`([^`\s]+)`", prose(page)):
+        path = span.rstrip(".,;:")
+        if "/" not in path or path.split("/")[0] not in TOP_LEVEL or "<" in path:
+            continue
+        for candidate in expand_braces(path):
+            if not glob.glob(str(ROOT / candidate)):
+                missing.append(candidate)
+    assert not missing, f"{page_id(page)} names files that do not exist: {missing}"
+
+
+# --- Python examples -------------------------------------------------------------------------------------------
+
+def runnable(block: Block) -> str:
+    code = block.code
+    if block.directive and block.directive.startswith("max_steps="):
+        steps = int(block.directive.split("=", 1)[1])
+        assert re.search(r"max_steps=\d+", code), f"{block}: marker max_steps= but no max_steps in the code"
+        code = re.sub(r"max_steps=\d+", f"max_steps={steps}", code)
+    elif block.directive:
+        assert block.directive.startswith("no-run "), f"{block}: unknown marker {block.directive!r}"
+    return code
+
+
+PYTHON_BLOCKS = all_blocks("python")
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=str)
+def test_python_example_runs(block, tmp_path, monkeypatch):
+    code = compile(runnable(block), str(block), "exec")
+    if block.directive and block.directive.startswith("no-run "):
+        return  # compiled above: a syntax error still fails
+    if "gfpo_trainer" in block.code:
+        pytest.importorskip("trl")
+    monkeypatch.chdir(tmp_path)
+    exec(code, {"__name__": "__docs_example__"})
+
+
+def test_readme_training_example_is_marked_to_run_fewer_steps():
+    """The README's first training run takes about a minute as written: CI runs it with 2 steps (the marker), and
+    the example itself must stay offline: its model line builds the tiny model, the Hub line is a comment."""
+    (example,) = [b for b in code_blocks(PAGES[0], "python") if "GFPOTrainer(" in b.code]
+    assert example.directive == "max_steps=2"
+    assert re.search(r"^# model, tokenizer, learning_rate = \"[\w./-]+\", None, [\d.e-]+ ", example.code, re.M), (
+        "the one line to uncomment for a real model")
+    assert "make_tiny_model(" in example.code and "from_pretrained" not in example.code
+
+
+# --- YAML training configs through the CLI ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
 
-    path = tmp_path_factory.mktemp("readme-model")
+    path = tmp_path_factory.mktemp("docs-model")
     tokenizer = make_tokenizer()
     make_tiny_model(tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
 
-def _training_block() -> str:
-    blocks = [b for b in _blocks("python") if "GFPOTrainer(" in b]
-    assert len(blocks) == 1, "the README's 'Training with GFPO' example"
-    return blocks[0]
+def readme_reward_function() -> str:
+    (example,) = [b for b in code_blocks(PAGES[0], "python") if "GFPOTrainer(" in b.code]
+    return re.search(r"^def digit_share\(.*?\n\n", example.code, flags=re.S | re.M).group(0)
 
 
-def _limit_steps(code: str, model_dir: str) -> str:
-    assert HUB_MODEL in code and "per_device_train_batch_size=16," in code
-    code = code.replace(f'"{HUB_MODEL}"', repr(model_dir))
-    return code.replace("per_device_train_batch_size=16,",
-                        'per_device_train_batch_size=16, max_steps=1, max_completion_length=4, report_to="none",')
+TRAINING_CONFIGS = [b for b in all_blocks("yaml") if "model" in (yaml.safe_load(b.code) or {})]
 
 
-def test_python_examples_without_training_run_as_written(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    blocks = [b for b in _blocks("python") if "GFPOTrainer(" not in b]
-    assert len(blocks) >= 2  # the kernels and the fused loss
-    for code in blocks:
-        exec(compile(code, "README.md", "exec"), {})
-
-
-def test_training_example_runs(tmp_path, monkeypatch, tiny_model_dir):
-    pytest.importorskip("trl")
-    monkeypatch.chdir(tmp_path)
-    namespace = {}
-    exec(compile(_limit_steps(_training_block(), tiny_model_dir), "README.md", "exec"), namespace)
-    assert namespace["trainer"].state.global_step == 1
-
-
-def test_yaml_example_runs_with_the_cli(tmp_path, monkeypatch, tiny_model_dir):
+@pytest.mark.parametrize("block", TRAINING_CONFIGS, ids=str)
+def test_yaml_training_config_runs_with_the_cli(block, tmp_path, monkeypatch, tiny_model_dir):
     pytest.importorskip("trl")
     from gfpo_trainer.cli import main
 
-    (yaml_block,) = _blocks("yaml")
-    config = yaml.safe_load(yaml_block)
-    assert config["model"] == HUB_MODEL
+    config = yaml.safe_load(block.code)
+    assert config["model"] == HUB_MODEL, "the example names the Hub model that the test replaces"
     config["model"] = tiny_model_dir
     config["args"].update(max_steps=1, max_completion_length=4, report_to="none")
     monkeypatch.chdir(tmp_path)
-    # my_rewards.py holds the reward function of the training example, as the README says
-    correctness = re.search(r"def correctness\(.*?\n\n", _training_block(), flags=re.S).group(0)
-    (tmp_path / "my_rewards.py").write_text(correctness)
+    (tmp_path / "my_rewards.py").write_text(readme_reward_function())  # "my_rewards.py holding the function above"
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text("".join('{"prompt": "6*7="}\n' for _ in range(16)))
+    data = Path(config["dataset"])
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("".join('{"prompt": "6*7="}\n' for _ in range(16)))
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--config", "run.yaml"]) == 0
-    assert (tmp_path / "out" / "config.json").exists()
+    assert (tmp_path / config["args"]["output_dir"] / "config.json").exists()
 
 
-def test_bash_examples_are_the_ci_commands():
-    ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
-    for block in _blocks("bash"):
-        command = block.strip()
-        if command.startswith("accelerate launch"):
-            continue  # multi-GPU launches: test_multi_gpu_launch_configs_exist
-        assert command.startswith("bash scripts/setup.sh && .venv/bin/python -m ")
-        if "pytest" in command:
-            assert command.split(" && ", 1)[1] in ci  # CI runs the README's test command
+# --- shell commands --------------------------------------------------------------------------------------------
+
+def shell_commands(block: Block) -> list[list[str]]:
+    commands = []
+    for line in re.sub(r"\\\n", " ", block.code).splitlines():
+        for part in line.split(" && "):
+            words = shlex.split(part, comments=True)
+            if words:
+                commands.append(words)
+    return commands
 
 
-def test_multi_gpu_launch_configs_exist():
-    """The multi-GPU launches name accelerate configs that exist and say which engine they use (the launches
-    themselves need several GPUs)."""
-    launches = [line for block in _blocks("bash") for line in block.splitlines() if line.startswith("accelerate launch")]
-    engines = set()
-    for line in launches:
-        assert line.split()[-4:] == ["gfpo_trainer", "train", "--config", "run.yaml"], line
-        config = yaml.safe_load((Path(__file__).parents[1] / line.split("--config_file")[1].split()[0]).read_text())
-        engines.add(config["distributed_type"])
-    assert engines == {"MULTI_GPU", "DEEPSPEED", "FSDP"}
+def package_sources(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, f"no module {module}"
+    origin = Path(spec.origin)
+    files = origin.parent.glob("*.py") if origin.name in ("__init__.py", "__main__.py") else [origin]
+    return "\n".join(f.read_text() for f in files)
+
+
+def check_arguments(arguments: list[str], source: str, where: str) -> None:
+    """Every --flag is a string in the program's source; the first plain word is a subcommand of it there."""
+    for word in arguments:
+        if word.startswith("--"):
+            assert f'"{word.split("=")[0]}"' in source, f"{where}: {word} is no option of it"
+    positional = [w for w in arguments if not w.startswith("-")]
+    if positional and not re.search(r"\.\w+$", positional[0]):  # a file argument (run.yaml) is left alone
+        assert f'"{positional[0]}"' in source, f"{where}: {positional[0]!r} is no subcommand of it"
+
+
+def check_command(words: list[str], where: str) -> None:
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value: a variable the project reads
+        name = words.pop(0).split("=")[0]
+        assert any(name in p.read_text() for p in [*ROOT.glob("scripts/*"), *ROOT.glob("gfpo_*/*.py"), ROOT / "setup.py"]
+                   if p.is_file()), f"{where}: nothing in the project reads {name}"
+    program, *arguments = words
+    if program == "bash":
+        assert (ROOT / arguments[0]).is_file(), f"{where}: no script {arguments[0]}"
+    elif program in (".venv/bin/python", "python"):
+        if arguments[0] == "-m":
+            module, rest = arguments[1], arguments[2:]
+            if module == "pytest":
+                assert " ".join(words) in (ROOT / ".ci" / "run").read_text(), f"{where}: not the test command CI runs"
+                return
+            check_arguments(rest, package_sources(module), f"{where}: python -m {module}")
+        else:
+            script = ROOT / arguments[0]
+            assert script.is_file(), f"{where}: no script {arguments[0]}"
+            check_arguments(arguments[1:], script.read_text(), f"{where}: {arguments[0]}")
+    elif program == "accelerate":
+        assert arguments[0] == "launch" and "--config_file" in arguments, where
+        config = yaml.safe_load((ROOT / arguments[arguments.index("--config_file") + 1]).read_text())
+        assert config["distributed_type"] in ("MULTI_GPU", "DEEPSPEED", "FSDP"), where
+        module_at = arguments.index("-m")
+        check_command(["python", *arguments[module_at:]], where)
+    else:
+        pytest.fail(f"{where}: a command this test does not know how to check: {' '.join(words)}")
+
+
+@pytest.mark.parametrize("block", all_blocks("bash"), ids=str)
+def test_shell_commands_name_what_exists(block):
+    for words in shell_commands(block):
+        check_command(words, str(block))
+
+
+def test_readme_commands_are_what_ci_runs():
+    """CI (.ci/run) runs the README's setup and test commands, so a newcomer's first two commands are tested."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = [" ".join(c) for b in code_blocks(PAGES[0], "bash") for c in shell_commands(b)]
+    assert "bash scripts/setup.sh" in commands and "bash scripts/setup.sh" in ci
+    (test_command,) = [c for c in commands if "pytest" in c]
+    assert test_command in ci
+
+
+def test_every_code_block_is_checked():
+    """A code block in a language this test does not check would drift unseen ("text": recorded output)."""
+    unchecked = [str(b) for b in all_blocks() if b.lang not in ("python", "bash", "yaml", "text")]
+    assert not unchecked, f"code blocks in no checked language: {unchecked}"
+    for block in all_blocks("yaml"):
+        assert block in TRAINING_CONFIGS, f"{block}: a YAML block that is not a training config"
+
+
+# --- the API contract (docs/design.md) --------------------------------------------------------------------------
+
+DESIGN = ROOT / "docs" / "design.md"
+
+
+def signatures(text: str, prefix: str) -> list[tuple[str, str]]:
+    """(name, parameter list) of every `prefix...name(...)` in the text, parentheses balanced."""
+    found = []
+    for match in re.finditer(prefix, text):
+        depth, end = 0, match.end() - 1
+        for end in range(match.end() - 1, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        found.append((match[1] if match.groups() else "", text[match.end() : end]))
+    return found
+
+
+def check_signature(func, listed: str, where: str) -> None:
+    """The contract's parameter list (`a, b, *, c=1`): the same names, kinds (positional / keyword-only) and, where
+    it gives one, the same default as the code's signature."""
+    args = ast.parse(f"def f({listed.replace(chr(10), ' ')}): pass").body[0].args
+    code = [p for p in inspect.signature(func).parameters.values() if p.name != "self"]
+    P = inspect.Parameter
+
+    def names(*kinds):
+        return [p.name for p in code if p.kind in kinds]
+
+    assert [a.arg for a in args.args] == names(P.POSITIONAL_OR_KEYWORD, P.POSITIONAL_ONLY), (
+        f"{where}: positional parameters differ from the code's {inspect.signature(func)}")
+    assert [a.arg for a in args.kwonlyargs] == names(P.KEYWORD_ONLY), (
+        f"{where}: keyword-only parameters differ from the code's {inspect.signature(func)}")
+    assert (args.kwarg is not None) == any(p.kind == P.VAR_KEYWORD for p in code), f"{where}: **kwargs"
+    listed_defaults = dict(zip([a.arg for a in args.args][::-1], args.defaults[::-1]))
+    listed_defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
+    for param in code:
+        if param.name in listed_defaults:
+            value = ast.literal_eval(listed_defaults[param.name])
+            assert param.default == value, f"{where}: {param.name} defaults to {param.default!r}, not {value!r}"
+
+
+def test_design_contract_names_exist_with_their_parameters():
+    import gfpo_kernels
+
+    text = prose(DESIGN)
+    listed = signatures(text, r"`((?:gfpo_kernels|gfpo_trainer)\.\w+)\(")
+    assert len(listed) >= 6
+    for name, params in listed:
+        if name == "gfpo_trainer.GFPOConfig":
+            continue  # `GFPOConfig(GRPOConfig)` names its base class; its fields: the test below
+        if name.startswith("gfpo_trainer"):
+            pytest.importorskip("trl")
+        module, _, attr = name.rpartition(".")
+        check_signature(getattr(importlib.import_module(module), attr), params, f"docs/design.md: {name}")
+    ((_, forward),) = signatures(text, r"forward\(")
+    check_signature(gfpo_kernels.FusedLinearGRPOLoss.forward, forward, "docs/design.md: FusedLinearGRPOLoss.forward")
+    for name in ("group_topk_mask", "group_advantages", "gfpo_filter_advantages", "fused_linear_grpo_loss"):
+        assert callable(getattr(gfpo_kernels.reference, name)), f"gfpo_kernels.reference.{name}"
+
+
+def gfpo_config_fields() -> set[str]:
+    from trl import GRPOConfig
+
+    from gfpo_trainer import GFPOConfig
+
+    return {f.name for f in dataclasses.fields(GFPOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+def test_design_contract_and_trainer_docs_name_every_gfpo_config_field():
+    """docs/design.md names GFPOConfig fields that exist; docs/trainer.md's options table lists exactly the fields
+    GFPOConfig adds to TRL's GRPOConfig (a new field gets a line there)."""
+    pytest.importorskip("trl")
+    fields = gfpo_config_fields()
+    config_paragraph = re.search(r"`gfpo_trainer\.GFPOConfig\(GRPOConfig\)`(.*?)\n`gfpo_trainer\.GFPOTrainer",
+                                 prose(DESIGN), re.S).group(1)
+    named = set(re.findall(r"`([a-z_]+)`", config_paragraph)) - {"length", "token_efficiency"}
+    assert named and named <= fields, f"docs/design.md names fields GFPOConfig lacks: {named - fields}"
+    table = set(re.findall(r"^\| `(\w+)` \|", prose(ROOT / "docs" / "trainer.md"), re.M))
+    assert table == fields, f"docs/trainer.md options table: missing {fields - table}, not fields {table - fields}"
+
+
+def test_documented_metrics_are_logged_by_the_trainer():
+    """Every `gfpo/...` metric the docs name is a metric the trainer's code logs."""
+    source = "\n".join(p.read_text() for p in (ROOT / "gfpo_trainer").glob("*.py"))
+    named = {m for page in PAGES for m in re.findall(r"`(gfpo/[\w{}.]+)`", prose(page))}
+    assert named
+    for metric in named:
+        stem = metric.split("{")[0]
+        assert re.search(re.escape(stem) + (r"" if "{" in metric else r"[\"']"), source), f"{metric} is not logged"

@@ -216,7 +216,7 @@ if MODE != "trl":
     _install_gfpo()
 
 
-# Where GFPO refuses an option with a ValueError naming it (README, "TRL's own GRPO tests against GFPOTrainer"):
+# Where GFPO refuses an option with a ValueError naming it (docs/trl-compatibility.md, "Refusals"):
 # the config's checks, the trainer's construction checks, the fused loss's option and model checks
 REFUSAL_SITES = {
     ("config.py", "__post_init__"),
