@@ -54,10 +54,10 @@ ROW_KEYS = {
 # loss path does not pass them, so a batch that carries one is refused there
 MULTIMODAL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                          "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-# the loss metrics GRPOTrainer._compute_loss logs as means over the scored tokens of every process (0 when there is
-# none); kl and the clip ratios where the loss has them
+# the loss metrics GRPOTrainer._compute_loss logs as means over the scored tokens (or the sequences) of every process
+# (0 when there is none); kl, the clip ratios and vespo's weight where the loss has them
 TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                      "cispo_clip_ratio")
+                      "cispo_clip_ratio", "vespo/phi_seq_mean")
 # GRPOTrainer attributes GFPO reads
 _ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "beta", "ref_model", "temperature", "loss_type",
                "eos_token_ids", "use_vllm", "use_transformers_continuous_batching", "tools", "pad_to_multiple_of",

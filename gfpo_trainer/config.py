@@ -7,14 +7,10 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from gfpo_kernels.grpo_loss_math import LOSS_TYPES as FUSED_LOSS_TYPES
 from gfpo_kernels.grpo_loss_math import check_loss_kind
 
 GROUP_FILTERS = ("length", "token_efficiency")
 SCALE_REWARDS = ("group", "batch", "none")
-# The loss types TRL's GRPOTrainer computes (the same in TRL 1.14.2 to 1.16): the fused loss's and vespo (trained
-# without the kernels). GRPOConfig takes any string and fails at the first training step.
-LOSS_TYPES = (*FUSED_LOSS_TYPES, "vespo")
 
 
 @dataclass
@@ -57,8 +53,8 @@ class GFPOConfig(GRPOConfig):
             normaliser keeps counting them, so loss and gradients equal those with skipping off. Also without a
             filter (plain GRPO). Not applied when `gradient_accumulation_steps` is not a multiple of
             `steps_per_generation` (a generation batch then straddles two optimizer steps, and TRL's shuffle decides
-            which rows land in which), with `loss_type="bnpo"` (it divides by the tokens of each micro-batch) or
-            `"vespo"`, or with dropout active in the policy (`disable_dropout=False` on a model with dropout, or
+            which rows land in which), with `loss_type="bnpo"` (it divides by the tokens of each micro-batch), or
+            with dropout active in the policy (`disable_dropout=False` on a model with dropout, or
             attention dropout applied inline: a shorter batch draws differently); there every row is trained, as in
             GRPO. With skipping, TRL's entropy and clip-ratio metrics cover the trained rows;
             `gfpo/skipped_zero_gradient_fraction` logs the share of kept rows skipped.
@@ -101,7 +97,9 @@ class GFPOConfig(GRPOConfig):
             mapped = s
         if not (isinstance(mapped, str) and mapped in SCALE_REWARDS):
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, True or False, got scale_rewards={s!r}")
-        check_loss_kind(self.loss_type, self.importance_sampling_level, LOSS_TYPES)
+        # GRPOConfig takes any loss_type and fails at the first training step; TRL 1.14.2 to 1.16 compute the same
+        # loss types, every one of them the fused loss's too (grpo_loss_math.LOSS_TYPES)
+        check_loss_kind(self.loss_type, self.importance_sampling_level)
         if self.bf16 is None and not self.fp16:
             # TRL turns bf16 on by default, which fails on a machine without bf16 hardware (CPU only, older GPUs):
             # left unset, bf16 is on only where the device supports it, so one config runs everywhere

@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import torch
 
 import gfpo_kernels
-from gfpo_kernels.grpo_loss_math import LOSS_TYPES, soft_capped
+from gfpo_kernels.grpo_loss_math import TOKEN_COUNT_LOSS_TYPES, soft_capped
 
 from ._compat import MULTIMODAL_INPUT_KEYS, TOKEN_MEAN_METRICS
 from .config import GFPOConfig
@@ -40,7 +40,7 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
     num_items, loss_scale = None, 1.0
-    if trainer.loss_type in ("cispo", "dapo"):
+    if trainer.loss_type in TOKEN_COUNT_LOSS_TYPES:
         # TRL's normaliser: num_items_in_batch (the generation batch of every process), clamped to 1, over the
         # processes and, in training, times accumulation / steps_per_generation. The fused loss divides by the
         # clamped count and the rest is a factor on its loss: passed as one normaliser, a value below 1 would be
@@ -70,6 +70,10 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
         use_bias_correction_kl=trainer.args.use_bias_correction_kl,
         sapo_temperature_pos=trainer.args.sapo_temperature_pos,
         sapo_temperature_neg=trainer.args.sapo_temperature_neg,
+        vespo_k_pos=trainer.args.vespo_k_pos,
+        vespo_lambda_pos=trainer.args.vespo_lambda_pos,
+        vespo_k_neg=trainer.args.vespo_k_neg,
+        vespo_lambda_neg=trainer.args.vespo_lambda_neg,
     )
     with trainer.accelerator.autocast():
         loss, stats, aux_loss = model(
@@ -79,7 +83,7 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
             gfpo_logits_to_keep=completion_ids.size(1),
             gfpo_aux_loss=trainer.aux_loss_enabled,
         )
-    loss = loss * loss_scale if trainer.loss_type in ("cispo", "dapo") else loss / accumulation
+    loss = loss * loss_scale if trainer.loss_type in TOKEN_COUNT_LOSS_TYPES else loss / accumulation
     aux_term = None
     if aux_loss is not None:  # an MoE model's router load-balancing loss, added as TRL adds it
         aux_term = router_aux_term(trainer, aux_loss)
@@ -97,10 +101,11 @@ def router_aux_term(trainer, aux_loss: torch.Tensor) -> torch.Tensor:
 
 
 def _log_loss_stats(trainer, mode: str, stats: dict, mask: torch.Tensor) -> None:
-    """The loss metrics TRL's `_compute_loss` logs, with its names and reductions: kl, entropy and the clip ratios as
-    token-weighted means over every process (one value per sequence at sequence-level importance sampling), and the
-    extreme per-sequence clip ratios clip_ratio/low_min and clip_ratio/high_max over every process. One all-reduce
-    and one gather per call (TRL: one collective per metric), and one host transfer for all the values."""
+    """The loss metrics TRL's `_compute_loss` logs, with its names and reductions: kl, entropy, the clip ratios and
+    vespo's weight phi as token-weighted means over every process (one value per sequence at sequence-level
+    importance sampling, and for phi), and the extreme per-sequence clip ratios clip_ratio/low_min and
+    clip_ratio/high_max over every process. One all-reduce and one gather per call (TRL: one collective per metric),
+    and one host transfer for all the values."""
     mask = mask.float()
     per_token = {"entropy": stats["entropy"]}
     per_token.update({name: stats["per_token/" + name] for name in TOKEN_MEAN_METRICS
@@ -274,5 +279,3 @@ def check_fused_loss_supported(args: GFPOConfig) -> None:
     for name, (value, default) in unsupported.items():
         if value != default:
             raise ValueError(f"use_gfpo_kernels=True does not support {name}={value!r} (only {default!r})")
-    if args.loss_type not in LOSS_TYPES:
-        raise ValueError(f"use_gfpo_kernels=True does not support loss_type={args.loss_type!r}")

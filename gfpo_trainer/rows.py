@@ -13,10 +13,11 @@ dr_grpo) weigh a row 1 / (P * gradient_accumulation_steps * B) with B the rows o
 B = K / (P * steps_per_generation). Every micro-batch here has B = share / steps_per_generation rows, so every
 trained row gets the same factor P * share / K over TRL's weight: `weight_loss` applies it (one factor per micro-
 batch, since the rows of one batch share it; it holds with beta != 0 too). dapo and cispo already divide by the
-tokens of the whole generation batch (num_items_in_batch, which keeps counting skipped rows); padding rows hold no
-token. bnpo divides by the tokens of its own micro-batch and by gradient_accumulation_steps: a micro-batch of
-padding rows only would shrink the step's gradient, and which rows share a micro-batch changes every row's weight,
-so GFPOConfig refuses bnpo where the kept rows need padding, and rows are not skipped for bnpo.
+tokens of the whole generation batch (num_items_in_batch, which keeps counting skipped rows), and so does vespo,
+whose per-row weight phi depends on that row alone; padding rows hold no token. bnpo divides by the tokens of its
+own micro-batch and by gradient_accumulation_steps: a micro-batch of padding rows only would shrink the step's
+gradient, and which rows share a micro-batch changes every row's weight, so GFPOConfig refuses bnpo where the kept
+rows need padding, and rows are not skipped for bnpo.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ logger = logging.getLogger(__name__)
 # Loss types whose value is a mean over the sequences of a micro-batch (or divides by their number)
 PER_SEQUENCE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
 # Loss types whose gradient is exactly 0 for a row of advantage 0 and whose normaliser does not depend on which rows
-# share a micro-batch (bnpo's does; vespo is left out: its weights are not checked here)
-_SKIPPABLE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo")
+# share a micro-batch (bnpo's does). vespo's row loss is -phi x advantage x logp, its phi (finite: TRL zeroes a
+# non-finite one) a function of the row alone, and it divides by num_items_in_batch as dapo does
+_SKIPPABLE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo")
 REAL_ROW_KEY = "gfpo_real_row"
 ROW_WEIGHT_KEY = "gfpo_row_weight"
 

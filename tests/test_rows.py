@@ -122,8 +122,9 @@ def _train(model_dir, tokenizer, tmp_path, skip, count_rows=False, **overrides):
 
 SKIP_CASES = [
     dict(loss_type="grpo"), dict(loss_type="dr_grpo"), dict(loss_type="dapo"), dict(loss_type="cispo"),
-    dict(loss_type="sapo"), dict(loss_type="luspo"),
+    dict(loss_type="sapo"), dict(loss_type="luspo"), dict(loss_type="vespo"),
     dict(loss_type="grpo", num_iterations=2), dict(loss_type="dapo", num_iterations=2),
+    dict(loss_type="vespo", num_iterations=2, use_gfpo_kernels=True),
     dict(loss_type="grpo", num_remains_in_group=None, group_filter=None),  # plain GRPO: GFPOTrainer as a faster GRPO
     dict(loss_type="dapo", use_gfpo_kernels=True),
     # three generation batches: after a batch with skipped rows the next one samples as with the skip off

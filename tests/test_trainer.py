@@ -210,6 +210,79 @@ def test_kernels_on_and_off_agree(model_dir, tokenizer, tmp_path):
         torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6)
 
 
+VESPO = dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5)
+
+
+def _older_policy(output, seed):
+    """Old log-probabilities of a policy a few updates back: the batch's own, moved at the scored positions (TRL's
+    old-policy pass ran on the same parameters, so the ratios would all be 1)."""
+    g = torch.Generator().manual_seed(seed)
+    old = output["old_per_token_logps"]
+    noise = 0.1 * torch.randn(old.shape, generator=g)
+    output["old_per_token_logps"] = torch.where(output["completion_mask"].bool(), old + noise, old)
+
+
+def test_vespo_kernels_on_and_off_agree(model_dir, tokenizer, tmp_path):
+    """loss_type="vespo" with use_gfpo_kernels=True (refused before): with old log-probabilities (steps_per_generation
+    > gradient_accumulation_steps), padding rows (6 kept rows in 8) and TRL's dapo-like normaliser, the loss,
+    every gradient and the logged vespo/phi_seq_mean equal TRL's own loss's (kernels off)."""
+    results = []
+    for use_kernels in (False, True):
+        trainer = make_trainer(model_dir, tokenizer, tmp_path, use_gfpo_kernels=use_kernels, **VESPO,
+                               per_device_train_batch_size=4, steps_per_generation=4, skip_zero_gradient_rows=False)
+        output, _ = scored_batch(trainer, seed=3)
+        assert not output["gfpo_real_row"].all()
+        _older_policy(output, seed=1)
+        trainer._metrics["train"].clear()
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, output)
+        loss.backward()
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        results.append((loss.detach(), grads, trainer._metrics["train"]["vespo/phi_seq_mean"]))
+    (loss_off, grads_off, phi_off), (loss_on, grads_on, phi_on) = results
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=1e-6)
+    assert len(grads_on) == len(grads_off) > 0
+    for got, want in zip(grads_on, grads_off):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert len(phi_on) == len(phi_off) == 1 and phi_on[0] == pytest.approx(phi_off[0], rel=1e-5)
+    assert abs(phi_off[0] - 1.0) > 1e-3  # phi is not trivially 1: the ratios moved
+
+
+def test_vespo_kernels_equal_trl_grpo_trainer(model_dir, tokenizer, tmp_path):
+    """The fused vespo loss through GFPOTrainer (plain GRPO, use_gfpo_kernels=True) on a batch TRL's own GRPOTrainer
+    made (old log-probabilities, a vLLM-free run) equals GRPOTrainer's loss, gradients and vespo/phi_seq_mean."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    options = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=8, max_steps=1,
+                   report_to="none", use_cpu=True, bf16=False, save_strategy="no", seed=0, steps_per_generation=2,
+                   **VESPO)
+    dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    trl_trainer = GRPOTrainer(model=model_dir, reward_funcs=digit_reward, processing_class=tokenizer,
+                              args=GRPOConfig(output_dir=str(tmp_path / "trl"), **options), train_dataset=dataset)
+    gfpo = GFPOTrainer(model=model_dir, reward_funcs=digit_reward, processing_class=tokenizer,
+                       args=GFPOConfig(output_dir=str(tmp_path / "gfpo"), use_gfpo_kernels=True, **options),
+                       train_dataset=dataset)
+    results = []
+    trl_trainer.model.train()
+    torch.manual_seed(0)
+    output = trl_trainer._generate_and_score_completions(generation_batch(trl_trainer, num_prompts=2))
+    _older_policy(output, seed=2)
+    for trainer in (trl_trainer, gfpo):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(output))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), grads, trainer._metrics["train"]["vespo/phi_seq_mean"]))
+    (want, want_grads, want_phi), (got, got_grads, got_phi) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert got_phi == pytest.approx(want_phi, rel=1e-5) and abs(want_phi[0] - 1.0) > 1e-3
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
 def test_kernels_on_and_off_agree_when_the_normaliser_is_below_one(model_dir, tokenizer, tmp_path, loss_type):
     """TRL divides dapo/cispo by max(num_items_in_batch, 1) / processes * accumulation / steps_per_generation, which

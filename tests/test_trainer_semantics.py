@@ -24,7 +24,7 @@ from test_trainer import (  # noqa: E402  (fixtures and helpers of the trainer t
 
 import gfpo_kernels  # noqa: E402
 from gfpo_kernels import reference as ref  # noqa: E402
-from gfpo_trainer import selection  # noqa: E402
+from gfpo_trainer import GFPOTrainer, selection  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError, tool_mask_of  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 
@@ -253,3 +253,113 @@ def test_resume_without_saved_gfpo_state_is_refused_with_adaptive(model_dir, tok
     with pytest.raises(ValueError, match="checkpoint-1' holds no adaptive-difficulty state in gfpo_state.json"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
+
+
+# --------------------------------------------------------------------------- tool calling, through TRL's own loop
+
+def f(a: int) -> int:
+    """Doubles.
+
+    Args:
+        a: a number
+    """
+    return 2 * a
+
+
+@pytest.fixture(scope="module")
+def tool_calling_model(tmp_path_factory):
+    """A character tokenizer with Qwen2.5's chat template (TRL parses its tool calls) and a tiny model whose LM head is
+    scaled so that text it did not write, the tool's output, has log-probabilities far below -88.7 (exp(88.7)
+    overflows float32)."""
+    import string
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from gfpo_trainer.tiny import CHARACTERS, make_tokenizer
+
+    tokenizer = make_tokenizer(CHARACTERS + string.ascii_uppercase + '{}"_\n<>/|[],\'!')
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = qwen2_5_chat_template
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(300.0)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    path = tmp_path_factory.mktemp("tool-calling-qwen2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def _force_tool_calls(model, tokenizer):
+    """The even rows of a first turn (no tool response in their input yet) call the tool: a tiny random model never
+    writes a tool call by itself, so generation is made to write this one; everything after it (TRL parsing the
+    call, running the tool, appending its output, generating on, the tool mask) is TRL's own."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    call = tokenizer('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
+                     add_special_tokens=False)["input_ids"]
+    response = tokenizer.convert_tokens_to_ids("<tool_response>")
+
+    class ForceToolCall(LogitsProcessor):
+        def __init__(self, input_ids):
+            self.start = input_ids.shape[1]
+            self.rows = [i for i in range(0, input_ids.shape[0], 2) if response not in input_ids[i].tolist()]
+
+        def __call__(self, input_ids, scores):
+            step = input_ids.shape[1] - self.start
+            if step < len(call):
+                scores[self.rows] = float("-inf")
+                scores[self.rows, call[step]] = 0.0
+            return scores
+
+    generate = model.generate
+
+    def forced(*args, **kwargs):
+        return generate(*args, logits_processor=LogitsProcessorList([ForceToolCall(kwargs["input_ids"])]), **kwargs)
+
+    model.generate = forced
+
+
+def test_tool_output_with_very_negative_old_logps_trains_as_trl(tool_calling_model, tmp_path):
+    """Issue 29: with tool calling (TRL's tool loop; tool output masked by tool_mask) and old log-probabilities
+    (num_iterations=2), the tool output's old log-probabilities are far below -88.7; the fused loss held 0 there, and
+    exp(0 - old) = inf gave a NaN loss with use_gfpo_kernels=True (TRL's: -0.1739). Kernels on and off now log finite,
+    equal losses and loss metrics."""
+    from datasets import Dataset
+
+    path, tokenizer = tool_calling_model
+    logs, tool_old_logps = {}, []
+    for use_kernels in (False, True):
+        args = make_config(tmp_path / f"kernels{int(use_kernels)}", use_gfpo_kernels=use_kernels, num_iterations=2,
+                           num_generations=4, num_remains_in_group=3, per_device_train_batch_size=4,
+                           max_completion_length=72, loss_type="dapo", skip_zero_gradient_rows=False,
+                           logging_nan_inf_filter=False)  # a NaN loss is logged as such, not as the previous mean
+        trainer = GFPOTrainer(model=path, reward_funcs=lambda completions, **k: [len(str(c)) % 7 for c in completions],
+                              args=args, processing_class=tokenizer, tools=[f],
+                              train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "1+2="}]}]))
+        _force_tool_calls(trainer.model, tokenizer)
+        compute_loss = trainer.compute_loss
+
+        def recording(model, inputs, *args, **kwargs):
+            tool_output = (inputs["tool_mask"] == 0) & (inputs["completion_mask"] == 1)
+            tool_old_logps.append(inputs["old_per_token_logps"][tool_output])
+            return compute_loss(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = recording
+        trainer.train()
+        logs[use_kernels] = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(old.numel() and old.min() < -88.7 for old in tool_old_logps)  # tool output was trained on, masked
+    off, on = logs[False], logs[True]
+    assert len(off) == len(on) == 1 and off[0]["tools/call_frequency"] > 0 and off[0]["loss"] != 0
+    assert math.isfinite(on[0]["loss"])
+    for name in ("loss", "entropy", "clip_ratio/region_mean"):
+        assert on[0][name] == pytest.approx(off[0][name], rel=1e-4, abs=1e-7), name
