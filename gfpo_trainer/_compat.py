@@ -162,6 +162,24 @@ def tool_mask_of(generate_result) -> list | None:
     return tool_mask
 
 
+def keep_model_forward_under_liger(args) -> None:
+    """With use_liger_kernel=True, transformers applies Liger's kernels to the model when training starts, and
+    Liger's fused linear cross-entropy (on by default) replaces the model's forward, the one the fused GRPO loss
+    (use_gfpo_kernels=True) has patched by then (TRL 1.14: a crash in the first loss). TRL >= 1.15 turns that kernel
+    off itself (its own fused LM head patches the forward too) and refuses it when asked for; on TRL 1.14 it is
+    turned off here the same way, and refused when asked for. Liger's layer kernels (RMSNorm, RoPE, SwiGLU) stay."""
+    if not args.use_liger_kernel:
+        return
+    config = args.liger_kernel_config or {}
+    if config.get("fused_linear_cross_entropy"):
+        raise ValueError(
+            'use_gfpo_kernels=True does not support liger_kernel_config={"fused_linear_cross_entropy": True}: it '
+            "replaces the model's forward, which the fused GRPO loss patches (TRL >= 1.15 refuses it for its own "
+            "fused LM head too). Leave it unset: Liger's other kernels still apply."
+        )
+    args.liger_kernel_config = {**config, "fused_linear_cross_entropy": False}
+
+
 def lm_head_gather_context(*params):
     """A context in which ZeRO-3 partitioned LM-head parameters are gathered (a null context otherwise): TRL's
     `maybe_gather_lm_head_ctx` where this TRL has it, else the same gather done here. Only ZeRO-3 parameters (those

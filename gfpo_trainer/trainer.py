@@ -33,7 +33,10 @@ from transformers import LogitsProcessorList
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from ._compat import TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces, tool_mask_of
+from ._compat import (
+    TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces, keep_model_forward_under_liger,
+    tool_mask_of
+)
 from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
@@ -98,6 +101,7 @@ class GFPOTrainer(GRPOTrainer):
             raise TypeError(f"group_filter_func must be callable, got {type(group_filter_func).__name__}")
         if args.use_gfpo_kernels:
             check_fused_loss_supported(args)
+            keep_model_forward_under_liger(args)
 
         super().__init__(
             model=model,

@@ -227,3 +227,56 @@ def test_token_metrics_of_a_padding_only_micro_batch_are_left_out(model_dir, tok
     trainer._metrics["train"].clear()
     trainer.compute_loss(trainer.model, output)
     assert trainer._metrics["train"]["entropy"][-1] > 0
+
+
+class _GradientsBeforeStep:
+    """A callback keeping the accumulated gradient of every parameter at each optimizer step (before the step)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __getattr__(self, name):  # every other TrainerCallback event: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_liger_kernel_trains_what_the_reference_path_trains(model_dir, tokenizer, tmp_path, monkeypatch,  # noqa: F811
+                                                            loss_type):
+    """use_liger_kernel=True (TRL 1.14.2 to 1.16 have no Liger GRPO loss: TRL 1.15+ applies Liger's layer kernels,
+    1.14 also computes the log-probabilities in chunks; the loss stays TRL's _compute_loss) with kept rows that do
+    not divide into micro-batches (3 of 8 over 2 accumulation steps: a padding row, row weights): the logged loss
+    and every parameter's accumulated gradient equal those of the reference path (use_liger_kernel=False), and of
+    use_gfpo_kernels=True with Liger. On CPU only Liger's RoPE kernel runs (Triton's interpreter); its RMSNorm and
+    SwiGLU kernels fail there (a Python float where they call .to()) and are left to the GPU run."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    # Liger patches the module's RoPE function for every later Qwen2 model: undone after this test
+    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", modeling_qwen2.apply_rotary_pos_emb)
+    options = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1, learning_rate=1e-2,
+                   max_grad_norm=0.0, loss_type=loss_type, skip_zero_gradient_rows=False)
+    runs = {}
+    for liger, kernels in ((False, False), (True, False), (True, True)):
+        liger_options = dict(use_liger_kernel=True, liger_kernel_config={"rms_norm": False, "swiglu": False}) \
+            if liger else {}
+        trainer = make_trainer(model_dir, tokenizer, tmp_path / f"liger{int(liger)}{int(kernels)}",
+                               use_gfpo_kernels=kernels, **liger_options, **options)
+        recorder = _GradientsBeforeStep()
+        trainer.add_callback(recorder)
+        trainer.train()
+        assert len(recorder.steps) == 1
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs[liger, kernels] = losses, recorder.steps[0]
+    assert modeling_qwen2.apply_rotary_pos_emb.__name__ == "liger_rotary_pos_emb"  # Liger's kernel did run
+    want_losses, want_grads = runs[False, False]
+    assert any(g.abs().max() > 0 for g in want_grads.values())
+    for key in ((True, False), (True, True)):
+        losses, grads = runs[key]
+        assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-7), key
+        assert grads.keys() == want_grads.keys()
+        for name in want_grads:
+            torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
