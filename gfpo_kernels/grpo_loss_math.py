@@ -51,10 +51,10 @@ def _finite(value, name: str) -> None:
         raise ValueError(f"{name} must be a finite float, got {name}={value!r}")
 
 
-def check_loss_kind(loss_type, importance_sampling_level, loss_types: tuple[str, ...] = LOSS_TYPES) -> None:
-    """ValueError naming the value unless loss_type is one of `loss_types` and the level one of TRL's."""
-    if loss_type not in loss_types:
-        raise ValueError(f"loss_type must be one of {loss_types}, got loss_type={loss_type!r}")
+def check_loss_kind(loss_type, importance_sampling_level) -> None:
+    """ValueError naming the value unless loss_type and importance_sampling_level are among TRL's."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got loss_type={loss_type!r}")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
                          f"importance_sampling_level={importance_sampling_level!r}")

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("trl")
 
 from test_trainer import PROMPTS, make_trainer, model_dir, scored_batch, tokenizer  # noqa: E402,F401
+from transformers import TrainerCallback  # noqa: E402
 
 from gfpo_trainer import rows  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model  # noqa: E402
@@ -229,16 +230,11 @@ def test_token_metrics_of_a_padding_only_micro_batch_are_left_out(model_dir, tok
     assert trainer._metrics["train"]["entropy"][-1] > 0
 
 
-class _GradientsBeforeStep:
-    """A callback keeping the accumulated gradient of every parameter at each optimizer step (before the step)."""
+class _GradientsBeforeStep(TrainerCallback):
+    """Keeps the accumulated gradient of every parameter at each optimizer step (before the step)."""
 
     def __init__(self):
         self.steps = []
-
-    def __getattr__(self, name):  # every other TrainerCallback event: nothing to do
-        if name.startswith("on_"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(name)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.steps.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
