@@ -60,6 +60,7 @@ stages and chunks (what such a mode would gain and cost: docs/cce-gradient-filte
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -255,94 +256,159 @@ def _backend_ops(backend: str):
     return _logprob_entropy_torch, _grad_logits_torch, _scale_into_torch
 
 
-def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype,
-                   needs_grad):
-    """The chunked sweep: (loss, logps, entropy, accumulators) with accumulators the fp32 gradient sums
-    (grad_h of the scored rows, grad_w, grad_b) where `needs_grad` asks for them (None where not; all None without
-    gradients: forward-only work, no gradient GEMM nor buffer)."""
-    B, T, H = hidden.shape
-    V = weight.shape[0]
-    device = hidden.device
-    inv_t = 1.0 / options.temperature
-    softcap = options.logit_softcap
-    logprob_entropy, grad_logits, _ = _backend_ops(backend)
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How a call works through its n scored tokens: chunks of `chunk_rows` tokens, whose two gradient GEMMs run
+    together, each projected `stage_rows` tokens at a time (_chunk_plan decides both)."""
 
-    # Only the scored tokens are projected; their count is known on the host (validation read it with the target
-    # range in one transfer), so nonzero_static needs no second sync.
-    n = num_scored
-    rows = torch.nonzero_static(mask.reshape(-1) != 0, size=n).squeeze(1)
-    h, w = _gemm_operands(hidden.reshape(-1, H).index_select(0, rows), weight, operand_dtype)
-    b = None if bias is None else bias.to(operand_dtype).float()
-    targets = target_ids.reshape(-1).index_select(0, rows).long()
-    flat_logps = torch.zeros(B * T, dtype=torch.float32, device=device)
-    flat_entropy = torch.zeros(B * T, dtype=torch.float32, device=device)
-    lse = torch.empty(n, dtype=torch.float32, device=device)
+    n: int
+    stage_rows: int
+    chunk_rows: int
 
-    def loss_of(logps_2d):
-        return grpo_loss_from_logps(logps_2d, mask, options=options, with_stats=False, **loss_inputs)[0]
+    def chunks(self) -> list[tuple[int, int]]:
+        return [(start, min(start + self.chunk_rows, self.n)) for start in range(0, self.n, self.chunk_rows)]
 
-    def dloss_dlogp(logp_rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        """d(loss)/d(logp) at flat positions `at`, the other positions holding flat_logps' values."""
+    def stages(self, start: int, end: int) -> list[tuple[int, int]]:
+        return [(lo, min(lo + self.stage_rows, end)) for lo in range(start, end, self.stage_rows)]
+
+
+class _ScoredRows:
+    """The scored tokens of one call, gathered once (in the GEMM operand dtype), and their per-token statistics:
+    log p(target) and entropy (written into flat (B*T,) vectors, 0 where nothing is scored) and the log-partition
+    (n,), which the logits-gradient pass reads."""
+
+    def __init__(self, hidden, weight, bias, target_ids, mask, num_scored, operand_dtype, options, backend):
+        B, T, H = hidden.shape
+        device = hidden.device
+        # the count is known on the host (validation read it with the target range in one transfer), so
+        # nonzero_static needs no second sync
+        self.rows = torch.nonzero_static(mask.reshape(-1) != 0, size=num_scored).squeeze(1)
+        self.h, self.w = _gemm_operands(hidden.reshape(-1, H).index_select(0, self.rows), weight, operand_dtype)
+        self.b = None if bias is None else bias.to(operand_dtype).float()
+        self.targets = target_ids.reshape(-1).index_select(0, self.rows).long()
+        self.logps = torch.zeros(B * T, dtype=torch.float32, device=device)
+        self.entropy = torch.zeros(B * T, dtype=torch.float32, device=device)
+        self.lse = torch.empty(num_scored, dtype=torch.float32, device=device)
+        self.inv_t = 1.0 / options.temperature
+        self.softcap = options.logit_softcap
+        self.logprob_entropy, self.grad_logits, _ = _backend_ops(backend)
+
+    def project(self, lo: int, hi: int, stage: torch.Tensor) -> torch.Tensor:
+        """Rows [lo, hi)'s fp32 logits, in the staging buffer."""
+        return _project(self.h[lo:hi], self.w, self.b, stage[: hi - lo])
+
+    def record_statistics(self, lo: int, hi: int, logits: torch.Tensor) -> torch.Tensor:
+        """Rows [lo, hi)'s log p(target), entropy and log-partition from their logits; returns the log-probs."""
+        logp, entropy, self.lse[lo:hi] = self.logprob_entropy(logits, self.targets[lo:hi], self.inv_t, self.softcap)
+        self.logps[self.rows[lo:hi]] = logp
+        self.entropy[self.rows[lo:hi]] = entropy
+        return logp
+
+
+class _LossGradient:
+    """g = d(loss)/d(log p) by autograd through grpo_loss_math (the reference's code), at some of the scored
+    positions, the others holding the log-probabilities recorded so far."""
+
+    def __init__(self, scored: _ScoredRows, mask, loss_inputs, options):
+        self.scored, self.mask, self.loss_inputs, self.options = scored, mask, loss_inputs, options
+
+    def loss(self, logps_2d: torch.Tensor) -> torch.Tensor:
+        return grpo_loss_from_logps(logps_2d, self.mask, options=self.options, with_stats=False,
+                                    **self.loss_inputs)[0]
+
+    def at(self, logp_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             x = logp_rows.detach().requires_grad_()
-            logps = flat_logps.index_put((at,), x).view(B, T)
-            return torch.autograd.grad(loss_of(logps), x)[0]
+            logps = self.scored.logps.index_put((positions,), x).view(self.mask.shape)
+            return torch.autograd.grad(self.loss(logps), x)[0]
 
-    need_h, need_w, need_b = needs_grad
-    want_grad = need_h or need_w or (bias is not None and need_b)
-    stage_rows, chunk_rows = _chunk_plan(n, V, H, device, w.dtype, positions=B * T)
-    # grad_h: each row range is written once by its chunk's GEMM; grad_w: the first chunk's GEMM writes it, the
-    # others add to it. Neither needs a zero fill (but no chunk runs when nothing is scored).
-    alloc = torch.empty if n else torch.zeros
-    grad_h = alloc(n, H, dtype=torch.float32, device=device) if need_h else None
-    grad_w = alloc(V, H, dtype=torch.float32, device=device) if need_w else None
-    grad_b = torch.zeros(V, dtype=torch.float32, device=device) if bias is not None and need_b else None
-    stage = torch.empty(min(stage_rows, n), V, dtype=torch.float32, device=device)
-    dlogits = torch.empty(min(chunk_rows, n), V, dtype=w.dtype, device=device) if want_grad else None
 
-    def logits_gradient(logits, lo, hi, start, g):
-        """The stage [lo, hi)'s d(loss)/d(logits) into dlogits (the chunk from `start`), rounded once to the operand
-        dtype by the row kernel itself. A bias gradient sums the fp32 values first, then they are rounded."""
-        out = dlogits[lo - start: hi - start]
-        exact = grad_b is None or out.dtype == torch.float32
-        d = grad_logits(logits, targets[lo:hi], lse[lo:hi], g, inv_t, out if exact else None, softcap=softcap)
-        if grad_b is not None:
-            grad_b.add_(d.sum(0))
+class _Gradients:
+    """The fp32 gradient sums of one call (grad_h of the scored rows, grad_W, grad_b where asked) and the chunk's
+    logits-gradient buffer, in the GEMM operand dtype. grad_h: each chunk's GEMM writes its rows; grad_W: the
+    first chunk's GEMM writes it, the others add to it: neither is zero-filled (unless nothing is scored)."""
+
+    def __init__(self, scored: _ScoredRows, plan: _Plan, V: int, needs_grad: tuple[bool, bool, bool]):
+        need_h, need_w, need_b = needs_grad
+        n, H = scored.h.shape
+        device = scored.h.device
+        alloc = torch.empty if n else torch.zeros
+        self.scored = scored
+        self.grad_h = alloc(n, H, dtype=torch.float32, device=device) if need_h else None
+        self.grad_w = alloc(V, H, dtype=torch.float32, device=device) if need_w else None
+        self.grad_b = torch.zeros(V, dtype=torch.float32, device=device) if need_b else None
+        self.dlogits = torch.empty(min(plan.chunk_rows, n), V, dtype=scored.w.dtype, device=device)
+
+    def add_stage(self, lo: int, hi: int, chunk_start: int, logits: torch.Tensor, g: torch.Tensor) -> None:
+        """Rows [lo, hi)'s d(loss)/d(logits) into the chunk's buffer, rounded once to the operand dtype by the row
+        kernel itself. A bias gradient sums the fp32 values first, then they are rounded."""
+        s = self.scored
+        out = self.dlogits[lo - chunk_start: hi - chunk_start]
+        exact = self.grad_b is None or out.dtype == torch.float32
+        d = s.grad_logits(logits, s.targets[lo:hi], s.lse[lo:hi], g, s.inv_t, out if exact else None,
+                          softcap=s.softcap)
+        if self.grad_b is not None:
+            self.grad_b.add_(d.sum(0))
             if not exact:
                 out.copy_(d)
 
-    def gradient_gemms(start, end):
-        d = dlogits[: end - start]
-        if grad_h is not None:
-            _addmm_fp32(grad_h[start:end], d, w, accumulate=False)
-        if grad_w is not None:
-            _addmm_fp32(grad_w, d.t(), h[start:end], accumulate=start > 0)
+    def add_chunk(self, start: int, end: int) -> None:
+        """The chunk's two gradient GEMMs from its logits-gradient buffer."""
+        d = self.dlogits[: end - start]
+        if self.grad_h is not None:
+            _addmm_fp32(self.grad_h[start:end], d, self.scored.w, accumulate=False)
+        if self.grad_w is not None:
+            _addmm_fp32(self.grad_w, d.t(), self.scored.h[start:end], accumulate=start > 0)
 
-    # Token-level IS: one sweep computes the statistics and the gradients. Otherwise (sequence level; vespo with old
-    # log-probabilities) g needs every log-probability first: a statistics sweep, then a gradient sweep that
-    # projects again.
-    single_sweep = want_grad and options.is_token_local(with_old_logps=loss_inputs["old_logps"] is not None)
-    sweeps = [(True, single_sweep)] if single_sweep or not want_grad else [(True, False), (False, True)]
-    for stats_sweep, grad_sweep in sweeps:
-        g_all = None if stats_sweep else dloss_dlogp(flat_logps[rows], rows)
-        for start in range(0, n, chunk_rows):
-            end = min(start + chunk_rows, n)
-            for lo in range(start, end, stage_rows):
-                hi = min(lo + stage_rows, end)
-                logits = _project(h[lo:hi], w, b, stage[: hi - lo])
-                if stats_sweep:
-                    logp, entropy, lse[lo:hi] = logprob_entropy(logits, targets[lo:hi], inv_t, softcap)
-                    flat_logps[rows[lo:hi]] = logp
-                    flat_entropy[rows[lo:hi]] = entropy
-                if grad_sweep:
-                    g = dloss_dlogp(logp, rows[lo:hi]) if stats_sweep else g_all[lo:hi]
-                    logits_gradient(logits, lo, hi, start, g)
-            if grad_sweep:
-                gradient_gemms(start, end)
-    del stage, dlogits
 
-    logps, entropy = flat_logps.view(B, T), flat_entropy.view(B, T)
-    return loss_of(logps), logps, entropy, (rows, grad_h, grad_w, grad_b)
+def _sweep(scored: _ScoredRows, plan: _Plan, stage: torch.Tensor, *, statistics: bool,
+           gradients: _Gradients | None = None, loss_gradient=None) -> None:
+    """One pass over the scored tokens, stage by stage: each stage is projected into `stage`; with `statistics`,
+    its log-probs, entropy and log-partition are recorded; with `gradients`, its logits gradient from
+    loss_gradient(lo, hi, logp) goes into the chunk's buffer, and each chunk ends with its gradient GEMMs."""
+    logp = None
+    for start, end in plan.chunks():
+        for lo, hi in plan.stages(start, end):
+            logits = scored.project(lo, hi, stage)
+            if statistics:
+                logp = scored.record_statistics(lo, hi, logits)
+            if gradients is not None:
+                gradients.add_stage(lo, hi, start, logits, loss_gradient(lo, hi, logp))
+        if gradients is not None:
+            gradients.add_chunk(start, end)
+
+
+def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype,
+                   needs_grad):
+    """The loss, the per-token log-probs and entropy, and the fp32 gradient sums (rows, grad_h, grad_w, grad_b;
+    None where `needs_grad` does not ask for them; no gradient work at all without any: forward-only)."""
+    B, T, H = hidden.shape
+    V = weight.shape[0]
+    scored = _ScoredRows(hidden, weight, bias, target_ids, mask, num_scored, operand_dtype, options, backend)
+    loss_gradient = _LossGradient(scored, mask, loss_inputs, options)
+    n = num_scored
+    plan = _Plan(n, *_chunk_plan(n, V, H, hidden.device, scored.w.dtype, positions=B * T))
+    gradients = _Gradients(scored, plan, V, needs_grad) if any(needs_grad) else None
+    stage = torch.empty(min(plan.stage_rows, n), V, dtype=torch.float32, device=hidden.device)
+
+    if gradients is None:
+        _sweep(scored, plan, stage, statistics=True)
+    elif options.is_token_local(with_old_logps=loss_inputs["old_logps"] is not None):
+        # token-level importance sampling: a stage's g depends on its own log-probs only, so one sweep does all
+        _sweep(scored, plan, stage, statistics=True, gradients=gradients,
+               loss_gradient=lambda lo, hi, logp: loss_gradient.at(logp, scored.rows[lo:hi]))
+    else:
+        # sequence level (and vespo given old log-probs): g needs every log-probability first, then a second sweep
+        # projects again
+        _sweep(scored, plan, stage, statistics=True)
+        g_all = loss_gradient.at(scored.logps[scored.rows], scored.rows)
+        _sweep(scored, plan, stage, statistics=False, gradients=gradients,
+               loss_gradient=lambda lo, hi, _logp: g_all[lo:hi])
+    del stage
+
+    logps, entropy = scored.logps.view(B, T), scored.entropy.view(B, T)
+    sums = (None, None, None) if gradients is None else (gradients.grad_h, gradients.grad_w, gradients.grad_b)
+    return loss_gradient.loss(logps), logps, entropy, (scored.rows, *sums)
 
 
 class _FusedLinearGRPOFunction(torch.autograd.Function):

@@ -312,7 +312,7 @@ def trl_chunked_head(n: int, positions: int, H: int, V: int, *, backward: bool, 
 @dataclasses.dataclass(frozen=True)
 class LossPlan:
     """Our fused loss's plan as the model needs it: how the n scored tokens are projected (stages) and how their
-    gradient GEMMs are grouped (chunks), and what each stage launches.
+    gradient GEMMs are grouped (chunks), what each stage launches and where the gradients are kept.
 
     stage_rows / chunk_rows: rows per projection stage / per chunk of the two gradient GEMMs.
     logprob_launches: Triton launches of the log-prob pass per stage (a split pass: 2).
@@ -324,7 +324,15 @@ class LossPlan:
     cast_in_place: the chunk's logits gradient is written rounded to bf16 by the row kernel (False: an fp32 pass in
         place, then a copy to bf16, as at cec7c50).
     zero_fill: the fp32 accumulators are zero-filled (cec7c50) instead of written by the first chunk's GEMMs.
-    backward_cast: "triton" (one vectorised pass per parameter) or "torch" (PyTorch's casting multiply).
+    grad_h_fp32: the input gradient is held in an fp32 (n, H) accumulator and cast in backward (False: each chunk's
+        GEMM writes it in the parameter dtype).
+    grad_w_direct: one chunk, whose weight-gradient GEMM writes the parameter dtype: no fp32 (V, H) accumulator.
+    backward_cast: how backward finishes an fp32 accumulator: "triton" (one vectorised pass) or "torch" (PyTorch's
+        casting multiply); a gradient written in the parameter dtype is scaled in place only when the incoming
+        gradient is not 1 (a device-side test: one small launch).
+    free_stage_early: the staging buffer is freed before the last chunk's gradient GEMMs (where a directly written
+        weight gradient is allocated).
+    sweeps: projection sweeps (sequence-level importance sampling: 2).
     """
 
     stage_rows: int
@@ -338,7 +346,10 @@ class LossPlan:
     fixed_small_backward: int = 3
     cast_in_place: bool = True
     zero_fill: bool = False
+    grad_h_fp32: bool = True
+    grad_w_direct: bool = False
     backward_cast: str = "triton"
+    free_stage_early: bool = False
     sweeps: int = 1
 
 
@@ -375,36 +386,39 @@ def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 
 
 def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backward: bool,
                device: DeviceConstants = H100, operand_bytes: int = 2, first_gemm: bool = False) -> Cost:
-    """Our fused loss on n scored of `positions` tokens under `plan` (token-level importance sampling, no bias)."""
+    """Our fused loss on n scored of `positions` tokens under `plan` (token-level importance sampling, no bias;
+    parameters in the operand dtype)."""
     t = Trace(device)
     p = plan
+    ob = operand_bytes
     if first_gemm:
         t.alloc("cublas workspace", device.workspace_bytes)
     t.sync("validation")
     t.alloc("per-token", 4 * 2 * positions + (8 + 8 + 4) * n)  # logps, entropy; rows, targets, lse
-    t.stream("gather hidden rows", 2 * n * H * operand_bytes)
-    t.alloc("hidden rows", n * H * operand_bytes)
+    t.stream("gather hidden rows", 2 * n * H * ob)
+    t.alloc("hidden rows", n * H * ob)
     t.small("setup and loss small ops", p.fixed_small_forward)
     chunks = _ranges(n, p.chunk_rows)
+    assert not (p.grad_w_direct and len(chunks) > 1), "a weight gradient written directly needs one chunk"
     stages = [(lo, hi) for c0, c1 in chunks for lo, hi in _ranges(c1 - c0, p.stage_rows)]
     count = {"stage": len(stages) * p.sweeps}
     if backward:
         count["chunk"] = len(chunks)
-        t.alloc("grad_h fp32", 4 * n * H)
-        t.alloc("grad_W fp32", 4 * V * H)
+        t.alloc("grad_h", (4 if p.grad_h_fp32 else ob) * n * H)
+        if not p.grad_w_direct:
+            t.alloc("grad_W fp32", 4 * V * H)
         if p.zero_fill:
             t.stream("zero grad_h", 4 * n * H)
             t.stream("zero grad_W", 4 * V * H)
-    stage_rows = min(p.stage_rows, n)
-    t.alloc("stage logits fp32", 4 * stage_rows * V)
+    t.alloc("stage logits fp32", 4 * min(p.stage_rows, n) * V)
     if backward and p.cast_in_place:
-        t.alloc("chunk logits gradient", operand_bytes * min(p.chunk_rows, n) * V)
+        t.alloc("chunk logits gradient", ob * min(p.chunk_rows, n) * V)
     for c0, c1 in chunks:
         for lo, hi in _ranges(c1 - c0, p.stage_rows):
             rows = hi - lo
             t.phase = "stage"
             t.views(4)
-            t.gemm("projection", rows, V, H, operand_bytes=operand_bytes, out_bytes=4)
+            t.gemm("projection", rows, V, H, operand_bytes=ob, out_bytes=4)
             t.stream("log-prob pass", 4 * rows * V, logits=True, triton=True)
             t.small("log-prob combine", p.logprob_launches - 1, triton=True)
             t.small("write logps / entropy / lse", p.stage_ops)
@@ -415,7 +429,7 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
             if p.loss_grad_autograd:
                 t.autograd()
             if p.cast_in_place:
-                t.stream("logits gradient -> bf16", (4 + operand_bytes) * rows * V, logits=True, triton=True)
+                t.stream("logits gradient -> bf16", (4 + ob) * rows * V, logits=True, triton=True)
             else:
                 t.stream("logits gradient in place", 8 * rows * V, logits=True, triton=True)
         if not backward:
@@ -423,31 +437,46 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
         t.phase = "chunk"
         rows = c1 - c0
         if not p.cast_in_place:
-            t.alloc("chunk logits gradient", operand_bytes * rows * V)
-            t.stream("logits gradient -> bf16 copy", (4 + operand_bytes) * rows * V, logits=True)
-        t.gemm("grad_h = dlogits @ W", rows, H, V, operand_bytes=operand_bytes, accumulate=p.zero_fill)
-        t.gemm("grad_W += dlogits^T @ h", V, H, rows, operand_bytes=operand_bytes,
+            t.alloc("chunk logits gradient", ob * rows * V)
+            t.stream("logits gradient -> bf16 copy", (4 + ob) * rows * V, logits=True)
+        if c1 == n and p.free_stage_early:
+            t.free("stage logits fp32")
+        t.gemm("grad_h = dlogits @ W", rows, H, V, operand_bytes=ob, out_bytes=4 if p.grad_h_fp32 else ob,
+               accumulate=p.zero_fill)
+        if p.grad_w_direct:
+            t.alloc("weight.grad", V * H * ob)
+        t.gemm("grad_W += dlogits^T @ h", V, H, rows, operand_bytes=ob, out_bytes=ob if p.grad_w_direct else 4,
                accumulate=p.zero_fill or c0 > 0)
         if not p.cast_in_place:
             t.free("chunk logits gradient")
     t.phase = "loss"
-    t.free("stage logits fp32", "hidden rows")
+    if not (backward and chunks and p.free_stage_early):
+        t.free("stage logits fp32")
+    t.free("hidden rows")
     if backward and p.cast_in_place:
         t.free("chunk logits gradient")
     if not backward:
         return simulate(t, count)
     t.phase = "backward"
     t.small("backward small ops", p.fixed_small_backward)
-    t.alloc("hidden.grad", positions * H * operand_bytes)
-    t.stream("zero hidden.grad", positions * H * operand_bytes)
-    t.alloc("grad_h scaled", n * H * operand_bytes)
+    t.alloc("hidden.grad", positions * H * ob)
+    t.stream("zero hidden.grad", positions * H * ob)
     cast = t.cast if p.backward_cast == "torch" else (lambda name, b: t.stream(name, b, triton=True))
-    cast("scale grad_h into bf16", 6 * n * H)
-    t.stream("index_copy grad_h", 2 * n * H * operand_bytes)
-    t.free("grad_h scaled")
-    t.alloc("weight.grad", V * H * operand_bytes)
-    cast("scale grad_W into bf16", 6 * V * H)
-    t.free("grad_h fp32", "grad_W fp32")
+    if p.grad_h_fp32:
+        t.alloc("grad_h scaled", n * H * ob)
+        cast("scale grad_h into bf16", 6 * n * H)
+        t.stream("index_copy grad_h", 2 * n * H * ob)
+        t.free("grad_h scaled")
+    else:
+        t.small("scale grad_h if the incoming gradient is not 1", triton=True)
+        t.stream("index_copy grad_h", 2 * n * H * ob)
+    if p.grad_w_direct:
+        t.small("scale weight.grad if the incoming gradient is not 1", triton=True)
+        t.free("grad_h")
+    else:
+        t.alloc("weight.grad", V * H * ob)
+        cast("scale grad_W into bf16", 6 * V * H)
+        t.free("grad_h", "grad_W fp32")
     return simulate(t, count)
 
 
