@@ -4,9 +4,10 @@ values). Knobs are module attributes read at call time, set here and restored af
 - gfpo_kernels.group_ops_triton._TILE_ELEMENTS: elements per program of the group kernel (4096x16, 8192x64);
 - gfpo_kernels.linear_grpo_triton.BLOCK_V (and NUM_WARPS when the module has one): the row kernels' block;
 - gfpo_kernels.linear_grpo_triton._TARGET_PROGRAMS: how finely the log-prob pass cuts a 256-row stage's vocabulary;
-- gfpo_kernels.fused_linear_grpo._CHUNK_BYTES["cuda"] and _STAGE_SHARE: the fused loss's buffer budget (default:
-  derived from free memory and the LM head's size) and the share of it that stages fp32 logits, with the peak
-  extra memory of each value beside its time.
+- gfpo_kernels.fused_linear_grpo._STAGE_ROWS and _BUFFER_SHARE_OF_WEIGHT: the fused loss's rows per projection stage
+  and the share of the LM head's size its buffers take (fewer, longer chunks), at the benchmark's inputs (both
+  masks), with each value's peak extra memory and the cost model's predicted time and peak beside its time. Without
+  CUDA the predictions alone.
 
 Times are medians of triton.testing.do_bench (CUDA events). Each value is checked against the default's output
 first, so a knob that breaks the result is reported, not timed.
@@ -44,9 +45,9 @@ def _copied(out):
     return out
 
 
-def _sweep(title, module, attr, values, make_fn, check, key=None, peak_memory=False):
+def _sweep(title, module, attr, values, make_fn, check, key=None, peak_memory=False, predict=None):
     """Times make_fn() for each value of module.attr (or module.attr[key]); restores the default. peak_memory: the
-    note column gives each value's peak extra memory."""
+    note column gives each value's peak extra memory; predict(): a string (the cost model's numbers) beside it."""
     # a dict entry may be absent (the fused loss's _CHUNK_BYTES: absent = derived from free memory)
     default = getattr(module, attr) if key is None else getattr(module, attr).get(key)
     # a copy: a kernel writing into a preallocated buffer (out=) would otherwise be compared with itself
@@ -62,6 +63,8 @@ def _sweep(title, module, attr, values, make_fn, check, key=None, peak_memory=Fa
             try:
                 check(fn(), reference_out)
                 note = f"peak extra {_peak_extra_gib(fn):.2f} GiB" if peak_memory else ""
+                if predict is not None:
+                    note += f"; {predict()}"
                 rows.append((value, _median_ms(fn), note))
             except Exception as exc:  # noqa: BLE001  (a value that fails, a Triton compile error too, is a finding)
                 rows.append(
@@ -92,9 +95,9 @@ def main(argv=None) -> None:
     parser.add_argument("--fast", action="store_true", help="fewer values and sizes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print(
-            "bench/tune.py: no CUDA device; the knobs are tuned only on a GPU (nothing done)"
-        )
+        print("bench/tune.py: no CUDA device; the knobs are tuned only on a GPU (nothing timed). The cost model's "
+              "predictions for the fused loss's plan constants:")
+        _fused_loss_sweeps(args.fast)
         return
     import gfpo_kernels
     from gfpo_kernels import fused_linear_grpo as flg
@@ -197,63 +200,77 @@ def main(argv=None) -> None:
             "\n(linear_grpo_triton has no NUM_WARPS attribute: the row kernels use Triton's default warps)"
         )
 
-    B, T, H = (16, 256, 2048) if args.fast else (32, 512, 4096)
-    hidden = (
-        (torch.randn(B, T, H, generator=g, device="cuda") / H**0.5)
-        .bfloat16()
-        .requires_grad_()
-    )
-    weight = torch.randn(V, H, generator=g, device="cuda").bfloat16().requires_grad_()
-    target = torch.randint(0, V, (B, T), generator=g, device="cuda")
-    mask = torch.ones(B, T, device="cuda")
-    adv = torch.randn(B, generator=g, device="cuda")
-
-    def make_loss():
-        def fn():
-            loss, _ = gfpo_kernels.fused_linear_grpo_loss(
-                hidden, weight, target, mask, adv
-            )
-            loss.backward()
-            out = (
-                loss.detach(),
-                hidden.grad.float().norm(),
-                weight.grad.float().norm(),
-            )
-            hidden.grad = weight.grad = None
-            return out
-
-        return fn
-
-    def same_loss(out, want):
-        for a, b in zip(out, want):
-            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
-
-    # the default at this shape is the LM head's size, 151936 * 4096 * 2 bytes (1.16 GiB)
-    budgets = (
-        [256 << 20, 1 << 30, 4 << 30]
-        if args.fast
-        else [256 << 20, 512 << 20, 1 << 30, V * H * 2, 2 << 30, 4 << 30]
-    )
-    _sweep(
-        f"fused loss _CHUNK_BYTES['cuda'], fwd+bwd, B={B} T={T} H={H} V={V} bf16",
-        flg,
-        "_CHUNK_BYTES",
-        budgets,
-        make_loss,
-        same_loss,
-        key="cuda",
-        peak_memory=True,
-    )
-    _sweep(
-        f"fused loss _STAGE_SHARE (1/share of the budget stages fp32 logits), fwd+bwd, B={B} T={T} H={H} V={V} bf16",
-        flg,
-        "_STAGE_SHARE",
-        [4, 8, 16] if args.fast else [2, 4, 8, 16, 32],
-        make_loss,
-        same_loss,
-        peak_memory=True,
-    )
+    _fused_loss_sweeps(args.fast)
     sys.stdout.flush()
+
+
+# the fused loss's plan constants, each value with the cost model's prediction beside it
+LOSS_KNOBS = {
+    "_STAGE_ROWS": ([256, 512, 1024], [128, 256, 384, 512, 768, 1024]),
+    "_BUFFER_SHARE_OF_WEIGHT": ([0.5, 1.0, 2.0], [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]),
+}
+
+
+def _predicted(flg, B, T, H, V, n) -> str:
+    """The cost model's time and peak for the plan the loss makes now (with the knob as set), H100 constants."""
+    from gfpo_kernels import fused_loss_cost as cost
+
+    plan = cost.current_plan(n, B * T, H, V)
+    c = cost.fused_loss(plan, n, B * T, H, V, backward=True)
+    return (f"model {c.time_s * 1e3:.1f} ms, {c.peak_bytes / 2**30:.2f} GiB "
+            f"({len(plan.chunk_layout(n))} chunks, stages of {plan.stage_rows})")
+
+
+def _fused_loss_sweeps(fast: bool) -> None:
+    """The fused loss's plan constants at the benchmark's inputs (bench/test_bench_linear_grpo.py, both masks),
+    forward+backward: measured time and peak extra memory beside the cost model's prediction. Without CUDA only
+    the predictions are printed."""
+    from gfpo_kernels import fused_linear_grpo as flg
+
+    B, T, H, V = (16, 256, 2048, 151936) if fast else (32, 512, 4096, 151936)
+    on_gpu = torch.cuda.is_available()
+    for mask_kind in ("ragged-ends", "grpo-lengths"):
+        if on_gpu:
+            import gfpo_kernels
+            from test_bench_linear_grpo import LOSS, _inputs
+
+            hidden, weight, target, mask, adv, _ = _inputs(B, T, H, V, mask_kind)
+            hidden.requires_grad_()
+            weight.requires_grad_()
+            n = int(mask.sum())
+        else:
+            n = {"ragged-ends": 0.87335205078125, "grpo-lengths": 0.26458740234375}[mask_kind]
+            n = round(n * B * T)  # the benchmark's masks at the goal shape
+
+        def make_loss():
+            def fn():
+                loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, adv, **LOSS)
+                loss.backward()
+                out = (loss.detach(), hidden.grad.float().norm(), weight.grad.float().norm())
+                hidden.grad = weight.grad = None
+                return out
+
+            return fn
+
+        def same_loss(out, want):
+            for a, b in zip(out, want):
+                torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+        for knob, (few, many) in LOSS_KNOBS.items():
+            title = f"fused loss {knob}, fwd+bwd, {mask_kind} (n={n}), B={B} T={T} H={H} V={V} bf16"
+            if on_gpu:
+                _sweep(title, flg, knob, few if fast else many, make_loss, same_loss, peak_memory=True,
+                       predict=lambda: _predicted(flg, B, T, H, V, n))
+                continue
+            default = getattr(flg, knob)
+            print(f"\n## {title} (default {default}): predictions only, no CUDA device")
+            try:
+                for value in few if fast else many:
+                    setattr(flg, knob, value)
+                    print(f"| {value}{' (default)' if value == default else ''} | "
+                          f"{_predicted(flg, B, T, H, V, n)} |")
+            finally:
+                setattr(flg, knob, default)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,9 @@ logits of the whole batch.
 Design
 ------
 Only the scored tokens (mask != 0) are projected: they are gathered once into (n, H), in the dtype TRL's head
-would use (the autocast dtype under autocast, else the common dtype of hidden and weight). They are then processed
-in chunks of `chunk_rows` tokens, each projected `stage_rows` tokens at a time (_chunk_plan; the buffers fit a
-budget, _chunk_budget: on CUDA a share of the free memory, bounded, and at most about the LM head weight's size).
-For each stage of a chunk:
+would use (the autocast dtype under autocast, else the common dtype of hidden and weight). One budget decides the
+plan (_chunk_plan, _budget: on CUDA half the free memory, counting everything the call holds): stages of at most
+512 tokens, grouped into chunks. For each stage:
 
 1. GEMM: logits = h_stage @ W^T (+ b) into the fp32 staging buffer (stage_rows, V) (cuBLAS with fp32
    accumulation and output for bf16/fp16).
@@ -21,47 +20,57 @@ For each stage of a chunk:
 4. Row pass: logits -> d(loss)/d(logits) = g * (onehot(target) - p) / temperature (times 1 - tanh^2(z / cap)
    with a soft cap), written rounded once to the operand dtype into the chunk's gradient buffer (chunk_rows, V).
 
-Then, once per chunk:
+Then, once per chunk, two GEMMs from that buffer:
 
-5. Two GEMMs from that buffer: grad_h[chunk] = dlogits @ W, grad_W += dlogits^T @ h_chunk (fp32; the first
-   chunk writes grad_W instead of adding, so it is never zero-filled; grad_b sums the fp32 values).
+5. grad_h[chunk] = dlogits @ W, summed over the whole vocabulary by one GEMM in fp32 and written once in hidden's
+   dtype. grad_W = dlogits^T @ h: with one chunk (few scored tokens: GRPO batches of short completions), one
+   GEMM sums over every scored token and writes it once in the weight's dtype; with several chunks an fp32 (V, H)
+   accumulator that the first chunk's GEMM writes and the others add to (never zero-filled), cast to the weight's
+   dtype in backward. grad_b sums the fp32 logits gradient.
 
-Why two levels: each chunk reads and writes the fp32 (V, H) grad_W once (2.5 GB each way at Qwen's vocabulary and
-H=4096), so chunks want thousands of tokens; holding their gradient in bf16 (2 bytes per logit) rather than their
-fp32 logits (4, plus the bf16 copy) fits 3x the tokens in the same memory, and the fp32 logits only ever exist
-for one stage.
+Why two levels: each chunk of several reads and writes the fp32 (V, H) accumulator once (2.5 GB each way at Qwen's
+vocabulary and H=4096), so chunks want thousands of tokens, while stages want to be small, since their fp32 logits
+take 4 bytes a logit against the chunk buffer's 2, and large enough to keep the projection compute-bound. The
+staging buffer is freed before the last chunk's GEMMs.
 
-The gradients are finished inside the forward and only scaled by the incoming gradient in backward (folded into
-their conversion to the parameters' dtypes; skipped for fp32 parameters when the incoming gradient is known to
-be 1 without a device sync): three
-GEMMs per chunk (6*N*H*V FLOPs) instead of the four (8*N*H*V) of a forward + recomputing backward such as
-TRL's chunked log-prob kernel or Liger's, and nothing is recomputed. With sequence-level importance sampling
+The gradients are finished inside the forward and only scaled by the incoming gradient in backward: folded into
+the cast of an fp32 accumulator, or in place, and skipped on the device when the incoming gradient is 1
+(_finished). Three GEMMs (6*N*H*V FLOPs) instead of the four (8*N*H*V) of a forward + recomputing backward such
+as TRL's chunked log-prob kernel or Liger's, and nothing is recomputed. With sequence-level importance sampling
 the loss is not token-local: a first sweep (steps 1-2) computes all log-probabilities, g is taken once over the
 whole batch, and a second sweep does steps 1, 4, 5 (four GEMMs). Without grad mode (eval, no_grad,
-inference_mode) only steps 1-2 run, whatever the parameters' requires_grad. vespo given old log-probabilities takes
-the two sweeps too: its per-sequence weight phi is a function of every log-probability of the sequence.
+inference_mode) only steps 1-2 run, whatever the parameters' requires_grad, over the same stages (the same bits).
+vespo given old log-probabilities takes the two sweeps too: its per-sequence weight phi is a function of every
+log-probability of the sequence.
 
 Host syncs: one per call, reading the number of scored tokens with the target-id range (_validation); the
 row gather then uses nonzero_static; a host num_items_in_batch goes to the device once per call. Besides it, only
-the fp32-parameter backward on CPU reads grad_output. The Triton launches make the tensors' device current.
+the torch backward on CPU reads grad_output. The Triton launches make the tensors' device current.
 
-Extra memory: the staging and chunk buffers (_chunk_budget; on CUDA at most the LM head weight's size in the
-operand dtype, not under 1 GiB), the fp32 gradient accumulators (n x H, V x H), and O(B*T) per-token vectors;
-never a (B*T, V) tensor. TRL's fused head holds the same fp32 accumulators plus the weight gradient it returns,
-so for heads of 1 GiB or more (Qwen's vocabulary at H >= 3.5k) our peak is no higher than its.
+Extra memory (what the budget counts, _Footprint): the staging and chunk buffers (with several chunks at most the
+LM head weight's size in the operand dtype, not under 1 GiB), the gathered rows and their input gradient (n x H),
+a converted copy of the weight where the operand dtype is not the weight's (an fp32 head under bf16 autocast:
+V x H x 2), the fp32 (V, H) accumulator with several chunks, the gradients returned, and O(B*T) per-token vectors;
+never a (B*T, V) tensor. What that comes to against TRL's fused head at the benchmark's shape is a prediction of
+gfpo_kernels.fused_loss_cost (python -m gfpo_kernels.fused_loss_cost), checked by each GPU run
+(bench/predicted_vs_measured.py), not a guarantee: an fp32 head under autocast holds its bf16 copy beside the fp32
+accumulator, which TRL's head (casting slices) does not.
 
-Precision: logits and softmax statistics in fp32; the GEMMs accumulate in fp32; for bf16/fp16 operands that cuBLAS
-multiplies as such the logits gradient is rounded to that dtype once before the two gradient GEMMs (as TRL and
-Liger do), elsewhere it stays fp32. Where cuBLAS cannot write fp32 from half precision operands (CPU; bf16 before sm_80;
-_half_gemm_on_device) the operands are rounded to their dtype and then held in fp32. Unlike
-cut-cross-entropy we do not skip vocabulary tiles of negligible softmax mass: the GEMMs are cuBLAS calls over whole
-stages and chunks (what such a mode would gain and cost: docs/cce-gradient-filtering-study.md).
+Precision: logits and softmax statistics in fp32; the GEMMs accumulate in fp32 (split-K partial sums included:
+_fp32_reductions); for bf16/fp16 operands that cuBLAS multiplies as such the logits gradient is rounded to that
+dtype once before the two gradient GEMMs (as TRL and Liger do), elsewhere it stays fp32. A gradient a GEMM writes
+in a half-precision parameter's dtype is rounded once, as the cast of an fp32 sum would be; an incoming gradient
+other than 1 then rounds it a second time (within one unit in the last place). Where cuBLAS cannot write fp32 from
+half precision operands (CPU; bf16 before sm_80; _half_gemm_on_device) the operands are rounded to their dtype and
+then held in fp32, and the gradients kept in fp32 until backward. Unlike cut-cross-entropy we do not skip
+vocabulary tiles of negligible softmax mass: the GEMMs are cuBLAS calls over whole stages and chunks (what such a
+mode would gain and cost: docs/cce-gradient-filtering-study.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 
 import torch
 
@@ -71,67 +80,163 @@ from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps, soft_capped
 
 __all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
 
-# Fixed chunk budgets (bytes of the per-chunk buffers) per device type, overriding the derived one below: tests
-# shrink them to force many chunks, bench/tune.py sweeps them.
-_CHUNK_BYTES: dict[str, int] = {}
-_DEFAULT_CHUNK_BYTES = 64 << 20  # CPU and any device without a free-memory query
+# The one budget: the bytes a call may hold at its peak, everything counted (the staging and chunk buffers, the
+# gathered rows and a converted copy of the weight, the fp32 weight-gradient accumulator, the gradients it returns).
+# Overrides per device type: tests shrink it to force many chunks, bench/tune.py sweeps it.
+_BUDGET_BYTES: dict[str, int] = {}
+_DEFAULT_BUDGET_BYTES = 64 << 20  # CPU and any device without a free-memory query
 # CUDA: this share of the memory free for new tensors (the device's free memory plus what PyTorch's caching
-# allocator holds unused), bounded: at least a few hundred rows at any vocabulary, and past 4 GiB the fp32 grad_W
-# traffic saved by fewer chunks is negligible next to the GEMMs.
-_CUDA_CHUNK_SHARE = 0.25
-_CUDA_CHUNK_BYTES_MIN = 256 << 20
-_CUDA_CHUNK_BYTES_MAX = 4 << 30
-# ... and no more than the LM head weight in the operand dtype, the extra memory TRL's fused head holds at the end of
-# its backward (its fp32 weight-gradient accumulator plus the copy returned), so that our peak (the same fp32
-# accumulator plus these buffers) is no higher than its. Not under 1 GiB: a chunk of r tokens reads and writes the
-# fp32 (V, H) accumulator once, which costs about 276 / r of the GEMM time on an H100 whatever H is, so small heads
-# keep chunks of a few thousand tokens.
-_CUDA_WEIGHT_CAP_MIN = 1 << 30
-# The fp32 staging buffer of the projections takes this share of the budget, the chunk's logits gradient the rest,
-_STAGE_SHARE = 8
-# ... but a stage projects at least this many FLOPs (up to half the budget): each stage costs the host about 0.6 ms
-# (launches and the autograd call for g; measured on CPU with tiny shapes), and its projection, ~0.3 ms at
-# 600 TFLOP/s, plus its share of the chunk's two gradient GEMMs (twice that) keeps the GPU ahead of the host. At
-# H=4096 the share decides (256 tokens); small heads get longer stages (H=896: 735 tokens instead of 220).
-_STAGE_MIN_FLOPS = 2e11
+# allocator holds unused). It counts the accumulators and the returned gradients too, which need their memory
+# whatever the plan; the buffers get what they leave.
+_CUDA_BUDGET_SHARE = 0.5
+# Rows per projection stage: twice the rows at which an H100's projection turns compute-bound. A stage of r rows
+# does 2rHV FLOPs while streaming the 2HV bytes of the bf16 weight, r FLOP per byte, and the ridge of an H100 is
+# 693 TFLOP/s over 2.92 TB/s = 237 FLOP per byte (fused_loss_cost.H100): 512 rows leave the weight's stream at most
+# half the projection's time, whatever H. Each stage also costs the host its launches, so fewer is better.
+_STAGE_ROWS = 512
+# ... and the fp32 staging buffer (rows, V) stays within this, so that vocabularies past 256k take shorter stages.
+_STAGE_BYTES_MAX = 512 << 20
+# With several chunks, the staging and chunk buffers together take at most this share of the LM head weight in the
+# operand dtype: for a half-precision head, 1 is the weight gradient's converted copy, which backward holds beside
+# the fp32 accumulator anyway, so the buffers add no peak memory (bench/tune.py sweeps it: more buys fewer chunks).
+_BUFFER_SHARE_OF_WEIGHT = 1.0
+# ... not under 1 GiB: each chunk reads and writes the fp32 (V, H) accumulator once, exposed in full below about
+# 1800 rows (fused_loss_cost.H100), so small heads keep chunks of thousands of rows.
+_BUFFER_BYTES_MIN = 1 << 30
+# When the budget is short, the chunk's logits-gradient buffer still takes this much.
+_MIN_CHUNK_BYTES = 256 << 20
 
 
-def _chunk_budget(device: torch.device, weight_bytes: int | None = None) -> int:
-    """Bytes the per-chunk buffers may take on `device` (weight_bytes: the LM head weight in the operand dtype)."""
-    if device.type in _CHUNK_BYTES:
-        return _CHUNK_BYTES[device.type]
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How a call works through its n scored tokens: chunks (start, end), whose two gradient GEMMs run together,
+    each made of stages (lo, hi) projected one at a time. With one chunk the weight gradient is written by one GEMM,
+    in the weight's dtype; with several it is summed over the chunks in an fp32 accumulator."""
+
+    chunks: tuple[tuple[int, int], ...]
+    stages: tuple[tuple[int, int], ...]  # in order, each inside one chunk
+
+    @classmethod
+    def balanced(cls, n: int, n_stages: int, n_chunks: int) -> _Plan:
+        """n rows in n_stages stages of as equal sizes as can be, grouped into n_chunks chunks of whole stages."""
+        bounds = [i * n // n_stages for i in range(n_stages + 1)]
+        groups = [j * n_stages // n_chunks for j in range(n_chunks + 1)]
+        chunks = tuple((bounds[groups[j]], bounds[groups[j + 1]]) for j in range(n_chunks))
+        return cls(chunks=chunks, stages=tuple((bounds[i], bounds[i + 1]) for i in range(n_stages)))
+
+    @classmethod
+    def fixed(cls, n: int, stage_rows: int, chunk_rows: int) -> _Plan:
+        """Chunks of chunk_rows rows (the last one shorter), each cut into stages of stage_rows (tests force it)."""
+        chunks = tuple((a, min(a + chunk_rows, n)) for a in range(0, n, chunk_rows))
+        stages = tuple((lo, min(lo + stage_rows, b)) for a, b in chunks for lo in range(a, b, stage_rows))
+        return cls(chunks=chunks, stages=stages)
+
+    def stages_of(self, start: int, end: int) -> list[tuple[int, int]]:
+        return [(lo, hi) for lo, hi in self.stages if start <= lo < end]
+
+    @property
+    def stage_rows(self) -> int:
+        return max((hi - lo for lo, hi in self.stages), default=0)
+
+    @property
+    def chunk_rows(self) -> int:
+        return max((end - start for start, end in self.chunks), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Footprint:
+    """What one call holds besides its staging and chunk buffers, in bytes, for the budget: the gathered rows (n, H)
+    in the operand dtype, the per-token vectors, the input gradient of the scored rows, a converted copy of the
+    weight (the operand dtype differs from the weight's: an fp32 head under bf16 autocast, or fp32 operands where
+    cuBLAS cannot write fp32 from half), the fp32 weight-gradient accumulator and the weight gradient returned; in
+    backward, hidden's gradient (B*T, H)."""
+
+    n: int
+    positions: int
+    V: int
+    H: int
+    operand_size: int  # itemsize of the GEMM operands and of the chunk's logits-gradient buffer
+    hidden_size: int
+    grad_h_size: int  # itemsize of the scored rows' input gradient as the forward keeps it
+    weight_size: int
+    weight_direct: bool  # one chunk's GEMM can write the weight gradient in the weight's dtype
+    weight_copy: bool
+    need_h: bool
+    need_w: bool
+
+    def phases(self, stage_rows: int, chunk_rows: int, chunks: int) -> tuple[int, int, int]:
+        """Bytes held during the stage loop, during the last chunk's GEMMs (the staging buffer freed, a weight
+        gradient written directly allocated) and during backward."""
+        n, V, H = self.n, self.V, self.H
+        rows = n * H * self.operand_size + 20 * n + 8 * self.positions + n * H * self.grad_h_size * self.need_h
+        copy = V * H * self.operand_size if self.weight_copy else 0
+        staging = 4 * stage_rows * V
+        if not (self.need_h or self.need_w):
+            return rows + copy + staging, 0, 0
+        buffer = self.operand_size * chunk_rows * V
+        sums = self.need_w and (chunks > 1 or not self.weight_direct)
+        acc = 4 * V * H if sums else 0
+        # the weight gradient returned: written directly (one chunk), cast from the accumulator in backward, or the
+        # accumulator itself (an fp32 weight)
+        out = V * H * self.weight_size if self.need_w and not (sums and self.weight_size == 4) else 0
+        stage_loop = rows + copy + staging + buffer + acc
+        last_gemms = rows + copy + buffer + acc + (0 if sums else out)
+        cast_h = n * H * self.hidden_size if self.grad_h_size != self.hidden_size else 0
+        hidden_grad = (n * self.grad_h_size + self.positions * self.hidden_size) * H + cast_h
+        backward = acc + out + hidden_grad * self.need_h
+        return stage_loop, last_gemms, backward
+
+    def peak(self, stage_rows: int, chunk_rows: int, chunks: int) -> int:
+        return max(self.phases(stage_rows, chunk_rows, chunks))
+
+
+def _budget(device: torch.device) -> int:
+    """The bytes a call may hold at its peak on `device` (_BUDGET_BYTES overrides)."""
+    if device.type in _BUDGET_BYTES:
+        return _BUDGET_BYTES[device.type]
     if device.type != "cuda":
-        return _DEFAULT_CHUNK_BYTES
+        return _DEFAULT_BUDGET_BYTES
     free, _total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    budget = min(max(free * _CUDA_CHUNK_SHARE, _CUDA_CHUNK_BYTES_MIN), _CUDA_CHUNK_BYTES_MAX)
-    if weight_bytes is not None:
-        budget = min(budget, max(weight_bytes, _CUDA_WEIGHT_CAP_MIN))
-    return int(budget)
+    return int(free * _CUDA_BUDGET_SHARE)
 
 
-def _chunk_plan(n: int, V: int, H: int, device: torch.device, operand_dtype: torch.dtype,
-                positions: int | None = None) -> tuple[int, int]:
-    """(stage_rows, chunk_rows) for n scored tokens. The logits are projected stage_rows tokens at a time into an
-    fp32 staging buffer (rows, V) (1/_STAGE_SHARE of the budget, or _STAGE_MIN_FLOPS of projection); with
-    gradients, each stage's logits gradient is written, rounded once to the operand dtype, into a buffer of
-    chunk_rows tokens (the rest of the budget), from which the two gradient GEMMs run once per chunk. Long chunks
-    keep the fp32 grad_W traffic small (one read and write per chunk); a bf16 gradient buffer holds 3x the rows of
-    fp32 logits plus their bf16 copy. When every one of the B*T `positions` is scored, both hold at most half of
-    them (rounded up), so that no buffer is the (B*T, V) logits. Without gradients only the staging buffer exists;
-    the stages are the same, so the log-probabilities are the same bits with and without grad mode. The plan
-    follows the free memory only where a quarter of it is less than the head-size cap (for Qwen's vocabulary at
-    H=4096, under 4.6 GiB free): there the stages and chunks shrink, and the GEMMs' row counts with them, which may
-    change the last bits of the log-probabilities and the weight gradient's fp32 sum."""
-    itemsize = operand_dtype.itemsize
-    budget = _chunk_budget(device, V * H * itemsize)
-    # A batch with every position scored (no padding) that fits one chunk would hold the whole (B*T, V) logits
-    # (or their gradient): two chunks instead, at the cost of one more read and write of the fp32 weight-gradient
-    # accumulator. GRPO batches carry padding, so their single chunk (fewer rows than B*T) is kept.
-    most = -(-n // 2) if positions is not None and n >= positions > 1 else n
-    by_share, by_flops = budget // _STAGE_SHARE // (4 * V), math.ceil(_STAGE_MIN_FLOPS / (2 * V * H))
-    stage_rows = max(1, min(most, max(by_share, by_flops), budget // 2 // (4 * V)))
-    return stage_rows, max(stage_rows, min(most, (budget - 4 * V * stage_rows) // (itemsize * V)))
+def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
+    """The plan for a call, from the one budget (_budget, everything counted).
+
+    Stages: _STAGE_ROWS rows (fewer past _STAGE_BYTES_MAX of fp32 logits), cut evenly: they depend on the shapes
+    only, so the log-probabilities are the same bits with and without gradients and whatever memory is free.
+    Without gradients that is all. With them:
+    - several chunks of whole stages, cut evenly, as few as fit in buffers of the LM head weight's size
+      (_BUFFER_SHARE_OF_WEIGHT; _BUFFER_BYTES_MIN at least), or in what the budget leaves beside everything else
+      when that is less (but not under _MIN_CHUNK_BYTES for the chunk): their weight gradient is summed in an fp32
+      accumulator;
+    - or one chunk, when its peak is no higher than that and fits the budget: every stage's logits gradient in one
+      buffer, and the weight gradient written once by one GEMM in the weight's dtype, no fp32 accumulator. (Few
+      scored rows: GRPO batches of short completions.)
+    When every one of the B*T positions is scored, no stage or chunk holds more than half of them, so that no
+    buffer is the (B*T, V) logits (then always two chunks or more)."""
+    f = footprint
+    n, V = f.n, f.V
+    if n == 0:
+        return _Plan(chunks=(), stages=())
+    most = -(-n // 2) if n >= f.positions > 1 else n
+    stage_max = max(1, min(_STAGE_ROWS, _STAGE_BYTES_MAX // (4 * V), most))
+    n_stages = -(-n // stage_max)
+    stage_rows = -(-n // n_stages)
+    if not (f.need_h or f.need_w) or n_stages == 1 and most == n:
+        return _Plan.balanced(n, n_stages, 1)
+    budget = _budget(device)
+    stage_loop = f.phases(stage_rows, 0, chunks=2)[0]  # several chunks, without the chunk buffer
+    cap = max(int(_BUFFER_SHARE_OF_WEIGHT * V * f.H * f.operand_size), _BUFFER_BYTES_MIN)
+    buffers = min(cap, budget - stage_loop + 4 * stage_rows * V)
+    chunk_bytes = max(buffers - 4 * stage_rows * V, _MIN_CHUNK_BYTES)
+    stages_per_chunk = max(1, min(chunk_bytes // (f.operand_size * V * stage_rows), most // stage_rows))
+    n_chunks = max(2, -(-n_stages // stages_per_chunk))
+    several = f.peak(stage_rows, -(-n_stages // n_chunks) * stage_rows, chunks=2)
+    if most == n and f.peak(stage_rows, n, chunks=1) <= min(budget, several):
+        return _Plan.balanced(n, n_stages, 1)
+    return _Plan.balanced(n, n_stages, n_chunks)
 
 
 def _normaliser_on(value, device: torch.device) -> torch.Tensor | None:
@@ -190,29 +295,60 @@ def _project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     return out
 
 
-def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = True) -> None:
-    """acc += a @ b (accumulate=False: acc = a @ b, no zero fill nor read of acc) with fp32 accumulation (a: the
-    logits gradient, already in b's dtype; b: an operand from _gemm_operands)."""
-    if b.dtype == torch.float32:
-        acc.addmm_(a, b) if accumulate else torch.mm(a, b, out=acc)
-    elif accumulate:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+def _written_dtype(param_dtype: torch.dtype, operand_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient GEMM writes for a parameter of `param_dtype`: the parameter's own where cuBLAS writes it
+    from these operands (the same dtype, or fp32), else fp32 (cast in backward)."""
+    return param_dtype if param_dtype in (operand_dtype, torch.float32) else torch.float32
+
+
+@contextlib.contextmanager
+def _fp32_reductions(dtype: torch.dtype, device: torch.device):
+    """cuBLAS may add split-K partial products in a half-precision output's dtype, which PyTorch allows by default
+    (torch.backends.cuda.matmul.allow_bf16/fp16_reduced_precision_reduction): disallowed around the GEMMs that write
+    a gradient in bf16/fp16, so that every sum is fp32 until its one rounding."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    name = "allow_bf16_reduced_precision_reduction" if dtype == torch.bfloat16 else "allow_fp16_reduced_precision_reduction"
+    previous = getattr(matmul, name)
+    split_k = getattr(matmul, name + "_split_k", None)  # torch >= 2.12 keeps a second flag
+    setattr(matmul, name, False)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, previous if split_k is None else (previous, split_k))
+
+
+def _gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
+    """out = a @ b (accumulate: out += a @ b, fp32 out only) with fp32 accumulation, rounded once to out's dtype (a:
+    the logits gradient, in b's dtype; b: an operand from _gemm_operands; out: fp32, or b's half dtype)."""
+    assert not accumulate or out.dtype == torch.float32, "only an fp32 accumulator adds"
+    if out.dtype == b.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            with _fp32_reductions(out.dtype, out.device):
+                torch.mm(a, b, out=out)
+    elif out.dtype == torch.float32:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
     else:
-        torch.mm(a, b, out_dtype=torch.float32, out=acc)
+        raise AssertionError(f"no GEMM writes {out.dtype} from {b.dtype} operands")
 
 
-def _scaled(acc: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype, scale_into) -> torch.Tensor:
-    """acc * grad_output in `dtype`, from an fp32 gradient accumulator that is not used afterwards. For a half
-    precision parameter the scale rides on the conversion the accumulator needs anyway (one pass either way:
-    `scale_into`, the backend's kernel from _backend_ops). For an fp32 parameter the multiply is skipped when
-    grad_output is known on the host to be 1 (a CPU tensor: no device sync); on CUDA it is one in-place pass, as
-    reading the value would stall the host."""
-    if acc.dtype != dtype:
+def _finished(grad: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype, scale_into, scale_in_place):
+    """A gradient the forward computed (not used afterwards) times grad_output, in the parameter's `dtype`. An fp32
+    sum for a half-precision parameter is scaled on its way to that dtype (one pass: `scale_into`, the backend's
+    kernel). A gradient already in `dtype` is scaled in place only when grad_output is not 1 (`scale_in_place`
+    tests it on the device: no pass, and no host sync, in the common case). Then a half-precision gradient that
+    a GEMM wrote is rounded a second time: round(round(x) * s), within one unit in the last place of round(x * s)."""
+    if grad.dtype != dtype:
         into = scale_into if dtype in (torch.bfloat16, torch.float16) else _scale_into_torch
-        return into(acc, grad_output, dtype)
-    if grad_output.device.type == "cpu" and grad_output.item() == 1.0:
-        return acc
-    return acc.mul_(grad_output)
+        return into(grad, grad_output, dtype)
+    return scale_in_place(grad, grad_output)
 
 
 def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None = None):
@@ -247,35 +383,29 @@ def _scale_into_torch(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return torch.mul(acc, scale, out=torch.empty_like(acc, dtype=dtype))
 
 
+def _scale_in_place_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Torch twin of linear_grpo_triton.scale_in_place_triton: x *= scale unless scale is 1. On the CPU the test is
+    free; elsewhere it would stall the host, so x is multiplied whatever the scale."""
+    if scale.device.type != "cpu" or scale.item() != 1.0:
+        x.mul_(scale)
+    return x
+
+
 def _backend_ops(backend: str):
-    """(logprob_entropy, grad_logits, scale_into) of `backend`: the Triton kernels or their torch twins."""
+    """(logprob_entropy, grad_logits, scale_into, scale_in_place) of `backend`: the Triton kernels or their torch
+    twins."""
     if backend == "triton":
-        from .linear_grpo_triton import grad_logits_triton, logprob_entropy_triton, scale_into_triton
+        from .linear_grpo_triton import (grad_logits_triton, logprob_entropy_triton, scale_in_place_triton,
+                                         scale_into_triton)
 
-        return logprob_entropy_triton, grad_logits_triton, scale_into_triton
-    return _logprob_entropy_torch, _grad_logits_torch, _scale_into_torch
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """How a call works through its n scored tokens: chunks of `chunk_rows` tokens, whose two gradient GEMMs run
-    together, each projected `stage_rows` tokens at a time (_chunk_plan decides both)."""
-
-    n: int
-    stage_rows: int
-    chunk_rows: int
-
-    def chunks(self) -> list[tuple[int, int]]:
-        return [(start, min(start + self.chunk_rows, self.n)) for start in range(0, self.n, self.chunk_rows)]
-
-    def stages(self, start: int, end: int) -> list[tuple[int, int]]:
-        return [(lo, min(lo + self.stage_rows, end)) for lo in range(start, end, self.stage_rows)]
+        return logprob_entropy_triton, grad_logits_triton, scale_into_triton, scale_in_place_triton
+    return _logprob_entropy_torch, _grad_logits_torch, _scale_into_torch, _scale_in_place_torch
 
 
 class _ScoredRows:
-    """The scored tokens of one call, gathered once (in the GEMM operand dtype), and their per-token statistics:
-    log p(target) and entropy (written into flat (B*T,) vectors, 0 where nothing is scored) and the log-partition
-    (n,), which the logits-gradient pass reads."""
+    """The scored tokens of one call, gathered once (in the GEMM operand dtype), the fp32 staging buffer their
+    logits are projected into, and their per-token statistics: log p(target) and entropy (written into flat (B*T,)
+    vectors, 0 where nothing is scored) and the log-partition (n,), which the logits-gradient pass reads."""
 
     def __init__(self, hidden, weight, bias, target_ids, mask, num_scored, operand_dtype, options, backend):
         B, T, H = hidden.shape
@@ -289,13 +419,16 @@ class _ScoredRows:
         self.logps = torch.zeros(B * T, dtype=torch.float32, device=device)
         self.entropy = torch.zeros(B * T, dtype=torch.float32, device=device)
         self.lse = torch.empty(num_scored, dtype=torch.float32, device=device)
+        self.stage = None
         self.inv_t = 1.0 / options.temperature
         self.softcap = options.logit_softcap
-        self.logprob_entropy, self.grad_logits, _ = _backend_ops(backend)
+        self.logprob_entropy, self.grad_logits = _backend_ops(backend)[:2]
 
-    def project(self, lo: int, hi: int, stage: torch.Tensor) -> torch.Tensor:
-        """Rows [lo, hi)'s fp32 logits, in the staging buffer."""
-        return _project(self.h[lo:hi], self.w, self.b, stage[: hi - lo])
+    def project(self, lo: int, hi: int, plan: _Plan) -> torch.Tensor:
+        """Rows [lo, hi)'s fp32 logits, in the staging buffer (allocated by the first stage)."""
+        if self.stage is None:
+            self.stage = torch.empty(plan.stage_rows, self.w.shape[0], dtype=torch.float32, device=self.w.device)
+        return _project(self.h[lo:hi], self.w, self.b, self.stage[: hi - lo])
 
     def record_statistics(self, lo: int, hi: int, logits: torch.Tensor) -> torch.Tensor:
         """Rows [lo, hi)'s log p(target), entropy and log-partition from their logits; returns the log-probs."""
@@ -324,20 +457,32 @@ class _LossGradient:
 
 
 class _Gradients:
-    """The fp32 gradient sums of one call (grad_h of the scored rows, grad_W, grad_b where asked) and the chunk's
-    logits-gradient buffer, in the GEMM operand dtype. grad_h: each chunk's GEMM writes its rows; grad_W: the
-    first chunk's GEMM writes it, the others add to it: neither is zero-filled (unless nothing is scored)."""
+    """The gradients of one call: grad_h of the scored rows, grad_W, grad_b (where asked), and the chunk's
+    logits-gradient buffer in the GEMM operand dtype.
 
-    def __init__(self, scored: _ScoredRows, plan: _Plan, V: int, needs_grad: tuple[bool, bool, bool]):
+    grad_h: each chunk's GEMM sums over the whole vocabulary and writes its rows once, in hidden's dtype where the
+    GEMM can write it (_written_dtype), so it is rounded once. grad_W: with one chunk, one GEMM sums over every
+    scored row and writes it once, in the weight's dtype likewise (allocated after the staging buffer is freed);
+    with several, an fp32 accumulator that the first chunk's GEMM writes and the others add to. Nothing is
+    zero-filled (unless nothing is scored). grad_b: fp32, from the fp32 logits gradient."""
+
+    def __init__(self, scored: _ScoredRows, plan: _Plan, V: int, needs_grad: tuple[bool, bool, bool],
+                 hidden_dtype: torch.dtype, weight_dtype: torch.dtype):
         need_h, need_w, need_b = needs_grad
         n, H = scored.h.shape
         device = scored.h.device
         alloc = torch.empty if n else torch.zeros
         self.scored = scored
-        self.grad_h = alloc(n, H, dtype=torch.float32, device=device) if need_h else None
-        self.grad_w = alloc(V, H, dtype=torch.float32, device=device) if need_w else None
+        self.grad_h = alloc(n, H, dtype=_written_dtype(hidden_dtype, scored.w.dtype), device=device) if need_h else None
+        one_chunk = len(plan.chunks) <= 1
+        self.need_w = need_w
+        self.grad_w = None  # one chunk: its GEMM writes the weight gradient
+        if need_w and (not one_chunk or n == 0):
+            self.grad_w = alloc(V, H, dtype=_written_dtype(weight_dtype, scored.w.dtype) if one_chunk else
+                                torch.float32, device=device)
+        self.weight_dtype = weight_dtype
         self.grad_b = torch.zeros(V, dtype=torch.float32, device=device) if need_b else None
-        self.dlogits = torch.empty(min(plan.chunk_rows, n), V, dtype=scored.w.dtype, device=device)
+        self.dlogits = torch.empty(plan.chunk_rows, V, dtype=scored.w.dtype, device=device)
 
     def add_stage(self, lo: int, hi: int, chunk_start: int, logits: torch.Tensor, g: torch.Tensor) -> None:
         """Rows [lo, hi)'s d(loss)/d(logits) into the chunk's buffer, rounded once to the operand dtype by the row
@@ -354,99 +499,120 @@ class _Gradients:
 
     def add_chunk(self, start: int, end: int) -> None:
         """The chunk's two gradient GEMMs from its logits-gradient buffer."""
+        s = self.scored
         d = self.dlogits[: end - start]
         if self.grad_h is not None:
-            _addmm_fp32(self.grad_h[start:end], d, self.scored.w, accumulate=False)
-        if self.grad_w is not None:
-            _addmm_fp32(self.grad_w, d.t(), self.scored.h[start:end], accumulate=start > 0)
+            _gemm(self.grad_h[start:end], d, s.w)
+        if self.need_w:
+            if self.grad_w is None:  # one chunk: its GEMM writes the weight gradient
+                dtype = _written_dtype(self.weight_dtype, s.w.dtype)
+                self.grad_w = torch.empty(s.w.shape, dtype=dtype, device=d.device)
+            _gemm(self.grad_w, d.t(), s.h[start:end], accumulate=start > 0)
 
 
-def _sweep(scored: _ScoredRows, plan: _Plan, stage: torch.Tensor, *, statistics: bool,
-           gradients: _Gradients | None = None, loss_gradient=None) -> None:
-    """One pass over the scored tokens, stage by stage: each stage is projected into `stage`; with `statistics`,
-    its log-probs, entropy and log-partition are recorded; with `gradients`, its logits gradient from
-    loss_gradient(lo, hi, logp) goes into the chunk's buffer, and each chunk ends with its gradient GEMMs."""
+def _sweep(scored: _ScoredRows, plan: _Plan, *, statistics: bool, gradients: _Gradients | None = None,
+           loss_gradient=None, last: bool = True) -> None:
+    """One pass over the scored tokens, stage by stage: each stage is projected into the staging buffer; with
+    `statistics`, its log-probs, entropy and log-partition are recorded; with `gradients`, its logits gradient
+    from loss_gradient(lo, hi, logp) goes into the chunk's buffer, and each chunk ends with its gradient GEMMs.
+    In the `last` pass the staging buffer is freed once the last stage is projected, before the last GEMMs."""
     logp = None
-    for start, end in plan.chunks():
-        for lo, hi in plan.stages(start, end):
-            logits = scored.project(lo, hi, stage)
+    for start, end in plan.chunks:
+        for lo, hi in plan.stages_of(start, end):
+            logits = scored.project(lo, hi, plan)
             if statistics:
                 logp = scored.record_statistics(lo, hi, logits)
             if gradients is not None:
                 gradients.add_stage(lo, hi, start, logits, loss_gradient(lo, hi, logp))
+            del logits
+        if last and end == plan.chunks[-1][1]:
+            scored.stage = None
         if gradients is not None:
             gradients.add_chunk(start, end)
 
 
+def _footprint(scored: _ScoredRows, hidden, weight, needs_grad) -> _Footprint:
+    """The budget's view of a call (_Footprint) from its operands and parameters."""
+    n, H = scored.h.shape
+    V = scored.w.shape[0]
+    operand = scored.w.dtype
+    return _Footprint(
+        n=n, positions=hidden.shape[0] * hidden.shape[1], V=V, H=H, operand_size=operand.itemsize,
+        hidden_size=hidden.dtype.itemsize, grad_h_size=_written_dtype(hidden.dtype, operand).itemsize,
+        weight_size=weight.dtype.itemsize, weight_direct=_written_dtype(weight.dtype, operand) == weight.dtype,
+        weight_copy=scored.w.data_ptr() != weight.data_ptr(), need_h=needs_grad[0], need_w=needs_grad[1],
+    )
+
+
 def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype,
                    needs_grad):
-    """The loss, the per-token log-probs and entropy, and the fp32 gradient sums (rows, grad_h, grad_w, grad_b;
-    None where `needs_grad` does not ask for them; no gradient work at all without any: forward-only)."""
+    """The loss, the per-token log-probs and entropy, and the gradients (rows, grad_h, grad_w, grad_b; None where
+    `needs_grad` does not ask for them; no gradient work at all without any: forward-only)."""
     B, T, H = hidden.shape
     V = weight.shape[0]
     scored = _ScoredRows(hidden, weight, bias, target_ids, mask, num_scored, operand_dtype, options, backend)
     loss_gradient = _LossGradient(scored, mask, loss_inputs, options)
-    n = num_scored
-    plan = _Plan(n, *_chunk_plan(n, V, H, hidden.device, scored.w.dtype, positions=B * T))
-    gradients = _Gradients(scored, plan, V, needs_grad) if any(needs_grad) else None
-    stage = torch.empty(min(plan.stage_rows, n), V, dtype=torch.float32, device=hidden.device)
+    plan = _chunk_plan(_footprint(scored, hidden, weight, needs_grad), hidden.device)
+    gradients = None
+    if any(needs_grad):
+        gradients = _Gradients(scored, plan, V, needs_grad, hidden.dtype, weight.dtype)
 
     if gradients is None:
-        _sweep(scored, plan, stage, statistics=True)
+        _sweep(scored, plan, statistics=True)
     elif options.is_token_local(with_old_logps=loss_inputs["old_logps"] is not None):
         # token-level importance sampling: a stage's g depends on its own log-probs only, so one sweep does all
-        _sweep(scored, plan, stage, statistics=True, gradients=gradients,
+        _sweep(scored, plan, statistics=True, gradients=gradients,
                loss_gradient=lambda lo, hi, logp: loss_gradient.at(logp, scored.rows[lo:hi]))
     else:
         # sequence level (and vespo given old log-probs): g needs every log-probability first, then a second sweep
         # projects again
-        _sweep(scored, plan, stage, statistics=True)
+        _sweep(scored, plan, statistics=True, last=False)
         g_all = loss_gradient.at(scored.logps[scored.rows], scored.rows)
-        _sweep(scored, plan, stage, statistics=False, gradients=gradients,
+        _sweep(scored, plan, statistics=False, gradients=gradients,
                loss_gradient=lambda lo, hi, _logp: g_all[lo:hi])
-    del stage
+    scored.stage = None
 
     logps, entropy = scored.logps.view(B, T), scored.entropy.view(B, T)
-    sums = (None, None, None) if gradients is None else (gradients.grad_h, gradients.grad_w, gradients.grad_b)
-    return loss_gradient.loss(logps), logps, entropy, (scored.rows, *sums)
+    grads = (None, None, None) if gradients is None else (gradients.grad_h, gradients.grad_w, gradients.grad_b)
+    return loss_gradient.loss(logps), logps, entropy, (scored.rows, *grads)
 
 
 class _FusedLinearGRPOFunction(torch.autograd.Function):
-    """The gradients are finished in the forward as fp32 sums; backward only scales them by the incoming gradient
-    (folded into their conversion to the parameters' dtypes) and can run once."""
+    """The gradients are finished in the forward; backward only scales them by the incoming gradient (folded into
+    the conversion of an fp32 sum to a half-precision parameter's dtype) and can run once."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype):
         needs_grad = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        loss, logps, entropy, ctx.accumulators = _fused_forward(
+        loss, logps, entropy, ctx.gradients = _fused_forward(
             hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype,
             needs_grad,
         )
         ctx.hidden_shape, ctx.dtypes = hidden.shape, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.scale_into = _backend_ops(backend)[2]
+        ctx.scale_ops = _backend_ops(backend)[2:]
         ctx.mark_non_differentiable(logps, entropy)
         return loss, logps, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_logps, _grad_entropy):
-        if ctx.accumulators is None:
+        if ctx.gradients is None:
             raise RuntimeError(
                 "fused_linear_grpo_loss: backward ran twice through the same call (retain_graph=True); its "
                 "gradients are computed in the forward and handed over once. Call the loss again instead."
             )
-        (rows, grad_h, grad_w, grad_b), ctx.accumulators = ctx.accumulators, None  # freed as soon as handed over
+        (rows, grad_h, grad_w, grad_b), ctx.gradients = ctx.gradients, None  # freed as soon as handed over
         hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
         grad_loss = grad_loss.float()
         full_grad_h = None
         if grad_h is not None:
             B, T, H = ctx.hidden_shape
             full_grad_h = torch.zeros(B * T, H, dtype=hidden_dtype, device=grad_h.device)
-            full_grad_h.index_copy_(0, rows, _scaled(grad_h, grad_loss, hidden_dtype, ctx.scale_into))
+            full_grad_h.index_copy_(0, rows, _finished(grad_h, grad_loss, hidden_dtype, *ctx.scale_ops))
             full_grad_h = full_grad_h.view(B, T, H)
         grads = (
             full_grad_h,
-            None if grad_w is None else _scaled(grad_w, grad_loss, weight_dtype, ctx.scale_into),
-            None if grad_b is None else _scaled(grad_b, grad_loss, bias_dtype, ctx.scale_into),
+            None if grad_w is None else _finished(grad_w, grad_loss, weight_dtype, *ctx.scale_ops),
+            None if grad_b is None else _finished(grad_b, grad_loss, bias_dtype, *ctx.scale_ops),
         )
         return (*grads, None, None, None, None, None, None, None)
 

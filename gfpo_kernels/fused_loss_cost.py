@@ -351,6 +351,19 @@ class LossPlan:
     backward_cast: str = "triton"
     free_stage_early: bool = False
     sweeps: int = 1
+    layout: tuple | None = None  # per chunk, its stages' rows (None: chunks of chunk_rows cut into stage_rows)
+
+    def chunk_layout(self, n: int) -> list[list[tuple[int, int]]]:
+        """Per chunk, its stages as (lo, hi) row ranges."""
+        if self.layout is None:
+            return [_ranges(c1 - c0, self.stage_rows) for c0, c1 in _ranges(n, self.chunk_rows)]
+        chunks = []
+        for stage_rows in self.layout:
+            bounds = [0]
+            for rows in stage_rows:
+                bounds.append(bounds[-1] + rows)
+            chunks.append(list(zip(bounds[:-1], bounds[1:])))
+        return chunks
 
 
 def cec7c50_plan(n: int, V: int, operand_bytes: int = 2, budget: int = 4 << 30) -> LossPlan:
@@ -366,22 +379,25 @@ def cec7c50_plan(n: int, V: int, operand_bytes: int = 2, budget: int = 4 << 30) 
 
 def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 75 * GiB,
                  operand_bytes: int = 2) -> LossPlan:
-    """The plan gfpo_kernels.fused_linear_grpo makes for these shapes on a CUDA device with `free_bytes` free."""
-    import torch
-
+    """The plan gfpo_kernels.fused_linear_grpo makes for these shapes (parameters in the operand dtype, token-level
+    importance sampling, gradients for hidden and weight) on a CUDA device with `free_bytes` free."""
     from . import fused_linear_grpo as flg
 
-    dtype = {2: torch.bfloat16, 4: torch.float32}[operand_bytes]
-    budget = min(max(free_bytes * flg._CUDA_CHUNK_SHARE, flg._CUDA_CHUNK_BYTES_MIN), flg._CUDA_CHUNK_BYTES_MAX)
-    budget = int(min(budget, max(V * H * operand_bytes, flg._CUDA_WEIGHT_CAP_MIN)))
-    saved = dict(flg._CHUNK_BYTES)
-    flg._CHUNK_BYTES["cuda"] = budget
+    footprint = flg._Footprint(n=n, positions=positions, V=V, H=H, operand_size=operand_bytes,
+                               hidden_size=operand_bytes, grad_h_size=operand_bytes, weight_size=operand_bytes,
+                               weight_direct=True, weight_copy=False, need_h=True, need_w=True)
+    saved = dict(flg._BUDGET_BYTES)
+    flg._BUDGET_BYTES["cuda"] = int(free_bytes * flg._CUDA_BUDGET_SHARE)
     try:
-        stage_rows, chunk_rows = flg._chunk_plan(n, V, H, torch.device("cuda"), dtype, positions=positions)
+        import torch
+
+        plan = flg._chunk_plan(footprint, torch.device("cuda"))
     finally:
-        flg._CHUNK_BYTES.clear()
-        flg._CHUNK_BYTES.update(saved)
-    return LossPlan(stage_rows=stage_rows, chunk_rows=chunk_rows)
+        flg._BUDGET_BYTES.clear()
+        flg._BUDGET_BYTES.update(saved)
+    layout = tuple(tuple(hi - lo for lo, hi in plan.stages_of(start, end)) for start, end in plan.chunks)
+    return LossPlan(stage_rows=plan.stage_rows, chunk_rows=plan.chunk_rows, layout=layout, grad_h_fp32=False,
+                    grad_w_direct=len(plan.chunks) == 1, free_stage_early=True)
 
 
 def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backward: bool,
@@ -398,10 +414,15 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
     t.stream("gather hidden rows", 2 * n * H * ob)
     t.alloc("hidden rows", n * H * ob)
     t.small("setup and loss small ops", p.fixed_small_forward)
-    chunks = _ranges(n, p.chunk_rows)
+    layout = p.chunk_layout(n)
+    chunks, start = [], 0
+    for stages in layout:
+        chunks.append((start, start + stages[-1][1]))
+        start += stages[-1][1]
     assert not (p.grad_w_direct and len(chunks) > 1), "a weight gradient written directly needs one chunk"
-    stages = [(lo, hi) for c0, c1 in chunks for lo, hi in _ranges(c1 - c0, p.stage_rows)]
-    count = {"stage": len(stages) * p.sweeps}
+    count = {"stage": sum(len(stages) for stages in layout) * p.sweeps}
+    chunk_rows = max((c1 - c0 for c0, c1 in chunks), default=0)
+    stage_rows = max((hi - lo for stages in layout for lo, hi in stages), default=0)
     if backward:
         count["chunk"] = len(chunks)
         t.alloc("grad_h", (4 if p.grad_h_fp32 else ob) * n * H)
@@ -410,11 +431,11 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
         if p.zero_fill:
             t.stream("zero grad_h", 4 * n * H)
             t.stream("zero grad_W", 4 * V * H)
-    t.alloc("stage logits fp32", 4 * min(p.stage_rows, n) * V)
+    t.alloc("stage logits fp32", 4 * stage_rows * V)
     if backward and p.cast_in_place:
-        t.alloc("chunk logits gradient", ob * min(p.chunk_rows, n) * V)
-    for c0, c1 in chunks:
-        for lo, hi in _ranges(c1 - c0, p.stage_rows):
+        t.alloc("chunk logits gradient", ob * chunk_rows * V)
+    for (c0, c1), stages in zip(chunks, layout):
+        for lo, hi in stages:
             rows = hi - lo
             t.phase = "stage"
             t.views(4)

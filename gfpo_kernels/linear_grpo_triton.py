@@ -12,11 +12,13 @@ Both work on one stage of projected logits, fp32 (rows, V), raw (before the mode
   moved per logit instead of 14 (profiled on an H100: the conversion took 4.7% of the fused loss's CUDA time, the
   kernel 6.8%).
 
-And one elementwise kernel for backward:
+And two elementwise kernels for backward:
 - scale_into: an fp32 gradient accumulator times the incoming gradient, rounded once into the parameter's half
   precision dtype. torch.mul(acc, scale, out=bf16) does the same in one pass but with PyTorch's casting
   elementwise kernel, which is not vectorized (3.3% of the fused loss's CUDA time on the H100 for the (V, H)
   weight gradient, about half the memory bandwidth).
+- scale_in_place: a gradient already in the parameter's dtype times the incoming gradient, in place, skipped on
+  the device when that is 1 (the usual loss.backward()): no pass over the (V, H) gradient and no host sync.
 """
 
 from __future__ import annotations
@@ -149,7 +151,23 @@ def _scale_into_kernel(src_ptr, scale_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
 
 
+@triton.jit
+def _scale_in_place_kernel(x_ptr, scale_ptr, numel, BLOCK: tl.constexpr):
+    # a fixed grid of programs, each striding over the blocks: when the scale is 1 every program returns after one
+    # load, whatever the size
+    scale = tl.load(scale_ptr)
+    if scale != 1.0:
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, step):
+            offsets = start + tl.arange(0, BLOCK)
+            ok = offsets < numel
+            x = tl.load(x_ptr + offsets, mask=ok).to(tl.float32) * scale
+            tl.store(x_ptr + offsets, x.to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
+
+
 SCALE_BLOCK = 4096
+# scale_in_place's grid: enough programs to stream at full bandwidth when it must scale (4 per SM of a 132-SM H100)
+_SCALE_PROGRAMS = 528
 
 
 def _split_span(rows: int, V: int, block: int) -> tuple[int, int]:
@@ -209,6 +227,20 @@ def grad_logits_triton(
                 1.0 if softcap is None else float(softcap), BLOCK=block, HAS_SOFTCAP=softcap is not None,
             )
     return out
+
+
+def scale_in_place_triton(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x *= scale (x: contiguous, fp32/bf16/fp16, rounded once to nearest even; scale: one fp32 value on x's
+    device), unless the scale is 1: the kernel reads it and returns at once, so the common case costs one small
+    launch and no host sync."""
+    assert x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.numel():
+        scale = scale.to(x.device, torch.float32).reshape(1)
+        with on_device(x.device):
+            _scale_in_place_kernel[(min(_SCALE_PROGRAMS, triton.cdiv(x.numel(), SCALE_BLOCK)),)](
+                x, scale, x.numel(), BLOCK=SCALE_BLOCK, num_warps=8
+            )
+    return x
 
 
 def scale_into_triton(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -69,7 +69,7 @@ def _group_launches(group_sizes) -> list[Launch]:
 
 def _row_launches(vocab_sizes) -> list[Launch]:
     """The fused loss's row passes (log-sum-exp partials and their combination, grad-logits) at the block size the
-    wrapper picks, and its backward's scale-into kernel."""
+    wrapper picks, and its backward's scale-into and scale-in-place kernels."""
     launches = []
     for V in vocab_sizes:
         block = min(linear_grpo_triton.BLOCK_V, triton.next_power_of_2(V))
@@ -99,6 +99,10 @@ def _row_launches(vocab_sizes) -> list[Launch]:
         launches.append(Launch(f"scale-into -> {out}", linear_grpo_triton._scale_into_kernel,
                                {"src_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": f"*{out}", "numel": "i32",
                                 "BLOCK": "constexpr"}, {"BLOCK": linear_grpo_triton.SCALE_BLOCK}, num_warps=8))
+    for dtype in ("fp32", "bf16", "fp16"):  # backward: a gradient written in its parameter's dtype, scaled in place
+        launches.append(Launch(f"scale-in-place {dtype}", linear_grpo_triton._scale_in_place_kernel,
+                               {"x_ptr": f"*{dtype}", "scale_ptr": "*fp32", "numel": "i32", "BLOCK": "constexpr"},
+                               {"BLOCK": linear_grpo_triton.SCALE_BLOCK}, num_warps=8))
     return launches
 
 
@@ -138,11 +142,12 @@ def _resource_usage(ptx: str, arch: int) -> dict:
 
 def compile_launch(launch: Launch, arch: int) -> dict:
     """Compiles `launch` for sm_<arch>; returns its registers, stack frame and spill bytes per thread, and the
-    PTX conversions to half precision (`half_conversions`: their opcodes, which name the rounding mode)."""
+    PTX conversions from fp32 to half precision (`half_conversions`: their opcodes, which name the rounding mode)."""
     ptx = compile_ptx(launch, arch)
     usage = _resource_usage(ptx, arch)
+    # conversions to half precision (cvt.<rounding>.<bf16|f16>.f32); widening ones (cvt.f32.bf16) are exact
     usage["half_conversions"] = sorted({line.split()[0] for line in ptx.splitlines()
-                                        if re.match(r"\s*cvt\.\w+\.(bf16|f16)", line)})
+                                        if re.match(r"\s*cvt\.(\w+\.)?(bf16|f16)(x2)?\.f32", line)})
     return usage
 
 

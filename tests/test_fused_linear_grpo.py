@@ -21,8 +21,8 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 
 def force_plan(monkeypatch, stage_rows, chunk_rows):
     """Chunks of `chunk_rows` tokens (their gradient GEMMs together), projected `stage_rows` at a time."""
-    def plan(n, V, H, device, operand_dtype, positions=None):
-        return max(1, min(n, stage_rows)), max(1, min(n, chunk_rows))
+    def plan(footprint, device):
+        return flg._Plan.fixed(footprint.n, stage_rows, chunk_rows)
 
     monkeypatch.setattr(flg, "_chunk_plan", plan)
 
@@ -236,7 +236,7 @@ def test_no_gradient_work_without_grad_mode(backend, context, monkeypatch):
     p = _problem(14)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
     gemm_calls = []
-    monkeypatch.setattr(flg, "_addmm_fp32", lambda *args: gemm_calls.append(args))
+    monkeypatch.setattr(flg, "_gemm", lambda *args, **kwargs: gemm_calls.append(args))
 
     class _Allocations(TorchDispatchMode):
         def __init__(self):
@@ -332,7 +332,7 @@ def test_grad_logits_rounded_once_into_a_half_buffer(backend, out_dtype):
     targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
     upstream = torch.randn(rows, generator=g).to(DEVICE)
     lse = torch.logsumexp(logits * inv_t, dim=-1)
-    _, grad_logits, _ = flg._backend_ops(backend)
+    grad_logits = flg._backend_ops(backend)[1]
     want = grad_logits(logits.clone(), targets, lse, upstream, inv_t)
     out = torch.full((rows, vocab), float("nan"), dtype=out_dtype, device=DEVICE)
     source = logits.clone()
@@ -368,7 +368,7 @@ def test_inference_mode_equals_grad_mode(backend):
 def test_weight_gradient_finished_in_at_most_one_pass(backend, dtype, passes, monkeypatch):
     """Past the GEMMs that accumulate it, the (V, H) gradient takes no elementwise pass for an fp32 weight when the
     incoming gradient is 1 and on the host (CPU: no rescale by 1, and autograd takes the tensor without a copy), one
-    in-place multiply on CUDA (reading the incoming gradient there would stall the host: fused_linear_grpo._scaled),
+    in-place multiply on CUDA (reading the incoming gradient there would stall the host: fused_linear_grpo._finished),
     and exactly one for a bf16 weight (the scale rides on the fp32 -> bf16 conversion; before: a conversion and a
     multiply): a torch op on the torch backend, the scale_into kernel on Triton (no torch op)."""
     if backend == "triton" and DEVICE == "cpu":
@@ -516,52 +516,75 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype(backend):
             torch.testing.assert_close(got / scale, expected / scale, rtol=2**-7, atol=2**-8)
 
 
-def test_chunk_budget_follows_free_cuda_memory(monkeypatch):
-    """CUDA: a quarter of the memory free for new tensors (device free + allocator cache), within
-    [256 MiB, 4 GiB], and at most the LM head weight's size (not under 1 GiB); other devices a constant; a fixed
-    budget in _CHUNK_BYTES overrides. The plan splits the budget between staging and the chunk's gradient."""
-    memory = {"free": 0, "reserved": 0, "allocated": 0}
-    monkeypatch.setattr(flg, "_CHUNK_BYTES", {})
+def _qwen_footprint(n, positions=16384, H=4096, **changes):
+    """The budget's view of a bf16 call at Qwen's vocabulary (gradients for hidden and weight)."""
+    sizes = dict(n=n, positions=positions, V=151936, H=H, operand_size=2, hidden_size=2, grad_h_size=2,
+                 weight_size=2, weight_direct=True, weight_copy=False, need_h=True, need_w=True)
+    return flg._Footprint(**{**sizes, **changes})
+
+
+def test_budget_follows_free_cuda_memory(monkeypatch):
+    """CUDA: half the memory free for new tensors (device free + what the allocator caches unused); other devices a
+    constant; _BUDGET_BYTES overrides."""
+    memory = {"free": 8 << 30, "reserved": 0, "allocated": 0}
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (memory["free"], 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: memory["reserved"])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
     cuda = torch.device("cuda")
-    memory.update(free=8 << 30)
-    assert flg._chunk_budget(cuda) == 2 << 30
-    # capped at the LM head weight's size (Qwen's vocabulary, H=4096, bf16: 1.16 GiB), but not under 1 GiB (H=896)
-    V, qwen_head = 151936, 151936 * 4096 * 2
-    assert flg._chunk_budget(cuda, qwen_head) == qwen_head
-    assert flg._chunk_budget(cuda, V * 896 * 2) == 1 << 30
-    # 1/8 of it stages fp32 logits: H*2/8/4 = H/16 = 256 tokens; the rest, 7/8, holds the bf16 logits gradient of
-    # a chunk: (H*2*7/8)/2 = 3584 tokens (3x the 1194 tokens fp32 logits plus their bf16 copy would fit)
-    assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (256, 3584)
-    assert flg._chunk_plan(1000, V, 4096, cuda, torch.bfloat16) == (256, 1000)  # never more than n tokens
-    # ... and when all B*T positions are scored, never all of them: no buffer is the whole (B*T, V) logits
-    assert flg._chunk_plan(1000, V, 4096, cuda, torch.bfloat16, positions=1000) == (256, 500)
-    assert flg._chunk_plan(1000, V, 4096, cuda, torch.bfloat16, positions=1001) == (256, 1000)
-    # a small head (H=896, 1 GiB budget): stages of ceil(2e11 / (2 V H)) = 735 tokens rather than 1/8 of the budget
-    # (220), so that the projection outweighs the host's work per stage; the chunk gets the rest
-    assert flg._chunk_plan(16384, V, 896, cuda, torch.bfloat16) == (735, (2**30 - 4 * V * 735) // (2 * V))
-    # the plan is the same whatever memory is free above 4x the head-size cap (4.6 GiB here): the same stages, so
-    # the same log-probability bits; below it the buffers shrink with the budget (256 MiB: stages of the 161 rows
-    # _STAGE_MIN_FLOPS asks)
-    memory.update(free=int(4.7 * 2**30))
-    assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (256, 3584)
-    memory.update(free=100 << 20)
-    assert flg._chunk_plan(16384, V, 4096, cuda, torch.bfloat16) == (161, ((256 << 20) - 4 * V * 161) // (2 * V))
-    memory.update(free=8 << 30, reserved=6 << 30, allocated=2 << 30)  # 4 GiB cached but unused count as free
-    assert flg._chunk_budget(cuda) == 3 << 30
-    memory.update(free=100 << 20, reserved=0, allocated=0)
-    assert flg._chunk_budget(cuda) == 256 << 20
-    assert flg._chunk_budget(cuda, qwen_head) == 256 << 20  # the free memory bounds it before the weight does
-    memory.update(free=64 << 30)
-    assert flg._chunk_budget(cuda) == 4 << 30
-    assert flg._chunk_budget(torch.device("cpu")) == 64 << 20
-    assert flg._chunk_budget(torch.device("cpu"), qwen_head) == 64 << 20
-    monkeypatch.setattr(flg, "_CHUNK_BYTES", {"cuda": 1 << 20})
-    assert flg._chunk_budget(cuda, qwen_head) == 1 << 20
-    assert flg._chunk_plan(3, 1000, 8, cuda, torch.float32) == (3, 3)  # never more rows than tokens,
-    assert flg._chunk_plan(100, 1 << 20, 8, cuda, torch.float32) == (1, 1)  # never fewer than one
+    assert flg._budget(cuda) == 4 << 30
+    memory.update(reserved=6 << 30, allocated=2 << 30)  # 4 GiB cached but unused count as free
+    assert flg._budget(cuda) == 6 << 30
+    assert flg._budget(torch.device("cpu")) == 64 << 20
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 1 << 20})
+    assert flg._budget(cuda) == 1 << 20
+
+
+def test_chunk_plan_from_the_one_budget(monkeypatch):
+    """Stages of at most 512 rows cut evenly, whatever the memory; one chunk where its peak is no higher than
+    several chunks' (a GRPO batch of short completions); else chunks whose buffers take the LM head weight's size,
+    fewer rows when the budget is short, never under 256 MiB."""
+    cuda = torch.device("cuda")
+    V, H = 151936, 4096
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 40 << 30})
+    # 26.5% of 16384 scored: 9 stages of 481-482 rows, one chunk (its logits gradient in bf16, 1.23 GiB, plus the
+    # bf16 weight gradient it writes: no fp32 accumulator, 2.4 GiB at the peak, against 3.7 for several chunks)
+    plan = flg._chunk_plan(_qwen_footprint(4335), cuda)
+    assert plan.chunks == ((0, 4335),) and len(plan.stages) == 9 and plan.stage_rows == 482
+    # 87% scored: 28 stages of 511-512 rows; the buffers take the weight's 2VH bytes: the staging buffer 4*512*V,
+    # the chunk's gradient (2VH - 4*512*V) / 2V = H - 1024 = 3072 rows, 6 stages: 5 chunks of 5-6 stages
+    roomy = flg._chunk_plan(_qwen_footprint(14309), cuda)
+    assert len(roomy.stages) == 28 and roomy.stage_rows == 512
+    assert len(roomy.chunks) == 5 and roomy.chunk_rows <= H - 1024
+    assert [len(roomy.stages_of(*c)) for c in roomy.chunks] == [5, 6, 5, 6, 6]
+    # a short budget (2.5 GiB: less than the fp32 accumulator and the rest already take): the chunks shrink to
+    # 256 MiB (one stage each); the stages stay, so the log-probabilities keep their bits
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": int(2.5 * 2**30)})
+    short = flg._chunk_plan(_qwen_footprint(14309), cuda)
+    assert short.stages == roomy.stages and len(short.chunks) == 28
+    # ... and no single chunk when it does not fit the budget
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 2 << 30})
+    assert len(flg._chunk_plan(_qwen_footprint(4335), cuda).chunks) > 1
+    # an fp32 head under bf16 autocast: its bf16 copy (VH * 2 bytes) and the fp32 input gradient count, so a budget
+    # that holds the bf16 head's 5 chunks exactly leaves its chunks only the 256 MiB floor
+    bf16 = _qwen_footprint(14309)
+    exact = bf16.phases(512, 0, chunks=2)[0] + 2 * V * H - 4 * 512 * V
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": exact})
+    assert len(flg._chunk_plan(bf16, cuda).chunks) == 5
+    fp32_head = _qwen_footprint(14309, hidden_size=4, grad_h_size=4, weight_size=4, weight_copy=True)
+    assert len(flg._chunk_plan(fp32_head, cuda).chunks) == 28
+    # every position scored: no stage or chunk holds more than half of them
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 40 << 30})
+    plan = flg._chunk_plan(_qwen_footprint(1000, positions=1000), cuda)
+    assert plan.chunks == ((0, 500), (500, 1000)) and plan.stage_rows == 500
+    # a small head (H=896, weight 0.25 GiB): buffers of 1 GiB, (2**30 - 4*512*V) / 2V = 2509 rows: 4 stages a chunk
+    plan = flg._chunk_plan(_qwen_footprint(14309, H=896), cuda)
+    assert plan.chunk_rows <= 2509 and len(plan.chunks) == 7
+    # never more rows than tokens, never fewer than one; nothing scored: nothing to do
+    assert flg._chunk_plan(_qwen_footprint(3, V=1000, H=8), cuda).chunks == ((0, 3),)
+    assert flg._chunk_plan(_qwen_footprint(0), cuda) == flg._Plan(chunks=(), stages=())
+    no_grad = _qwen_footprint(14309, need_h=False, need_w=False)
+    assert flg._chunk_plan(no_grad, cuda).stages == roomy.stages
 
 
 def test_one_host_read_per_forward(backend, monkeypatch):
@@ -609,10 +632,11 @@ def test_logits_gradient_rounded_once(backend, monkeypatch):
 
         monkeypatch.setattr(flg, "_project", project)
         # a.to(b.dtype): what main's _addmm_fp32 did per GEMM; a no-op once the chunk's gradient is already bf16
-        def addmm(acc, a, b, accumulate=True):
-            (acc if accumulate else acc.zero_()).addmm_(a.to(b.dtype).float(), b.float())
+        def gemm(out, a, b, accumulate=False):
+            product = a.to(b.dtype).float() @ b.float()
+            out.add_(product) if accumulate else out.copy_(product)
 
-        monkeypatch.setattr(flg, "_addmm_fp32", addmm)
+        monkeypatch.setattr(flg, "_gemm", gemm)
     force_plan(monkeypatch, 2, 4)
     p = _problem(53, dtype=torch.bfloat16, bias=False)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
@@ -635,6 +659,111 @@ def test_logits_gradient_rounded_once(backend, monkeypatch):
     for g, w in zip(got, want):
         scale = w.abs().max()
         torch.testing.assert_close(g.double() / scale, w / scale, rtol=0, atol=1e-2)
+
+
+def _bf16_operands_on_cpu(monkeypatch):
+    """CUDA's bf16 path on the CPU, whose torch.mm has no out_dtype: bf16 GEMM operands, fp32 logits. Returns the
+    list of (shape, dtype) of what each gradient GEMM writes."""
+    written = []
+    monkeypatch.setattr(flg, "_gemm_operands", lambda h, w, dtype=None: (h.bfloat16(), w.bfloat16()))
+
+    def project(h, w, b, out):
+        torch.mm(h.float(), w.float().t(), out=out)
+        return out if b is None else out.add_(b)
+
+    monkeypatch.setattr(flg, "_project", project)
+
+    def gemm(out, a, b, accumulate=False):  # fp32 sums of the bf16 operands, rounded once into out
+        written.append((tuple(out.shape), out.dtype))
+        product = a.float() @ b.float()
+        out.add_(product) if accumulate else out.copy_(product)
+
+    monkeypatch.setattr(flg, "_gemm", gemm)
+    return written
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.7])
+def test_one_chunk_writes_the_gradients_in_the_parameter_dtype(backend, monkeypatch, scale):
+    """bf16 hidden and head, few scored tokens (one chunk of several stages): the weight gradient is written by one
+    GEMM over every scored token, and each chunk's input gradient by one over the vocabulary, straight in bf16: no
+    fp32 (V, H) or (n, H) tensor exists. Each is the fp32 sum rounded once to nearest even, so it is within one
+    bf16 rounding (relative 2**-8) of a float64 reference whose logits gradient is rounded to bf16 as ours is; an
+    incoming gradient other than 1 (3.7) rounds once more, within 2**-7."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter copies argument storages through torch ops")
+    written = _bf16_operands_on_cpu(monkeypatch)
+    force_plan(monkeypatch, 2, 1 << 20)
+    p = _problem(73, dtype=torch.bfloat16, bias=False)
+    hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
+    with _OpLog() as log:
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
+                                                      old_logps=p["old"])
+    n = int(p["mask"].sum())
+    assert _sweep_counts(n, 2, 1 << 20) == (-(-n // 2), 1)
+    assert written == [((n, H), torch.bfloat16), ((V, H), torch.bfloat16)]
+    allocations = ("empty", "empty_strided", "zeros", "new_empty", "new_zeros")
+    assert not [op for op, shape, dt in log.ops if op in allocations and shape in ((V, H), (n, H))
+                and dt == torch.float32]
+    got = torch.autograd.grad(loss * scale, (hidden, weight))
+    assert all(g.dtype == torch.bfloat16 for g in got)
+
+    h64, w64 = p["hidden"].double().requires_grad_(), p["weight"].double().requires_grad_()
+    logits = _RoundGradToBF16.apply(h64 @ w64.t())
+    logps = torch.log_softmax(logits, -1).gather(-1, p["target"].unsqueeze(-1)).squeeze(-1)
+    want_loss, _ = grpo_loss_from_logps(logps, p["mask"].double(), p["adv"].double(), GRPOLossOptions(),
+                                        old_logps=p["old"].double())
+    # the forward's gradients are those of the loss itself (its logits gradient rounded as the reference's), scaled
+    # in backward: the reference scaled exactly
+    want = [w * scale for w in torch.autograd.grad(want_loss, (h64, w64))]
+    rtol = 2**-8 if scale == 1.0 else 2**-7
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=1e-6 * w.abs().max().item())
+
+
+def test_reduced_precision_reductions_off_around_half_outputs():
+    """cuBLAS may add split-K partial sums in a bf16/fp16 output's dtype (PyTorch allows it by default): off while
+    a gradient GEMM writes half precision on CUDA, restored after; untouched for fp32 outputs and on the CPU."""
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    cuda = torch.device("cuda")
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = True
+        matmul.allow_fp16_reduced_precision_reduction = True
+        for dtype, name in ((torch.bfloat16, "allow_bf16_reduced_precision_reduction"),
+                            (torch.float16, "allow_fp16_reduced_precision_reduction")):
+            with flg._fp32_reductions(dtype, cuda):
+                assert getattr(matmul, name) is False
+            assert getattr(matmul, name) is True
+            with flg._fp32_reductions(dtype, torch.device("cpu")):
+                assert getattr(matmul, name) is True
+        with flg._fp32_reductions(torch.float32, cuda):
+            assert matmul.allow_bf16_reduced_precision_reduction is True
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_in_place_skips_a_scale_of_one(backend, dtype):
+    """The backward's in-place scale of a gradient already in its parameter's dtype: a scale of 1 leaves every bit
+    as it was (the kernel returns at once; the CPU twin tests it on the host), any other multiplies, rounded once
+    (to nearest even; the Triton interpreter truncates to bf16), at a size that is not a multiple of the block."""
+    scale_in_place = flg._backend_ops(backend)[3]
+    g = torch.Generator().manual_seed(79)
+    x = (torch.randn(3, 5000, generator=g) * 50).to(dtype).to(DEVICE)
+    before = x.clone()
+    with _OpLog() as log:
+        assert scale_in_place(x, torch.tensor(1.0, device=DEVICE)) is x
+    assert torch.equal(x, before)
+    if backend == "torch" and DEVICE == "cpu":  # x * 1 keeps every bit anyway: what shows the skip is no pass
+        assert log.count("mul", "mul_") == 0
+    scale = torch.tensor(-0.37, device=DEVICE)
+    scale_in_place(x, scale)
+    want = before.float() * scale
+    if backend == "triton" and DEVICE == "cpu" and dtype == torch.bfloat16:
+        expected = _interpreter_bf16(want)
+    else:
+        expected = want.to(dtype)
+    assert torch.equal(x, expected)
 
 
 @pytest.mark.parametrize(
@@ -734,9 +863,10 @@ def test_never_materialises_all_logits(backend, level, monkeypatch):
     """With V*H and the chunk far smaller than B*T*V, no op may produce a tensor anywhere near (B*T, V)."""
     g = torch.Generator().manual_seed(29)
     b, t, h, v = 8, 16, 4, 64
-    monkeypatch.undo()  # the real plan: stages of 2 tokens (half the budget: a tiny head's FLOP floor), chunks of 2
-    monkeypatch.setattr(flg, "_CHUNK_BYTES", {DEVICE: 4 * 4 * v})
-    assert flg._chunk_plan(b * t, v, h, torch.device(DEVICE), torch.float32) == (2, 2)
+    monkeypatch.undo()  # the real plan with stages of 2 tokens and chunks as small as the budget allows
+    monkeypatch.setattr(flg, "_STAGE_ROWS", 2)
+    monkeypatch.setattr(flg, "_MIN_CHUNK_BYTES", 0)
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {DEVICE: 0})
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops; measured on GPU")
     hidden = torch.randn(b, t, h, generator=g).to(DEVICE).requires_grad_()
@@ -747,6 +877,10 @@ def test_never_materialises_all_logits(backend, level, monkeypatch):
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, torch.randn(b, device=DEVICE),
                                                       importance_sampling_level=level)
         loss.backward()
+    footprint = flg._Footprint(n=b * t, positions=b * t, V=v, H=h, operand_size=4, hidden_size=4, grad_h_size=4,
+                               weight_size=4, weight_direct=True, weight_copy=False, need_h=True, need_w=True)
+    plan = flg._chunk_plan(footprint, torch.device(DEVICE))
+    assert plan.stage_rows == plan.chunk_rows == 2
     assert probe.largest <= max(4 * v, b * t * h, v * h) < b * t * v // 4
 
 

@@ -6,7 +6,7 @@ in fused_loss_cost.H100); the benchmark cases below were not used to set any of 
 which that run measured) and TRL 1.16's chunked fused head, at both masks, forward and forward+backward.
 """
 
-import collections
+import dataclasses
 import json
 from pathlib import Path
 
@@ -116,8 +116,10 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward):
         return run
 
     monkeypatch.setattr(flg, "_backend_ops", lambda backend: (
-        launching(torch_ops[0], plan.logprob_launches), launching(torch_ops[1], 1), launching(torch_ops[2], 1)))
-    monkeypatch.setattr(flg, "_chunk_plan", lambda n, V, H, device, dtype, positions=None: (stage_rows, chunk_rows))
+        launching(torch_ops[0], plan.logprob_launches), launching(torch_ops[1], 1), launching(torch_ops[2], 1),
+        launching(torch_ops[3], 1)))
+    monkeypatch.setattr(flg, "_chunk_plan", lambda footprint, device: flg._Plan.fixed(footprint.n, stage_rows,
+                                                                                      chunk_rows))
     g = torch.Generator().manual_seed(0)
     B, T, H, V = 2, 16, 8, 50
     hidden = torch.randn(B, T, H, generator=g).requires_grad_(backward)
@@ -146,3 +148,21 @@ def test_launches_per_stage_and_chunk_are_the_codes(monkeypatch):
     assert (b[1] - a[1]) / 6 == stage["triton"]
     c = _count(monkeypatch, 4, 4, True)  # 3 more chunks, the same stages
     assert (c[0] - a[0]) / 3 == chunk["aten"]
+
+
+@pytest.mark.parametrize("mask", list(cost.BENCH_MASKS))
+def test_planner_and_model_count_the_same_peak(mask):
+    """The budget's accounting (fused_linear_grpo._Footprint, which decides the plan) and the model's simulated
+    allocations (which predict the benchmark's peak) agree on the plan the loss makes at the goal shape: one
+    mechanism counted twice, so a change to either that the other misses fails here."""
+    n = cost.BENCH_MASKS[mask]
+    plan = cost.current_plan(n, **cost.GOAL_SHAPE)
+    shape = cost.GOAL_SHAPE
+    footprint = flg._Footprint(n=n, positions=shape["positions"], V=shape["V"], H=shape["H"], operand_size=2,
+                               hidden_size=2, grad_h_size=2, weight_size=2, weight_direct=True, weight_copy=False,
+                               need_h=True, need_w=True)
+    planned = footprint.peak(plan.stage_rows, plan.chunk_rows, len(plan.layout))
+    assert cost.fused_loss(plan, n, backward=True, **shape).peak_bytes == pytest.approx(planned, rel=0.01)
+    forward_only = dataclasses.replace(footprint, need_h=False, need_w=False)
+    assert cost.fused_loss(plan, n, backward=False, **shape).peak_bytes == pytest.approx(
+        forward_only.peak(plan.stage_rows, 0, 1), rel=0.01)

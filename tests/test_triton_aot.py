@@ -57,12 +57,14 @@ def test_kernel_compiles_without_spilling(compiled, name, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("out", ["bf16", "fp16"])
-@pytest.mark.parametrize("kernel", ["grad-logits", "scale-into"])
+@pytest.mark.parametrize("kernel", ["grad-logits", "scale-into", "scale-in-place"])
 def test_half_outputs_round_to_nearest_even_on_the_gpu(compiled, arch, out, kernel):
-    """The grad-logits kernel (the fp32 gradient into a half buffer) and the scale-into kernel (the gradient
-    accumulators into the parameters' dtype) convert with round-to-nearest-even, as torch's .to() does (the
-    interpreter the CPU tests run truncates to bf16 instead, so only the PTX can show it)."""
-    names = [n for n in NAMES if n.startswith(kernel) and (n.endswith(f"-> {out}") or n.endswith(f"-> {out} softcap"))]
+    """The grad-logits kernel (the fp32 gradient into a half buffer), the scale-into kernel (the gradient
+    accumulators into the parameters' dtype) and the scale-in-place kernel (a half gradient times the incoming
+    gradient) convert with round-to-nearest-even, as torch's .to() does (the interpreter the CPU tests run truncates
+    to bf16 instead, so only the PTX can show it)."""
+    names = [n for n in NAMES if n.startswith(kernel + " ") and
+             (n.endswith(f"-> {out}") or n.endswith(f"-> {out} softcap") or n == f"{kernel} {out}")]
     assert len(names) == (2 if kernel == "grad-logits" else 1)  # grad-logits: without and with the logit soft cap
     for name in names:
         conversions = compiled[(name, arch)]["half_conversions"]
