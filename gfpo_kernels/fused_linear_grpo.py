@@ -10,13 +10,16 @@ plan (_chunk_plan, _budget: on CUDA half the free memory, counting everything th
 
 1. GEMM: logits = h_stage @ W^T (+ b) into the fp32 staging buffer (stage_rows, V) (cuBLAS with fp32
    accumulation and output for bf16/fp16).
-2. Row pass (Triton kernel, or torch on CPU): online log-sum-exp over the vocabulary -> log p(target),
+2. Row pass (Triton kernels, or torch on CPU): online log-sum-exp over the vocabulary -> log p(target),
    entropy and the log-partition of every row (of the soft-capped logits, cap * tanh(z / cap), when the model caps
-   them: logit_softcap; the staged logits stay raw and each pass applies the cap).
-3. g = d(loss)/d(log p) for the stage's tokens, by autograd through gfpo_kernels.grpo_loss_math, the same
-   code as the reference: no gradient is derived by hand. With token-level importance sampling the loss is
-   token-local (d(loss)/d(logp[t]) depends on no other token's log-probability), so g of a stage is exact
-   before the other stages are computed.
+   them: logit_softcap; the staged logits stay raw and each pass applies the cap), written where the call keeps
+   them, and, with gradients, 3.
+3. g = d(loss)/d(log p) of each row, in closed form (grpo_loss_math.token_loss_gradient; the same formula in the
+   Triton kernel), from per-token inputs gathered once per call (token_grad_inputs: advantage, normaliser, old
+   and reference log-probs, vLLM ratio, vespo's phi). This needs the loss to be token-local (d(loss)/d(logp[t])
+   depends on no other token's log-probability: token-level importance sampling), so g of a stage is exact before
+   the other stages are computed. Autograd through grpo_loss_math, the reference's code, is its oracle in the
+   tests. A stage thus launches its projection GEMM and three Triton kernels, nothing else.
 4. Row pass: logits -> d(loss)/d(logits) = g * (onehot(target) - p) / temperature (times 1 - tanh^2(z / cap)
    with a soft cap), written rounded once to the operand dtype into the chunk's gradient buffer (chunk_rows, V).
 
@@ -38,7 +41,7 @@ the cast of an fp32 accumulator, or in place, and skipped on the device when the
 (_finished). Three GEMMs (6*N*H*V FLOPs) instead of the four (8*N*H*V) of a forward + recomputing backward such
 as TRL's chunked log-prob kernel or Liger's, and nothing is recomputed. With sequence-level importance sampling
 the loss is not token-local: a first sweep (steps 1-2) computes all log-probabilities, g is taken once over the
-whole batch, and a second sweep does steps 1, 4, 5 (four GEMMs). Without grad mode (eval, no_grad,
+whole batch by autograd through grpo_loss_math, and a second sweep does steps 1, 4, 5 (four GEMMs). Without grad mode (eval, no_grad,
 inference_mode) only steps 1-2 run, whatever the parameters' requires_grad, over the same stages (the same bits).
 vespo given old log-probabilities takes the two sweeps too: its per-sequence weight phi is a function of every
 log-probability of the sequence.
@@ -76,7 +79,8 @@ import torch
 
 from ._dispatch import select_backend
 from ._validation import linear_grpo_call_options
-from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps, soft_capped
+from .grpo_loss_math import (GRPOLossOptions, grpo_loss_from_logps, soft_capped, token_grad_inputs,
+                             token_loss_gradient)
 
 __all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
 
@@ -360,6 +364,20 @@ def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: f
     return log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy, lse
 
 
+def _stage_statistics_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None, *,
+                            logps: torch.Tensor, entropy: torch.Tensor, lse: torch.Tensor,
+                            positions: torch.Tensor | None = None, g: torch.Tensor | None = None, g_inputs=None,
+                            options=None) -> None:
+    """Torch twin of linear_grpo_triton.stage_statistics_triton (the closed-form g of
+    grpo_loss_math.token_loss_gradient)."""
+    logp, ent, lse[:] = _logprob_entropy_torch(logits, targets, inv_t, softcap)
+    at = slice(None, logp.shape[0]) if positions is None else positions
+    logps[at] = logp
+    entropy[at] = ent
+    if g is not None:
+        g[:] = token_loss_gradient(logp, g_inputs, options)
+
+
 def _grad_logits_torch(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, inv_t: float,
                        out: torch.Tensor | None = None, softcap: float | None = None):
     """Torch twin of linear_grpo_triton.grad_logits_triton: logits -> d(loss)/d(logits), in place or rounded once
@@ -392,20 +410,22 @@ def _scale_in_place_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _backend_ops(backend: str):
-    """(logprob_entropy, grad_logits, scale_into, scale_in_place) of `backend`: the Triton kernels or their torch
+    """(stage_statistics, grad_logits, scale_into, scale_in_place) of `backend`: the Triton kernels or their torch
     twins."""
     if backend == "triton":
-        from .linear_grpo_triton import (grad_logits_triton, logprob_entropy_triton, scale_in_place_triton,
-                                         scale_into_triton)
+        from .linear_grpo_triton import (grad_logits_triton, scale_in_place_triton, scale_into_triton,
+                                         stage_statistics_triton)
 
-        return logprob_entropy_triton, grad_logits_triton, scale_into_triton, scale_in_place_triton
-    return _logprob_entropy_torch, _grad_logits_torch, _scale_into_torch, _scale_in_place_torch
+        return stage_statistics_triton, grad_logits_triton, scale_into_triton, scale_in_place_triton
+    return _stage_statistics_torch, _grad_logits_torch, _scale_into_torch, _scale_in_place_torch
 
 
 class _ScoredRows:
     """The scored tokens of one call, gathered once (in the GEMM operand dtype), the fp32 staging buffer their
-    logits are projected into, and their per-token statistics: log p(target) and entropy (written into flat (B*T,)
-    vectors, 0 where nothing is scored) and the log-partition (n,), which the logits-gradient pass reads."""
+    logits are projected into, and what the passes record for them: log p(target) and entropy (written into flat
+    (B*T,) vectors, 0 where nothing is scored), the log-partition (n,), which the logits-gradient pass reads, and
+    g = d(loss)/d(log p) (n,) where gradients are asked: computed by the log-prob pass itself, in closed form, for
+    a token-local loss (`token_grad`: grpo_loss_math.TokenGradInputs), else set once by autograd."""
 
     def __init__(self, hidden, weight, bias, target_ids, mask, num_scored, operand_dtype, options, backend):
         B, T, H = hidden.shape
@@ -419,10 +439,18 @@ class _ScoredRows:
         self.logps = torch.zeros(B * T, dtype=torch.float32, device=device)
         self.entropy = torch.zeros(B * T, dtype=torch.float32, device=device)
         self.lse = torch.empty(num_scored, dtype=torch.float32, device=device)
+        self.g = None
+        self.token_grad = None
         self.stage = None
+        self.options = options
         self.inv_t = 1.0 / options.temperature
         self.softcap = options.logit_softcap
-        self.logprob_entropy, self.grad_logits = _backend_ops(backend)[:2]
+        self.stage_statistics, self.grad_logits = _backend_ops(backend)[:2]
+
+    def compute_token_gradients(self, mask, loss_inputs) -> None:
+        """Have the log-prob pass compute g of each stage (a token-local loss): its inputs gathered once."""
+        self.token_grad = token_grad_inputs(mask, self.rows, options=self.options, **loss_inputs)
+        self.g = torch.empty_like(self.lse)
 
     def project(self, lo: int, hi: int, plan: _Plan) -> torch.Tensor:
         """Rows [lo, hi)'s fp32 logits, in the staging buffer (allocated by the first stage)."""
@@ -430,17 +458,18 @@ class _ScoredRows:
             self.stage = torch.empty(plan.stage_rows, self.w.shape[0], dtype=torch.float32, device=self.w.device)
         return _project(self.h[lo:hi], self.w, self.b, self.stage[: hi - lo])
 
-    def record_statistics(self, lo: int, hi: int, logits: torch.Tensor) -> torch.Tensor:
-        """Rows [lo, hi)'s log p(target), entropy and log-partition from their logits; returns the log-probs."""
-        logp, entropy, self.lse[lo:hi] = self.logprob_entropy(logits, self.targets[lo:hi], self.inv_t, self.softcap)
-        self.logps[self.rows[lo:hi]] = logp
-        self.entropy[self.rows[lo:hi]] = entropy
-        return logp
+    def record_statistics(self, lo: int, hi: int, logits: torch.Tensor) -> None:
+        """Rows [lo, hi)'s log p(target), entropy, log-partition and (token_grad) g, from their logits."""
+        grad = self.token_grad is not None
+        self.stage_statistics(logits, self.targets[lo:hi], self.inv_t, self.softcap, logps=self.logps,
+                              entropy=self.entropy, lse=self.lse[lo:hi], positions=self.rows[lo:hi],
+                              g=self.g[lo:hi] if grad else None, g_inputs=self.token_grad.rows(lo, hi) if grad else None,
+                              options=self.options)
 
 
 class _LossGradient:
-    """g = d(loss)/d(log p) by autograd through grpo_loss_math (the reference's code), at some of the scored
-    positions, the others holding the log-probabilities recorded so far."""
+    """The loss of the recorded log-probabilities, and g = d(loss)/d(log p) of every scored token by autograd
+    through grpo_loss_math (the reference's code): for the losses that are not token-local."""
 
     def __init__(self, scored: _ScoredRows, mask, loss_inputs, options):
         self.scored, self.mask, self.loss_inputs, self.options = scored, mask, loss_inputs, options
@@ -449,10 +478,11 @@ class _LossGradient:
         return grpo_loss_from_logps(logps_2d, self.mask, options=self.options, with_stats=False,
                                     **self.loss_inputs)[0]
 
-    def at(self, logp_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def of_every_token(self) -> torch.Tensor:
+        rows = self.scored.rows
         with torch.enable_grad():
-            x = logp_rows.detach().requires_grad_()
-            logps = self.scored.logps.index_put((positions,), x).view(self.mask.shape)
+            x = self.scored.logps[rows].requires_grad_()
+            logps = self.scored.logps.index_put((rows,), x).view(self.mask.shape)
             return torch.autograd.grad(self.loss(logps), x)[0]
 
 
@@ -484,13 +514,13 @@ class _Gradients:
         self.grad_b = torch.zeros(V, dtype=torch.float32, device=device) if need_b else None
         self.dlogits = torch.empty(plan.chunk_rows, V, dtype=scored.w.dtype, device=device)
 
-    def add_stage(self, lo: int, hi: int, chunk_start: int, logits: torch.Tensor, g: torch.Tensor) -> None:
-        """Rows [lo, hi)'s d(loss)/d(logits) into the chunk's buffer, rounded once to the operand dtype by the row
-        kernel itself. A bias gradient sums the fp32 values first, then they are rounded."""
+    def add_stage(self, lo: int, hi: int, chunk_start: int, logits: torch.Tensor) -> None:
+        """Rows [lo, hi)'s d(loss)/d(logits) from their g into the chunk's buffer, rounded once to the operand dtype
+        by the row kernel itself. A bias gradient sums the fp32 values first, then they are rounded."""
         s = self.scored
         out = self.dlogits[lo - chunk_start: hi - chunk_start]
         exact = self.grad_b is None or out.dtype == torch.float32
-        d = s.grad_logits(logits, s.targets[lo:hi], s.lse[lo:hi], g, s.inv_t, out if exact else None,
+        d = s.grad_logits(logits, s.targets[lo:hi], s.lse[lo:hi], s.g[lo:hi], s.inv_t, out if exact else None,
                           softcap=s.softcap)
         if self.grad_b is not None:
             self.grad_b.add_(d.sum(0))
@@ -511,19 +541,19 @@ class _Gradients:
 
 
 def _sweep(scored: _ScoredRows, plan: _Plan, *, statistics: bool, gradients: _Gradients | None = None,
-           loss_gradient=None, last: bool = True) -> None:
+           last: bool = True) -> None:
     """One pass over the scored tokens, stage by stage: each stage is projected into the staging buffer; with
-    `statistics`, its log-probs, entropy and log-partition are recorded; with `gradients`, its logits gradient
-    from loss_gradient(lo, hi, logp) goes into the chunk's buffer, and each chunk ends with its gradient GEMMs.
-    In the `last` pass the staging buffer is freed once the last stage is projected, before the last GEMMs."""
-    logp = None
+    `statistics`, its log-probs, entropy and log-partition are recorded (and g, where the log-prob pass computes
+    it); with `gradients`, its logits gradient from g goes into the chunk's buffer, and each chunk ends with its
+    gradient GEMMs. In the `last` pass the staging buffer is freed once the last stage is projected, before the last
+    GEMMs."""
     for start, end in plan.chunks:
         for lo, hi in plan.stages_of(start, end):
             logits = scored.project(lo, hi, plan)
             if statistics:
-                logp = scored.record_statistics(lo, hi, logits)
+                scored.record_statistics(lo, hi, logits)
             if gradients is not None:
-                gradients.add_stage(lo, hi, start, logits, loss_gradient(lo, hi, logp))
+                gradients.add_stage(lo, hi, start, logits)
             del logits
         if last and end == plan.chunks[-1][1]:
             scored.stage = None
@@ -560,16 +590,16 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
     if gradients is None:
         _sweep(scored, plan, statistics=True)
     elif options.is_token_local(with_old_logps=loss_inputs["old_logps"] is not None):
-        # token-level importance sampling: a stage's g depends on its own log-probs only, so one sweep does all
-        _sweep(scored, plan, statistics=True, gradients=gradients,
-               loss_gradient=lambda lo, hi, logp: loss_gradient.at(logp, scored.rows[lo:hi]))
+        # token-level importance sampling: a stage's g depends on its own log-probs only, so the log-prob pass
+        # computes it in closed form and one sweep does all
+        scored.compute_token_gradients(mask, loss_inputs)
+        _sweep(scored, plan, statistics=True, gradients=gradients)
     else:
-        # sequence level (and vespo given old log-probs): g needs every log-probability first, then a second sweep
-        # projects again
+        # sequence level (and vespo given old log-probs): g needs every log-probability first, by autograd over
+        # the whole batch, then a second sweep projects again
         _sweep(scored, plan, statistics=True, last=False)
-        g_all = loss_gradient.at(scored.logps[scored.rows], scored.rows)
-        _sweep(scored, plan, statistics=False, gradients=gradients,
-               loss_gradient=lambda lo, hi, _logp: g_all[lo:hi])
+        scored.g = loss_gradient.of_every_token()
+        _sweep(scored, plan, statistics=False, gradients=gradients)
     scored.stage = None
 
     logps, entropy = scored.logps.view(B, T), scored.entropy.view(B, T)

@@ -261,3 +261,120 @@ def grpo_loss_from_logps(
                 stats[name] = _global_masked_mean(value, mask)
                 stats["per_token/" + name] = value.detach()
     return loss, stats
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenGradInputs:
+    """What d(loss)/d(logp) of each scored token depends on besides its own log-probability, for the token-local
+    losses (GRPOLossOptions.is_token_local), one value per scored token (n,), gathered once per call:
+
+    adv: its advantage; weight: d(loss)/d(per-token loss), its mask value over the loss type's normaliser; old: the
+    old log-probability (None: this policy's, so the ratio is 1); ref: the reference log-probability (beta != 0);
+    is_ratio: the vLLM importance ratio (None: none); phi: vespo's sequence weight (without old log-probabilities
+    a function of the advantage and the vLLM ratio only)."""
+
+    adv: torch.Tensor
+    weight: torch.Tensor
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+    is_ratio: torch.Tensor | None = None
+    phi: torch.Tensor | None = None
+
+    def rows(self, lo: int, hi: int) -> TokenGradInputs:
+        """The inputs of scored tokens [lo, hi)."""
+        return TokenGradInputs(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[lo:hi]
+                                  for f in dataclasses.fields(self)})
+
+
+@torch.no_grad()
+def token_grad_inputs(
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    advantages: torch.Tensor,
+    options: GRPOLossOptions,
+    *,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    vllm_is_ratio: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+) -> TokenGradInputs:
+    """TokenGradInputs of the scored tokens at flat `positions` (into the (B, T) batch), for a token-local loss:
+    the weights of grpo_loss_from_logps's sums, its masked-position rules (a vLLM ratio of a sequence applies to its
+    every token) and vespo's phi. Vectorised over the tokens: a handful of kernels per call."""
+    o = options
+    assert o.is_token_local(with_old_logps=old_logps is not None), "the loss is not token-local"
+    B, T = mask.shape
+    live = mask != 0
+    mask = mask.float()
+    seq = positions // T
+    flat = lambda x: x.float().reshape(-1).index_select(0, positions)  # noqa: E731
+    adv = advantages.float()
+    adv_rows = flat(adv if adv.dim() == 2 else adv.unsqueeze(1).expand(B, T))
+    if o.loss_type in ("grpo", "sapo"):
+        scale = (1.0 / (mask.sum(-1).clamp(min=1.0) * B)).index_select(0, seq)
+    elif o.loss_type == "bnpo":
+        scale = 1.0 / mask.sum().clamp(min=1.0)
+    elif o.loss_type == "dr_grpo":
+        scale = 1.0 / (B * (o.max_completion_length if o.max_completion_length is not None else T))
+    elif o.loss_type in TOKEN_COUNT_LOSS_TYPES:
+        n = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).to(mask)
+        scale = 1.0 / n.clamp(min=1.0)
+    else:  # luspo
+        scale = 1.0 / B
+    is_ratio = None
+    if vllm_is_ratio is not None:
+        ratio = vllm_is_ratio.float()
+        ratio = ratio.unsqueeze(1) if ratio.dim() == 1 else ratio
+        # a ratio per sequence applies to every token of it; 1 for a sequence without a scored token (never read)
+        is_ratio = flat(ratio.expand(B, T))
+    phi = None
+    if o.loss_type == "vespo":  # no old log-probs here: every log-ratio is 0
+        ratio2d = None if vllm_is_ratio is None else vllm_is_ratio.float().reshape(B, -1)
+        if ratio2d is not None:
+            ratio2d = torch.where(live if ratio2d.shape[1] != 1 else live.any(-1, keepdim=True), ratio2d, 1.0)
+        adv2d = adv if adv.dim() == 2 else adv.unsqueeze(1)
+        phi = flat(vespo_gamma_weights(adv2d, torch.zeros_like(mask), mask, ratio2d, o).expand(B, T))
+    return TokenGradInputs(
+        adv=adv_rows, weight=flat(mask) * scale, old=None if old_logps is None else flat(old_logps),
+        ref=None if o.beta == 0.0 else flat(ref_logps), is_ratio=is_ratio, phi=phi,
+    )
+
+
+def token_loss_gradient(logp: torch.Tensor, inputs: TokenGradInputs, options: GRPOLossOptions) -> torch.Tensor:
+    """d(loss)/d(logp) of scored tokens from their log-probabilities, in closed form: the derivative of
+    grpo_loss_from_logps term by term, as autograd takes it (torch.min passes half the gradient to each side of a
+    tie, torch.clamp passes it where its input lies inside the bounds, bounds included). The torch twin of the
+    Triton log-prob pass's loss gradient (linear_grpo_triton); autograd through grpo_loss_from_logps is its oracle
+    (tests/test_grpo_loss_math.py)."""
+    o = options
+    adv = inputs.adv
+    coef_1 = torch.ones_like(logp) if inputs.old is None else torch.exp(logp - inputs.old)
+    d_coef_1 = coef_1  # d(exp(logp - old)) / d(logp), also when old is logp detached
+    if o.loss_type == "cispo":
+        d_loss = -torch.clamp(coef_1, max=o.eps_high) * adv
+    elif o.loss_type in CLIPPED_LOSS_TYPES:
+        coef_2 = torch.clamp(coef_1, 1 - o.epsilon_low, 1 + o.eps_high)
+        d_coef_2 = torch.where((coef_1 >= 1 - o.epsilon_low) & (coef_1 <= 1 + o.eps_high), d_coef_1, 0.0)
+        clipped_1, d_clipped_1 = coef_1, d_coef_1
+        if o.delta is not None:
+            clipped_1 = torch.clamp(coef_1, max=o.delta)
+            d_clipped_1 = torch.where(coef_1 <= o.delta, d_coef_1, 0.0)
+        a, b = clipped_1 * adv, coef_2 * adv
+        share_a = torch.where(a == b, 0.5, 1.0).masked_fill(a > b, 0.0)
+        share_b = torch.where(a == b, 0.5, 1.0).masked_fill(a < b, 0.0)
+        d_loss = -(share_a * adv * d_clipped_1 + share_b * adv * d_coef_2)
+    elif o.loss_type == "sapo":
+        temperature = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
+        s = torch.sigmoid(temperature * (coef_1 - 1))
+        d_loss = -4 * adv * s * (1 - s) * d_coef_1
+    else:  # vespo, phi detached
+        d_loss = -inputs.phi * adv
+    if inputs.is_ratio is not None and o.loss_type != "vespo":
+        d_loss = d_loss * inputs.is_ratio
+    if o.beta != 0.0:
+        e = torch.exp(inputs.ref - logp)
+        d_kl = 1 - e  # d(exp(ref - logp) - (ref - logp) - 1) / d(logp)
+        if o.use_bias_correction_kl:
+            d_kl = d_kl * coef_1 + (e - (inputs.ref - logp) - 1) * d_coef_1
+        d_loss = d_loss + o.beta * d_kl
+    return inputs.weight * d_loss

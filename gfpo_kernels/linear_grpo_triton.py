@@ -2,10 +2,12 @@
 
 Both work on one stage of projected logits, fp32 (rows, V), raw (before the model's soft cap, when it has one
 (Gemma 2: z -> cap * tanh(z / cap), applied on the fly as TRL's fused head does), and before the temperature):
-- logprob_entropy: per row, an online log-sum-exp over the vocabulary with per-lane running maxima (no
-  cross-lane reduction inside the loop), giving log p(target), the entropy and the log-partition. A stage holds
-  a few hundred rows (fused_linear_grpo._chunk_plan), too few for one program per row to keep an H100's memory
-  busy, so each row is cut into vocabulary spans (programs (row, span)) and a second kernel folds the spans.
+- stage_statistics (logprob_entropy): per row, an online log-sum-exp over the vocabulary with per-lane running
+  maxima (no cross-lane reduction inside the loop), giving log p(target), the entropy and the log-partition. A
+  stage holds a few hundred rows (fused_linear_grpo._chunk_plan), too few for one program per row to keep an
+  H100's memory busy, so each row is cut into vocabulary spans (programs (row, span)) and a second kernel folds the
+  spans, writes the row's results where the fused loss keeps them, and, for a token-local loss, computes its
+  g = d(loss)/d(logp) in closed form (grpo_loss_math.token_loss_gradient, its torch twin).
 - grad_logits: logits -> d(loss)/d(logits) = g_row * (onehot(target) - p) / temperature (times the cap's
   derivative 1 - tanh^2(z / cap)), where g_row = d(loss)/d(log p(target)) of that row; in place, or rounded once
   into a half-precision buffer (the gradient GEMMs' operand), which saves the separate conversion pass: 6 bytes
@@ -91,12 +93,65 @@ def _logsumexp_partial_kernel(
     tl.store(d_ptr + out, total_d)
 
 
+# the loss types' closed-form gradients in the log-prob pass (grpo_loss_math.token_loss_gradient)
+NO_GRAD, CLIPPED, CISPO, SAPO, VESPO = 0, 1, 2, 3, 4
+
+
+@triton.jit
+def _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, eps_low, eps_high, delta, tau_pos, tau_neg, beta,
+                         LOSS: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_RATIO: tl.constexpr,
+                         HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr):
+    """d(loss)/d(logp) of one token: grpo_loss_math.token_loss_gradient, term by term (see there)."""
+    if HAS_OLD:
+        coef_1 = tl.exp(logp - old)
+    else:
+        coef_1 = logp * 0.0 + 1.0
+    if LOSS == 1:  # clipped: -min(clamp(coef_1, max=delta) * adv, clamp(coef_1, 1 - eps_low, 1 + eps_high) * adv)
+        low = 1.0 - eps_low
+        high = 1.0 + eps_high
+        coef_2 = tl.minimum(tl.maximum(coef_1, low), high)
+        d_coef_2 = tl.where((coef_1 >= low) & (coef_1 <= high), coef_1, 0.0)
+        if HAS_DELTA:
+            clipped_1 = tl.minimum(coef_1, delta)
+            d_clipped_1 = tl.where(coef_1 <= delta, coef_1, 0.0)
+        else:
+            clipped_1 = coef_1
+            d_clipped_1 = coef_1
+        a = clipped_1 * adv
+        b = coef_2 * adv
+        share_a = tl.where(a > b, 0.0, tl.where(a == b, 0.5, 1.0))  # torch.min's gradient splits a tie
+        share_b = tl.where(a < b, 0.0, tl.where(a == b, 0.5, 1.0))
+        d_loss = -(share_a * adv * d_clipped_1 + share_b * adv * d_coef_2)
+    elif LOSS == 2:  # cispo: -clamp(coef_1, max=eps_high).detach() * adv * logp
+        d_loss = -tl.minimum(coef_1, eps_high) * adv
+    elif LOSS == 3:  # sapo: -sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
+        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        s = tl.sigmoid(tau * (coef_1 - 1))
+        d_loss = -4 * adv * s * (1 - s) * coef_1
+    else:  # vespo: -phi * adv * logp, phi detached
+        d_loss = -phi * adv
+    if HAS_RATIO and LOSS != 4:
+        d_loss = d_loss * ratio
+    if HAS_KL:  # beta * (exp(ref - logp) - (ref - logp) - 1) (* coef_1)
+        e = tl.exp(ref - logp)
+        d_kl = 1 - e
+        if BIAS_KL:
+            d_kl = d_kl * coef_1 + (e - (ref - logp) - 1) * coef_1
+        d_loss = d_loss + beta * d_kl
+    return weight * d_loss
+
+
 @triton.jit
 def _logprob_entropy_combine_kernel(
-    logits_ptr, stride, targets_ptr, m_ptr, s_ptr, d_ptr, logp_ptr, entropy_ptr, lse_ptr, inv_t, softcap, SPLITS,
-    BLOCK_S: tl.constexpr, HAS_SOFTCAP: tl.constexpr
+    logits_ptr, stride, targets_ptr, m_ptr, s_ptr, d_ptr, logp_ptr, entropy_ptr, lse_ptr, positions_ptr,
+    adv_ptr, weight_ptr, old_ptr, ref_ptr, ratio_ptr, phi_ptr, g_ptr,
+    inv_t, softcap, SPLITS, eps_low, eps_high, delta, tau_pos, tau_neg, beta,
+    BLOCK_S: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCATTER: tl.constexpr, LOSS: tl.constexpr,
+    HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_RATIO: tl.constexpr, HAS_KL: tl.constexpr,
+    BIAS_KL: tl.constexpr,
 ):
-    # one program per row: the spans' (max, sum, entropy term) folded as each span folded its lanes
+    # one program per row: the spans' (max, sum, entropy term) folded as each span folded its lanes; then the row's
+    # log-prob and entropy (at its flat position when SCATTER) and, for a loss (LOSS != 0), g = d(loss)/d(logp)
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_S)
     ok = k < SPLITS
@@ -111,9 +166,31 @@ def _logprob_entropy_combine_kernel(
     if HAS_SOFTCAP:
         z_t = softcap * _tanh(z_t / softcap)
     z_t = z_t * inv_t
-    tl.store(logp_ptr + row, z_t - lse)
-    tl.store(entropy_ptr + row, log_total - total_d / total)
+    logp = z_t - lse
+    out = row
+    if SCATTER:
+        out = tl.load(positions_ptr + row)
+    tl.store(logp_ptr + out, logp)
+    tl.store(entropy_ptr + out, log_total - total_d / total)
     tl.store(lse_ptr + row, lse)
+    if LOSS != 0:
+        adv = tl.load(adv_ptr + row)
+        weight = tl.load(weight_ptr + row)
+        old = logp
+        ref = logp
+        ratio = logp
+        phi = logp
+        if HAS_OLD:
+            old = tl.load(old_ptr + row)
+        if HAS_KL:
+            ref = tl.load(ref_ptr + row)
+        if HAS_RATIO:
+            ratio = tl.load(ratio_ptr + row)
+        if LOSS == 4:
+            phi = tl.load(phi_ptr + row)
+        g = _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, eps_low, eps_high, delta, tau_pos, tau_neg,
+                                 beta, LOSS, HAS_OLD, HAS_DELTA, HAS_RATIO, HAS_KL, BIAS_KL)
+        tl.store(g_ptr + row, g)
 
 
 @triton.jit
@@ -184,24 +261,54 @@ def logprob_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: f
     """(rows, V) fp32 logits -> (log p(target), entropy, log-partition), each (rows,) fp32, of the soft-capped logits
     (softcap None: none) over the temperature: a partial online log-sum-exp per (row, span of the vocabulary), then
     one combining program per row."""
-    rows, V = logits.shape
+    rows = logits.shape[0]
     logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
     entropy, lse = torch.empty_like(logp), torch.empty_like(logp)
-    if rows:
-        block = min(BLOCK_V, triton.next_power_of_2(V))
-        splits, span = _split_span(rows, V, block)
-        partial_m, partial_s, partial_d = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
-        cap = 1.0 if softcap is None else float(softcap)
-        with on_device(logits.device):
-            _logsumexp_partial_kernel[(rows, splits)](
-                logits, logits.stride(0), partial_m, partial_s, partial_d, V, span, float(inv_t), cap, splits,
-                BLOCK=block, HAS_SOFTCAP=softcap is not None,
-            )
-            _logprob_entropy_combine_kernel[(rows,)](
-                logits, logits.stride(0), targets, partial_m, partial_s, partial_d, logp, entropy, lse, float(inv_t),
-                cap, splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SOFTCAP=softcap is not None,
-            )
+    stage_statistics_triton(logits, targets, inv_t, softcap, logps=logp, entropy=entropy, lse=lse)
     return logp, entropy, lse
+
+
+_LOSS_KINDS = {"cispo": CISPO, "sapo": SAPO, "vespo": VESPO}
+
+
+def stage_statistics_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None, *,
+                            logps: torch.Tensor, entropy: torch.Tensor, lse: torch.Tensor,
+                            positions: torch.Tensor | None = None, g: torch.Tensor | None = None, g_inputs=None,
+                            options=None) -> None:
+    """The log-prob pass of one stage of (rows, V) fp32 logits, written where the fused loss keeps its results: log
+    p(target) and entropy into `logps` / `entropy` (at the flat `positions` of the rows, or rows 0..rows-1), the
+    log-partition into `lse` (rows,), and with `g`, d(loss)/d(logp) of each row from `g_inputs`
+    (grpo_loss_math.TokenGradInputs of these rows) and the loss `options` (a token-local loss): no torch op. A
+    partial online log-sum-exp per (row, span of the vocabulary), then one combining program per row."""
+    rows, V = logits.shape
+    if not rows:
+        return
+    block = min(BLOCK_V, triton.next_power_of_2(V))
+    splits, span = _split_span(rows, V, block)
+    partial_m, partial_s, partial_d = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
+    cap = 1.0 if softcap is None else float(softcap)
+    loss, scalars, flags = NO_GRAD, (0.0,) * 6, dict(HAS_OLD=False, HAS_DELTA=False, HAS_RATIO=False, HAS_KL=False,
+                                                     BIAS_KL=False)
+    inputs = [lse] * 7  # (adv, weight, old, ref, ratio, phi, g): unread where their flag is off
+    if g is not None:
+        o, i = options, g_inputs
+        loss = _LOSS_KINDS.get(o.loss_type, CLIPPED)
+        scalars = (o.epsilon_low, o.eps_high, 1.0 if o.delta is None else o.delta, o.sapo_temperature_pos,
+                   o.sapo_temperature_neg, o.beta)
+        flags = dict(HAS_OLD=i.old is not None, HAS_DELTA=o.delta is not None, HAS_RATIO=i.is_ratio is not None,
+                     HAS_KL=o.beta != 0.0, BIAS_KL=o.use_bias_correction_kl)
+        inputs = [x if x is not None else lse for x in (i.adv, i.weight, i.old, i.ref, i.is_ratio, i.phi)] + [g]
+    with on_device(logits.device):
+        _logsumexp_partial_kernel[(rows, splits)](
+            logits, logits.stride(0), partial_m, partial_s, partial_d, V, span, float(inv_t), cap, splits,
+            BLOCK=block, HAS_SOFTCAP=softcap is not None,
+        )
+        _logprob_entropy_combine_kernel[(rows,)](
+            logits, logits.stride(0), targets, partial_m, partial_s, partial_d, logps, entropy, lse,
+            lse if positions is None else positions, *inputs, float(inv_t), cap, splits,
+            *(float(x) for x in scalars), BLOCK_S=triton.next_power_of_2(splits), HAS_SOFTCAP=softcap is not None,
+            SCATTER=positions is not None, LOSS=loss, **flags,
+        )
 
 
 def grad_logits_triton(

@@ -67,9 +67,12 @@ def _group_launches(group_sizes) -> list[Launch]:
     return launches
 
 
+COMBINE_FLAGS = ("BLOCK_S", "HAS_SOFTCAP", "SCATTER", "LOSS", "HAS_OLD", "HAS_DELTA", "HAS_RATIO", "HAS_KL", "BIAS_KL")
+
+
 def _row_launches(vocab_sizes) -> list[Launch]:
-    """The fused loss's row passes (log-sum-exp partials and their combination, grad-logits) at the block size the
-    wrapper picks, and its backward's scale-into and scale-in-place kernels."""
+    """The fused loss's row passes (log-sum-exp partials and their combination, with each loss type's gradient,
+    grad-logits) at the block size the wrapper picks, and its backward's scale-into and scale-in-place kernels."""
     launches = []
     for V in vocab_sizes:
         block = min(linear_grpo_triton.BLOCK_V, triton.next_power_of_2(V))
@@ -83,13 +86,23 @@ def _row_launches(vocab_sizes) -> list[Launch]:
                                    {"logits_ptr": "*fp32", "stride": "i32", **partials, "V": "i32", "span": "i32",
                                     "inv_t": "fp32", "softcap": "fp32", "SPLITS": "i32", "BLOCK": "constexpr",
                                     "HAS_SOFTCAP": "constexpr"}, {"BLOCK": block, "HAS_SOFTCAP": cap}))
-            launches.append(Launch(f"logprob/entropy combine V={V}{name}",
-                                   linear_grpo_triton._logprob_entropy_combine_kernel,
-                                   {"logits_ptr": "*fp32", "stride": "i32", "targets_ptr": "*i64", **partials,
-                                    "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "inv_t": "fp32",
-                                    "softcap": "fp32", "SPLITS": "i32", "BLOCK_S": "constexpr",
-                                    "HAS_SOFTCAP": "constexpr"},
-                                   {"BLOCK_S": triton.next_power_of_2(splits), "HAS_SOFTCAP": cap}))
+            # the log-prob pass's second kernel: statistics only (forward), or with the loss gradient of each kind,
+            # every input it can read (old, ref, vLLM ratio, delta, bias-corrected KL) on: the most registers
+            kinds = {"": linear_grpo_triton.NO_GRAD, " + g clipped": linear_grpo_triton.CLIPPED,
+                     " + g cispo": linear_grpo_triton.CISPO, " + g sapo": linear_grpo_triton.SAPO,
+                     " + g vespo": linear_grpo_triton.VESPO}
+            for kind_name, kind in kinds.items():
+                on = kind != linear_grpo_triton.NO_GRAD
+                launches.append(Launch(
+                    f"logprob/entropy combine V={V}{kind_name}{name}", linear_grpo_triton._logprob_entropy_combine_kernel,
+                    {"logits_ptr": "*fp32", "stride": "i32", "targets_ptr": "*i64", **partials, "logp_ptr": "*fp32",
+                     "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "positions_ptr": "*i64", "adv_ptr": "*fp32",
+                     "weight_ptr": "*fp32", "old_ptr": "*fp32", "ref_ptr": "*fp32", "ratio_ptr": "*fp32",
+                     "phi_ptr": "*fp32", "g_ptr": "*fp32", "inv_t": "fp32", "softcap": "fp32", "SPLITS": "i32",
+                     "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32", "tau_pos": "fp32", "tau_neg": "fp32",
+                     "beta": "fp32", **{flag: "constexpr" for flag in COMBINE_FLAGS}},
+                    {"BLOCK_S": triton.next_power_of_2(splits), "HAS_SOFTCAP": cap, "SCATTER": True, "LOSS": kind,
+                     "HAS_OLD": on, "HAS_DELTA": on, "HAS_RATIO": on, "HAS_KL": on, "BIAS_KL": on}))
             for out in ("fp32", "bf16", "fp16"):  # in place, or rounded into the gradient GEMMs' operand dtype
                 launches.append(Launch(f"grad-logits V={V} -> {out}{name}", linear_grpo_triton._grad_logits_kernel,
                                        {**common, "out_ptr": f"*{out}", "out_stride": "i32", "g_ptr": "*fp32",

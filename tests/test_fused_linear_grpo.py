@@ -661,6 +661,59 @@ def test_logits_gradient_rounded_once(backend, monkeypatch):
         torch.testing.assert_close(g.double() / scale, w / scale, rtol=0, atol=1e-2)
 
 
+G_CONFIGS = [dict(loss_type=lt) for lt in LOSS_TYPES] + [
+    dict(loss_type="grpo", beta=0.04, delta=1.1),
+    dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=True, epsilon_high=0.28),
+    dict(loss_type="sapo", sapo_temperature_pos=0.7, sapo_temperature_neg=1.3, beta=0.02),
+    dict(loss_type="cispo", epsilon_high=1.2),
+    dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5),
+]
+
+
+@pytest.mark.parametrize("config", G_CONFIGS, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in G_CONFIGS])
+@pytest.mark.parametrize("with_old", [True, False])
+def test_log_prob_pass_computes_the_loss_gradient(backend, config, with_old):
+    """The log-prob pass of a stage (Triton kernel or torch twin) writes the rows' log-probs and entropy at their
+    flat positions and their log-partition, and, for a token-local loss, g = d(loss)/d(logp) in closed form: equal
+    to autograd through grpo_loss_math over the whole batch (the oracle), with the vLLM ratio (B, T) or one a
+    sequence, and a temperature and soft cap (which change the log-probs, not g's formula)."""
+    options = GRPOLossOptions(**config, temperature=0.8, logit_softcap=6.0)
+    if not options.is_token_local(with_old_logps=with_old):
+        pytest.skip("vespo given old log-probs: g by autograd (two sweeps)")
+    p = _problem(sum(map(ord, str(config))) + with_old)
+    mask = p["mask"]
+    positions = torch.nonzero(mask.reshape(-1) != 0).squeeze(1)
+    n = positions.numel()
+    g = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(n, V, generator=g)).to(DEVICE)
+    targets = p["target"].reshape(-1)[positions]
+    ratio = p["is_ratio"] if with_old else p["is_ratio"][:, :1]
+    loss_inputs = dict(advantages=p["adv"], old_logps=p["old"] if with_old else None,
+                       ref_logps=p["ref"] if options.beta else None, vllm_is_ratio=ratio, num_items_in_batch=None)
+    lo, hi = 2, n - 1  # one stage: rows [lo, hi)
+    inputs = flg.token_grad_inputs(mask, positions, options=options, **loss_inputs)
+    logps, entropy = torch.zeros(B * T, device=DEVICE), torch.zeros(B * T, device=DEVICE)
+    lse, g_rows = torch.empty(hi - lo, device=DEVICE), torch.empty(hi - lo, device=DEVICE)
+    stage_statistics = flg._backend_ops(backend)[0]
+    stage_statistics(logits[lo:hi].clone(), targets[lo:hi], 1 / 0.8, 6.0, logps=logps, entropy=entropy, lse=lse,
+                     positions=positions[lo:hi], g=g_rows, g_inputs=inputs.rows(lo, hi), options=options)
+
+    z = (6.0 * torch.tanh(logits.double() / 6.0)) / 0.8
+    log_p = torch.log_softmax(z, -1)
+    want_logp = log_p.gather(1, targets[:, None])[:, 0]
+    at = positions[lo:hi]
+    torch.testing.assert_close(logps[at].double(), want_logp[lo:hi], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[at].double(), -(log_p.exp() * log_p).sum(-1)[lo:hi], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(z, -1)[lo:hi], rtol=1e-6, atol=1e-5)
+    assert logps.count_nonzero() == hi - lo  # nothing written elsewhere
+    # the oracle at the pass's own log-probs, in fp32 as the fused loss computes
+    x = torch.zeros(B * T, device=DEVICE).index_put((positions,), want_logp.float()).index_put((at,), logps[at])
+    x.requires_grad_()
+    loss, _ = grpo_loss_from_logps(x.view(B, T), mask, options=options, with_stats=False, **loss_inputs)
+    (want,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(g_rows, want[at], rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
 def _bf16_operands_on_cpu(monkeypatch):
     """CUDA's bf16 path on the CPU, whose torch.mm has no out_dtype: bf16 GEMM operands, fp32 logits. Returns the
     list of (shape, dtype) of what each gradient GEMM writes."""
@@ -961,21 +1014,23 @@ def test_tensors_on_another_device_are_refused(key, name, impl):
 @pytest.mark.parametrize("normaliser", [20, 20.0, torch.tensor(20), torch.tensor(20.0, dtype=torch.float64)])
 def test_normaliser_made_once_on_the_device(backend, monkeypatch, normaliser):
     """num_items_in_batch given as a number or a host tensor becomes one fp32 tensor on hidden's device per call,
-    which every stage's loss reads (a host value copied to a GPU in each stage waits for the stream each time);
+    which everything that reads it reads (a host value copied to a GPU at each read waits for the stream each time);
     the loss is the reference's."""
     seen = []
-    loss_from_logps = flg.grpo_loss_from_logps
 
-    def recording(*args, **kwargs):
-        seen.append(kwargs["num_items_in_batch"])
-        return loss_from_logps(*args, **kwargs)
+    def recording(fn):
+        def read(*args, **kwargs):
+            seen.append(kwargs["num_items_in_batch"])
+            return fn(*args, **kwargs)
+        return read
 
-    monkeypatch.setattr(flg, "grpo_loss_from_logps", recording)
+    monkeypatch.setattr(flg, "grpo_loss_from_logps", recording(flg.grpo_loss_from_logps))
+    monkeypatch.setattr(flg, "token_grad_inputs", recording(flg.token_grad_inputs))
     p = _problem(59)
     hidden = p["hidden"].clone().requires_grad_()
     loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, p["weight"], p["target"], p["mask"], p["adv"],
                                                   old_logps=p["old"], num_items_in_batch=normaliser)
-    assert len(seen) > 3  # a loss per stage (stages of 2 tokens), the final loss and the statistics
+    assert len(seen) == 3  # the loss gradient's inputs, the final loss and the statistics
     assert all(x is seen[0] for x in seen)
     assert seen[0].device == hidden.device and seen[0].dtype == torch.float32 and seen[0].item() == 20.0
     want, _ = ref.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"],

@@ -94,9 +94,12 @@ class _Launches(TorchDispatchMode):
         super().__init__()
         self.aten = 0
         self.triton = 0
+        self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.overloadpacket.__name__ not in self.NO_KERNEL:
+        if func.is_view:
+            self.views += 1
+        elif func.overloadpacket.__name__ not in self.NO_KERNEL:
             self.aten += 1
         return func(*args, **(kwargs or {}))
 
@@ -132,22 +135,31 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward):
                                                       loss_type="dapo", epsilon_high=0.28)
         if backward:
             loss.backward()
-    return mode.aten, mode.triton
+    return mode.aten, mode.triton, mode.views
 
 
-def test_launches_per_stage_and_chunk_are_the_codes(monkeypatch):
-    """The model's launches per stage (projection, log-prob pass, index writes, loss gradient, logits gradient) and
-    per chunk (two gradient GEMMs) equal what the code dispatches, counted under a dispatch mode: 24 tokens as
-    6 stages of 4 in 3 chunks of 8, against 12 stages of 2."""
-    plan = cost.LossPlan(stage_rows=4, chunk_rows=8)
-    model = cost.fused_loss(plan, 24, 32, 8, 50, backward=True)
+@pytest.mark.parametrize("backward", [False, True])
+def test_launches_per_stage_and_chunk_are_the_codes(monkeypatch, backward):
+    """What each stage launches: the projection GEMM, and Triton's log-prob pass (two kernels; with gradients the
+    second also gives the stage its loss gradient g in closed form) and logits-gradient pass; no other aten op (the
+    log-probs, entropy and log-partition are written by the kernel; before: 41 aten ops and 3 Triton launches, 37 of
+    them for g by autograd over the whole batch). Each chunk: its two gradient GEMMs. The model's counts (per stage,
+    per chunk, per call, views included) equal what the code dispatches under a dispatch mode: 24 tokens as 6 stages
+    of 4 in 3 chunks of 8, against 12 stages of 2 and against 6 chunks."""
+    model = cost.fused_loss(cost.LossPlan(stage_rows=4, chunk_rows=8), 24, 32, 8, 50, backward=backward)
     stage, chunk = model.per("stage"), model.per("chunk")
-    a = _count(monkeypatch, 4, 8, True)
-    b = _count(monkeypatch, 2, 8, True)
+    assert (stage["aten"], stage["triton"]) == ((1, 3) if backward else (1, 2))
+    a = _count(monkeypatch, 4, 8, backward)
+    b = _count(monkeypatch, 2, 8, backward)
+    c = _count(monkeypatch, 4, 4, backward)  # 3 more chunks, the same stages
     assert (b[0] - a[0]) / 6 == stage["aten"]
     assert (b[1] - a[1]) / 6 == stage["triton"]
-    c = _count(monkeypatch, 4, 4, True)  # 3 more chunks, the same stages
-    assert (c[0] - a[0]) / 3 == chunk["aten"]
+    assert (b[2] - a[2]) / 6 == model.per("stage")["views"]
+    assert (c[0] - a[0]) / 3 == (chunk["aten"] if backward else 0)
+    # the whole call (CPU: two more aten ops, the operands' fp32 copies CUDA does not make)
+    total = sum(launches["aten"] for launches in model.launches.values())
+    assert a[0] == total + 2
+    assert a[1] == sum(launches["triton"] for launches in model.launches.values())
 
 
 @pytest.mark.parametrize("mask", list(cost.BENCH_MASKS))

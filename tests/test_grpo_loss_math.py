@@ -8,7 +8,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from gfpo_kernels.grpo_loss_math import LOSS_TYPES, GRPOLossOptions, grpo_loss_from_logps
+from gfpo_kernels.grpo_loss_math import (LOSS_TYPES, GRPOLossOptions, grpo_loss_from_logps, token_grad_inputs,
+                                          token_loss_gradient)
 
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -222,3 +223,57 @@ def test_token_local_gradient():
             assert same == local, (loss_type, old_logps is None)
     for with_old in (True, False):
         assert not GRPOLossOptions(importance_sampling_level="sequence").is_token_local(with_old_logps=with_old)
+
+
+TOKEN_LOCAL_CONFIGS = [c for c in CONFIGS if c.get("importance_sampling_level", "token") == "token"] + [
+    dict(loss_type="grpo", delta=1.05, beta=0.07, use_bias_correction_kl=True, epsilon_low=0.1, epsilon_high=0.05),
+    dict(loss_type="luspo", beta=0.03),
+    dict(loss_type="sapo", beta=0.05, use_bias_correction_kl=True),
+]
+
+
+@pytest.mark.parametrize("config", TOKEN_LOCAL_CONFIGS,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in TOKEN_LOCAL_CONFIGS])
+@pytest.mark.parametrize("with_old", [True, False])
+@pytest.mark.parametrize("ratio_shape", [None, "(B,T)", "(B,1)", "(B,)"])
+def test_closed_form_loss_gradient_is_autograds(config, with_old, ratio_shape):
+    """token_loss_gradient (the fused loss's d(loss)/d(logp) per stage, without autograd; the Triton log-prob pass
+    computes the same) equals autograd through grpo_loss_from_logps at every scored token, for every token-local
+    configuration: each loss type, KL with and without bias correction, delta, the vLLM ratio in each shape, a
+    normaliser given or not, mask weights other than 1, fp32 as the fused loss computes it."""
+    opts = GRPOLossOptions(**config)
+    if not opts.is_token_local(with_old_logps=with_old):
+        pytest.skip("vespo given old log-probs is not token-local: the fused loss takes autograd's two sweeps")
+    logps, mask, old, ref, adv, is_ratio = (x.float() for x in _case(sum(map(ord, str(config))) + with_old))
+    mask[2, 1:3] *= 0.5  # weights other than 1 scale a token's loss
+    ratio = {None: None, "(B,T)": is_ratio, "(B,1)": is_ratio[:, :1], "(B,)": is_ratio[:, 0]}[ratio_shape]
+    num_items = torch.tensor(23.0) if ratio_shape == "(B,1)" else None
+    kwargs = dict(old_logps=old if with_old else None, ref_logps=ref if opts.beta != 0.0 else None,
+                  vllm_is_ratio=ratio, num_items_in_batch=num_items)
+    x = logps.clone().requires_grad_()
+    loss, _ = grpo_loss_from_logps(x, mask, adv, opts, **kwargs)
+    (want,) = torch.autograd.grad(loss, x)
+    positions = torch.nonzero(mask.reshape(-1) != 0).squeeze(1)
+    inputs = token_grad_inputs(mask, positions, adv, opts, **kwargs)
+    got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
+    torch.testing.assert_close(got, want.reshape(-1)[positions], rtol=1e-5, atol=1e-7)
+    # a stage's rows alone give the same values (what the fused loss asks, stage by stage)
+    lo, hi = 3, 7
+    part = token_loss_gradient(logps.reshape(-1)[positions[lo:hi]], inputs.rows(lo, hi), opts)
+    torch.testing.assert_close(part, got[lo:hi], rtol=0, atol=0)
+
+
+def test_closed_form_follows_autograd_at_ties():
+    """Inside the clip range the two sides of TRL's min are equal: autograd passes half the gradient to each, and
+    the closed form does too (equal halves, so the full gradient); at a ratio above delta the first side passes
+    nothing. Old log-probs equal to the policy's make every ratio exactly 1."""
+    logps, mask, old, ref, adv, _ = (x.float() for x in _case(5))
+    positions = torch.nonzero(mask.reshape(-1) != 0).squeeze(1)
+    for opts, old_logps in ((GRPOLossOptions(loss_type="dapo"), logps.clone()),
+                            (GRPOLossOptions(loss_type="bnpo", delta=1.0, epsilon_high=0.5), logps - 0.2)):
+        x = logps.clone().requires_grad_()
+        loss, _ = grpo_loss_from_logps(x, mask, adv, opts, old_logps=old_logps)
+        (want,) = torch.autograd.grad(loss, x)
+        inputs = token_grad_inputs(mask, positions, adv, opts, old_logps=old_logps)
+        got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
+        torch.testing.assert_close(got, want.reshape(-1)[positions], rtol=1e-6, atol=0)
