@@ -107,10 +107,11 @@ def check_scale_eps(scale, eps) -> None:
 
 
 def check_linear_grpo_inputs(
-    hidden, weight, target_ids, mask, advantages, *, bias, old_logps, ref_logps, vllm_is_ratio, beta
-) -> int:
+    hidden, weight, target_ids, mask, advantages, *, bias, old_logps, ref_logps, vllm_is_ratio, beta, subset=None
+) -> tuple[int, torch.Tensor | None, int]:
     """Shapes, dtypes and target ids of fused_linear_grpo_loss (both implementations); returns the number of scored
-    tokens (mask != 0)."""
+    tokens (mask != 0), and subset(live) (a (B, T) bool tensor of scored tokens, or None) with its size, read in the
+    same host transfer."""
     for x, name in ((hidden, "hidden"), (weight, "weight"), (target_ids, "target_ids"), (mask, "mask"),
                     (advantages, "advantages")):
         if not isinstance(x, torch.Tensor):
@@ -150,13 +151,13 @@ def check_linear_grpo_inputs(
     # the count): not the four syncs of any(), a boolean index, min() and max().
     live = mask != 0
     live_targets = torch.where(live, target_ids, torch.zeros_like(target_ids)).long()
-    num_scored, lo, hi = (
-        torch.stack([live.sum(), live_targets.min(), live_targets.max()]).tolist() if live.numel() else (0, 0, 0)
-    )
+    part = None if subset is None else subset(live)
+    read = [live.sum(), live_targets.min(), live_targets.max()] + ([] if part is None else [part.sum()])
+    num_scored, lo, hi, *num_part = torch.stack(read).tolist() if live.numel() else (0, 0, 0, 0)
     if lo < 0 or hi >= V:
         bad = lo if lo < 0 else hi
         raise ValueError(f"target_ids where mask is set must lie in [0, V={V}), got target id {bad}")
-    return num_scored
+    return num_scored, part, (num_part[0] if part is not None else 0)
 
 
 def check_num_items_in_batch(n) -> None:
@@ -174,15 +175,17 @@ def check_num_items_in_batch(n) -> None:
     raise ValueError(f"num_items_in_batch must be None, a number or a one-element tensor, got {shown}")
 
 
-def linear_grpo_call_options(arguments: dict) -> tuple[GRPOLossOptions, int]:
+def linear_grpo_call_options(arguments: dict, subset=None) -> tuple[GRPOLossOptions, int, torch.Tensor | None, int]:
     """Checks a fused_linear_grpo_loss call (reference or kernel) from its arguments (the function's locals())
-    and returns its loss options and the number of scored tokens."""
+    and returns its loss options, the number of scored tokens, and subset(live, options) (a bool (B, T) tensor of
+    scored tokens, or None) with its size, counted in the same host transfer."""
     names = {field.name for field in dataclasses.fields(GRPOLossOptions)}
     options = GRPOLossOptions(**{name: value for name, value in arguments.items() if name in names})
     a = arguments
     check_num_items_in_batch(a["num_items_in_batch"])
-    num_scored = check_linear_grpo_inputs(
+    counted = check_linear_grpo_inputs(
         a["hidden"], a["weight"], a["target_ids"], a["mask"], a["advantages"], bias=a["bias"],
         old_logps=a["old_logps"], ref_logps=a["ref_logps"], vllm_is_ratio=a["vllm_is_ratio"], beta=options.beta,
+        subset=None if subset is None else lambda live: subset(live, options),
     )
-    return options, num_scored
+    return options, *counted

@@ -46,8 +46,15 @@ inference_mode) only steps 1-2 run, whatever the parameters' requires_grad, over
 vespo given old log-probabilities takes the two sweeps too: its per-sequence weight phi is a function of every
 log-probability of the sequence.
 
-Host syncs: one per call, reading the number of scored tokens with the target-id range (_validation); the
-row gather then uses nonzero_static; a host num_items_in_batch goes to the device once per call. Besides it, only
+Scored tokens whose loss gradient is exactly 0 whatever their log-probability (zero advantage, no KL term, their
+other inputs finite: grpo_loss_math.zero_gradient_tokens; zero-variance groups, rows a trainer could not leave out)
+are counted in validation's host transfer and gathered last, in stages of their own: steps 1-2 only (their log-probs
+and entropy are computed), no logits-gradient pass and no row in either gradient GEMM. Only for token-local losses;
+the stages depend on these counts too, with and without gradients alike.
+
+Host syncs: one per call, reading the number of scored tokens (and of those without gradient) with the target-id
+range (_validation); the row gathers then use nonzero_static; a host num_items_in_batch goes to the device once per
+call. Besides it, only
 the torch backward on CPU reads grad_output. The Triton launches make the tensors' device current.
 
 Extra memory (what the budget counts, _Footprint): the staging and chunk buffers (with several chunks at most the
@@ -74,13 +81,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
 from ._dispatch import select_backend
 from ._validation import linear_grpo_call_options
 from .grpo_loss_math import (GRPOLossOptions, grpo_loss_from_logps, soft_capped, token_grad_inputs,
-                             token_loss_gradient)
+                             token_loss_gradient, zero_gradient_tokens)
 
 __all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
 
@@ -118,25 +126,32 @@ class _Plan:
     in the weight's dtype; with several it is summed over the chunks in an fp32 accumulator."""
 
     chunks: tuple[tuple[int, int], ...]
-    stages: tuple[tuple[int, int], ...]  # in order, each inside one chunk
+    stages: tuple[tuple[int, int], ...]  # in order; those of the gradient rows each inside one chunk
+    statistics_only: tuple[tuple[int, int], ...] = ()  # stages of rows whose loss gradient is exactly 0
 
     @classmethod
-    def balanced(cls, n: int, n_stages: int, n_chunks: int) -> _Plan:
-        """n rows in n_stages stages of as equal sizes as can be, grouped into n_chunks chunks of whole stages."""
-        bounds = [i * n // n_stages for i in range(n_stages + 1)]
-        groups = [j * n_stages // n_chunks for j in range(n_chunks + 1)]
+    def balanced(cls, n: int, n_stages: int, n_chunks: int, zero: tuple[int, int] = (0, 0)) -> _Plan:
+        """n rows in n_stages stages of as equal sizes as can be, grouped into n_chunks chunks of whole stages; then
+        zero = (rows, stages): rows n..n+rows whose loss gradient is 0, in their own stages."""
+        bounds = [i * n // n_stages for i in range(n_stages + 1)] if n_stages else [0]
+        groups = [j * n_stages // n_chunks for j in range(n_chunks + 1)] if n_chunks else [0]
         chunks = tuple((bounds[groups[j]], bounds[groups[j + 1]]) for j in range(n_chunks))
-        return cls(chunks=chunks, stages=tuple((bounds[i], bounds[i + 1]) for i in range(n_stages)))
+        rows, stages = zero
+        after = tuple((n + i * rows // stages, n + (i + 1) * rows // stages) for i in range(stages))
+        return cls(chunks=chunks, stages=tuple((bounds[i], bounds[i + 1]) for i in range(n_stages)) + after,
+                   statistics_only=after)
 
     @classmethod
-    def fixed(cls, n: int, stage_rows: int, chunk_rows: int) -> _Plan:
-        """Chunks of chunk_rows rows (the last one shorter), each cut into stages of stage_rows (tests force it)."""
+    def fixed(cls, n: int, stage_rows: int, chunk_rows: int, zero_rows: int = 0) -> _Plan:
+        """Chunks of chunk_rows rows (the last one shorter), each cut into stages of stage_rows, then zero_rows rows
+        without gradients in stages of stage_rows (tests force it)."""
         chunks = tuple((a, min(a + chunk_rows, n)) for a in range(0, n, chunk_rows))
         stages = tuple((lo, min(lo + stage_rows, b)) for a, b in chunks for lo in range(a, b, stage_rows))
-        return cls(chunks=chunks, stages=stages)
+        after = tuple((lo, min(lo + stage_rows, n + zero_rows)) for lo in range(n, n + zero_rows, stage_rows))
+        return cls(chunks=chunks, stages=stages + after, statistics_only=after)
 
     def stages_of(self, start: int, end: int) -> list[tuple[int, int]]:
-        return [(lo, hi) for lo, hi in self.stages if start <= lo < end]
+        return [(lo, hi) for lo, hi in self.stages if start <= lo < end and (lo, hi) not in self.statistics_only]
 
     @property
     def stage_rows(self) -> int:
@@ -167,12 +182,14 @@ class _Footprint:
     weight_copy: bool
     need_h: bool
     need_w: bool
+    n_zero: int = 0  # scored rows whose loss gradient is exactly 0: projected, no gradient work
 
     def phases(self, stage_rows: int, chunk_rows: int, chunks: int) -> tuple[int, int, int]:
         """Bytes held during the stage loop, during the last chunk's GEMMs (the staging buffer freed, a weight
         gradient written directly allocated) and during backward."""
         n, V, H = self.n, self.V, self.H
-        rows = n * H * self.operand_size + 20 * n + 8 * self.positions + n * H * self.grad_h_size * self.need_h
+        n_grad = n - self.n_zero
+        rows = n * H * self.operand_size + 20 * n + 8 * self.positions + n_grad * H * self.grad_h_size * self.need_h
         copy = V * H * self.operand_size if self.weight_copy else 0
         staging = 4 * stage_rows * V
         if not (self.need_h or self.need_w):
@@ -185,8 +202,8 @@ class _Footprint:
         out = V * H * self.weight_size if self.need_w and not (sums and self.weight_size == 4) else 0
         stage_loop = rows + copy + staging + buffer + acc
         last_gemms = rows + copy + buffer + acc + (0 if sums else out)
-        cast_h = n * H * self.hidden_size if self.grad_h_size != self.hidden_size else 0
-        hidden_grad = (n * self.grad_h_size + self.positions * self.hidden_size) * H + cast_h
+        cast_h = n_grad * H * self.hidden_size if self.grad_h_size != self.hidden_size else 0
+        hidden_grad = (n_grad * self.grad_h_size + self.positions * self.hidden_size) * H + cast_h
         backward = acc + out + hidden_grad * self.need_h
         return stage_loop, last_gemms, backward
 
@@ -221,15 +238,19 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
     When every one of the B*T positions is scored, no stage or chunk holds more than half of them, so that no
     buffer is the (B*T, V) logits (then always two chunks or more)."""
     f = footprint
-    n, V = f.n, f.V
-    if n == 0:
+    V = f.V
+    n = f.n - f.n_zero  # the rows with gradients come first; those without get stages of their own
+    if f.n == 0:
         return _Plan(chunks=(), stages=())
-    most = -(-n // 2) if n >= f.positions > 1 else n
+    most = -(-f.n // 2) if f.n >= f.positions > 1 else f.n
     stage_max = max(1, min(_STAGE_ROWS, _STAGE_BYTES_MAX // (4 * V), most))
+    zero = (f.n_zero, -(-f.n_zero // stage_max))
     n_stages = -(-n // stage_max)
+    if n == 0:
+        return _Plan.balanced(0, 0, 0, zero)
     stage_rows = -(-n // n_stages)
-    if not (f.need_h or f.need_w) or n_stages == 1 and most == n:
-        return _Plan.balanced(n, n_stages, 1)
+    if not (f.need_h or f.need_w) or n_stages == 1 and most >= n:
+        return _Plan.balanced(n, n_stages, 1, zero)
     budget = _budget(device)
     stage_loop = f.phases(stage_rows, 0, chunks=2)[0]  # several chunks, without the chunk buffer
     cap = max(int(_BUFFER_SHARE_OF_WEIGHT * V * f.H * f.operand_size), _BUFFER_BYTES_MIN)
@@ -238,9 +259,9 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
     stages_per_chunk = max(1, min(chunk_bytes // (f.operand_size * V * stage_rows), most // stage_rows))
     n_chunks = max(2, -(-n_stages // stages_per_chunk))
     several = f.peak(stage_rows, -(-n_stages // n_chunks) * stage_rows, chunks=2)
-    if most == n and f.peak(stage_rows, n, chunks=1) <= min(budget, several):
-        return _Plan.balanced(n, n_stages, 1)
-    return _Plan.balanced(n, n_stages, n_chunks)
+    if most >= n and f.peak(stage_rows, n, chunks=1) <= min(budget, several):
+        return _Plan.balanced(n, n_stages, 1, zero)
+    return _Plan.balanced(n, n_stages, n_chunks, zero)
 
 
 def _normaliser_on(value, device: torch.device) -> torch.Tensor | None:
@@ -420,6 +441,15 @@ def _backend_ops(backend: str):
     return _stage_statistics_torch, _grad_logits_torch, _scale_into_torch, _scale_in_place_torch
 
 
+class _Count(NamedTuple):
+    """What validation counted in its one host transfer: the scored tokens, and those among them whose loss gradient
+    is exactly 0 (grpo_loss_math.zero_gradient_tokens; None where the loss has none)."""
+
+    scored: int
+    zero_gradient_tokens: torch.Tensor | None = None
+    zero_gradient: int = 0
+
+
 class _ScoredRows:
     """The scored tokens of one call, gathered once (in the GEMM operand dtype), the fp32 staging buffer their
     logits are projected into, and what the passes record for them: log p(target) and entropy (written into flat
@@ -427,12 +457,20 @@ class _ScoredRows:
     g = d(loss)/d(log p) (n,) where gradients are asked: computed by the log-prob pass itself, in closed form, for
     a token-local loss (`token_grad`: grpo_loss_math.TokenGradInputs), else set once by autograd."""
 
-    def __init__(self, hidden, weight, bias, target_ids, mask, num_scored, operand_dtype, options, backend):
+    def __init__(self, hidden, weight, bias, target_ids, mask, count: _Count, operand_dtype, options, backend):
         B, T, H = hidden.shape
         device = hidden.device
-        # the count is known on the host (validation read it with the target range in one transfer), so
-        # nonzero_static needs no second sync
-        self.rows = torch.nonzero_static(mask.reshape(-1) != 0, size=num_scored).squeeze(1)
+        num_scored = count.scored
+        # the counts are known on the host (validation read them with the target range in one transfer), so
+        # nonzero_static needs no second sync. Rows whose loss gradient is exactly 0 go last.
+        live = mask.reshape(-1) != 0
+        self.n_grad = num_scored - count.zero_gradient
+        if count.zero_gradient:
+            zero = count.zero_gradient_tokens.reshape(-1)
+            self.rows = torch.cat([torch.nonzero_static(live & ~zero, size=self.n_grad),
+                                   torch.nonzero_static(zero, size=count.zero_gradient)]).squeeze(1)
+        else:
+            self.rows = torch.nonzero_static(live, size=num_scored).squeeze(1)
         self.h, self.w = _gemm_operands(hidden.reshape(-1, H).index_select(0, self.rows), weight, operand_dtype)
         self.b = None if bias is None else bias.to(operand_dtype).float()
         self.targets = target_ids.reshape(-1).index_select(0, self.rows).long()
@@ -448,9 +486,11 @@ class _ScoredRows:
         self.stage_statistics, self.grad_logits = _backend_ops(backend)[:2]
 
     def compute_token_gradients(self, mask, loss_inputs) -> None:
-        """Have the log-prob pass compute g of each stage (a token-local loss): its inputs gathered once."""
-        self.token_grad = token_grad_inputs(mask, self.rows, options=self.options, **loss_inputs)
-        self.g = torch.empty_like(self.lse)
+        """Have the log-prob pass compute g of each stage of the rows with gradients (a token-local loss): its
+        inputs gathered once."""
+        rows = self.rows[: self.n_grad]
+        self.token_grad = token_grad_inputs(mask, rows, options=self.options, **loss_inputs)
+        self.g = torch.empty(self.n_grad, dtype=torch.float32, device=rows.device)
 
     def project(self, lo: int, hi: int, plan: _Plan) -> torch.Tensor:
         """Rows [lo, hi)'s fp32 logits, in the staging buffer (allocated by the first stage)."""
@@ -459,8 +499,9 @@ class _ScoredRows:
         return _project(self.h[lo:hi], self.w, self.b, self.stage[: hi - lo])
 
     def record_statistics(self, lo: int, hi: int, logits: torch.Tensor) -> None:
-        """Rows [lo, hi)'s log p(target), entropy, log-partition and (token_grad) g, from their logits."""
-        grad = self.token_grad is not None
+        """Rows [lo, hi)'s log p(target), entropy, log-partition and (token_grad, rows with gradients) g, from
+        their logits."""
+        grad = self.token_grad is not None and hi <= self.n_grad
         self.stage_statistics(logits, self.targets[lo:hi], self.inv_t, self.softcap, logps=self.logps,
                               entropy=self.entropy, lse=self.lse[lo:hi], positions=self.rows[lo:hi],
                               g=self.g[lo:hi] if grad else None, g_inputs=self.token_grad.rows(lo, hi) if grad else None,
@@ -499,7 +540,7 @@ class _Gradients:
     def __init__(self, scored: _ScoredRows, plan: _Plan, V: int, needs_grad: tuple[bool, bool, bool],
                  hidden_dtype: torch.dtype, weight_dtype: torch.dtype):
         need_h, need_w, need_b = needs_grad
-        n, H = scored.h.shape
+        n, H = scored.n_grad, scored.h.shape[1]
         device = scored.h.device
         alloc = torch.empty if n else torch.zeros
         self.scored = scored
@@ -546,7 +587,12 @@ def _sweep(scored: _ScoredRows, plan: _Plan, *, statistics: bool, gradients: _Gr
     `statistics`, its log-probs, entropy and log-partition are recorded (and g, where the log-prob pass computes
     it); with `gradients`, its logits gradient from g goes into the chunk's buffer, and each chunk ends with its
     gradient GEMMs. In the `last` pass the staging buffer is freed once the last stage is projected, before the last
-    GEMMs."""
+    GEMMs. Rows whose loss gradient is exactly 0 have their own stages, statistics only, first."""
+    if statistics:
+        for lo, hi in plan.statistics_only:
+            scored.record_statistics(lo, hi, scored.project(lo, hi, plan))
+    if last and not plan.chunks:
+        scored.stage = None
     for start, end in plan.chunks:
         for lo, hi in plan.stages_of(start, end):
             logits = scored.project(lo, hi, plan)
@@ -571,16 +617,17 @@ def _footprint(scored: _ScoredRows, hidden, weight, needs_grad) -> _Footprint:
         hidden_size=hidden.dtype.itemsize, grad_h_size=_written_dtype(hidden.dtype, operand).itemsize,
         weight_size=weight.dtype.itemsize, weight_direct=_written_dtype(weight.dtype, operand) == weight.dtype,
         weight_copy=scored.w.data_ptr() != weight.data_ptr(), need_h=needs_grad[0], need_w=needs_grad[1],
+        n_zero=n - scored.n_grad,
     )
 
 
-def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype,
+def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, count, operand_dtype,
                    needs_grad):
     """The loss, the per-token log-probs and entropy, and the gradients (rows, grad_h, grad_w, grad_b; None where
     `needs_grad` does not ask for them; no gradient work at all without any: forward-only)."""
     B, T, H = hidden.shape
     V = weight.shape[0]
-    scored = _ScoredRows(hidden, weight, bias, target_ids, mask, num_scored, operand_dtype, options, backend)
+    scored = _ScoredRows(hidden, weight, bias, target_ids, mask, count, operand_dtype, options, backend)
     loss_gradient = _LossGradient(scored, mask, loss_inputs, options)
     plan = _chunk_plan(_footprint(scored, hidden, weight, needs_grad), hidden.device)
     gradients = None
@@ -604,7 +651,7 @@ def _fused_forward(hidden, weight, bias, target_ids, mask, loss_inputs, options,
 
     logps, entropy = scored.logps.view(B, T), scored.entropy.view(B, T)
     grads = (None, None, None) if gradients is None else (gradients.grad_h, gradients.grad_w, gradients.grad_b)
-    return loss_gradient.loss(logps), logps, entropy, (scored.rows, *grads)
+    return loss_gradient.loss(logps), logps, entropy, (scored.rows[: scored.n_grad], *grads)
 
 
 class _FusedLinearGRPOFunction(torch.autograd.Function):
@@ -612,10 +659,10 @@ class _FusedLinearGRPOFunction(torch.autograd.Function):
     the conversion of an fp32 sum to a half-precision parameter's dtype) and can run once."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype):
+    def forward(ctx, hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, count, operand_dtype):
         needs_grad = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         loss, logps, entropy, ctx.gradients = _fused_forward(
-            hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, num_scored, operand_dtype,
+            hidden, weight, bias, target_ids, mask, loss_inputs, options, backend, count, operand_dtype,
             needs_grad,
         )
         ctx.hidden_shape, ctx.dtypes = hidden.shape, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -717,7 +764,10 @@ def fused_linear_grpo_loss(
             shapes (H of hidden vs weight among them), a tensor not on hidden's device, target ids outside [0, V)
             where mask is set, a num_items_in_batch that is not a number, bad options.
     """
-    options, num_scored = linear_grpo_call_options(locals())
+    # rows whose gradient is exactly 0 (zero advantage, no KL) are projected for their log-probs and entropy but take
+    # no gradient work; counted in validation's one host transfer
+    options, *count = linear_grpo_call_options(locals(), subset=lambda live, o: zero_gradient_tokens(
+        live, advantages, o, old_logps=old_logps, vllm_is_ratio=vllm_is_ratio))
     backend = select_backend("linear_grpo", hidden.device)
     if backend == "reference":
         from . import reference
@@ -734,7 +784,8 @@ def fused_linear_grpo_loss(
         "num_items_in_batch": _normaliser_on(num_items_in_batch, hidden.device),
     }
     operand_dtype = _operand_dtype(hidden, weight)
-    args = (hidden, weight, bias, target_ids, mask.float(), loss_inputs, options, backend, num_scored, operand_dtype)
+    args = (hidden, weight, bias, target_ids, mask.float(), loss_inputs, options, backend, _Count(*count),
+            operand_dtype)
     # autocast decided the operand dtype above; inside, every op runs in the dtype chosen for it (fp32 logits)
     with torch.autocast(hidden.device.type, enabled=False):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):

@@ -349,7 +349,7 @@ class LossPlan:
     stage_ops: int = 0
     stage_views: int = 6
     grad_views: int = 7  # more per stage with gradients
-    fixed_small_forward: int = 66
+    fixed_small_forward: int = 69
     fixed_small_backward: int = 14
     cast_in_place: bool = True
     zero_fill: bool = False
@@ -359,6 +359,7 @@ class LossPlan:
     free_stage_early: bool = False
     sweeps: int = 1
     layout: tuple | None = None  # per chunk, its stages' rows (None: chunks of chunk_rows cut into stage_rows)
+    statistics_only: tuple = ()  # the stages' rows of tokens whose loss gradient is 0 (log-probs only)
 
     def chunk_layout(self, n: int) -> list[list[tuple[int, int]]]:
         """Per chunk, its stages as (lo, hi) row ranges."""
@@ -386,14 +387,15 @@ def cec7c50_plan(n: int, V: int, operand_bytes: int = 2, budget: int = 4 << 30) 
 
 
 def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 75 * GiB,
-                 operand_bytes: int = 2) -> LossPlan:
+                 operand_bytes: int = 2, zero_rows: int = 0) -> LossPlan:
     """The plan gfpo_kernels.fused_linear_grpo makes for these shapes (parameters in the operand dtype, token-level
-    importance sampling, gradients for hidden and weight) on a CUDA device with `free_bytes` free."""
+    importance sampling, gradients for hidden and weight) on a CUDA device with `free_bytes` free; `zero_rows` of
+    the n scored tokens have a loss gradient of exactly 0 (zero advantage, no KL)."""
     from . import fused_linear_grpo as flg
 
     footprint = flg._Footprint(n=n, positions=positions, V=V, H=H, operand_size=operand_bytes,
                                hidden_size=operand_bytes, grad_h_size=operand_bytes, weight_size=operand_bytes,
-                               weight_direct=True, weight_copy=False, need_h=True, need_w=True)
+                               weight_direct=True, weight_copy=False, need_h=True, need_w=True, n_zero=zero_rows)
     saved = dict(flg._BUDGET_BYTES)
     flg._BUDGET_BYTES["cuda"] = int(free_bytes * flg._CUDA_BUDGET_SHARE)
     try:
@@ -405,7 +407,8 @@ def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 
         flg._BUDGET_BYTES.update(saved)
     layout = tuple(tuple(hi - lo for lo, hi in plan.stages_of(start, end)) for start, end in plan.chunks)
     return LossPlan(stage_rows=plan.stage_rows, chunk_rows=plan.chunk_rows, layout=layout, grad_h_fp32=False,
-                    grad_w_direct=len(plan.chunks) == 1, free_stage_early=True)
+                    grad_w_direct=len(plan.chunks) == 1, free_stage_early=True,
+                    statistics_only=tuple(hi - lo for lo, hi in plan.statistics_only))
 
 
 def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backward: bool,
@@ -422,18 +425,20 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
     t.stream("gather hidden rows", 2 * n * H * ob)
     t.alloc("hidden rows", n * H * ob)
     t.small("setup and loss small ops", p.fixed_small_forward)
-    layout = p.chunk_layout(n)
+    n_zero = sum(p.statistics_only)
+    n_grad = n - n_zero
+    layout = p.chunk_layout(n_grad)
     chunks, start = [], 0
     for stages in layout:
         chunks.append((start, start + stages[-1][1]))
         start += stages[-1][1]
     assert not (p.grad_w_direct and len(chunks) > 1), "a weight gradient written directly needs one chunk"
-    count = {"stage": sum(len(stages) for stages in layout) * p.sweeps}
+    count = {"stage": sum(len(stages) for stages in layout) * p.sweeps + len(p.statistics_only)}
     chunk_rows = max((c1 - c0 for c0, c1 in chunks), default=0)
-    stage_rows = max((hi - lo for stages in layout for lo, hi in stages), default=0)
+    stage_rows = max([hi - lo for stages in layout for lo, hi in stages] + list(p.statistics_only), default=0)
     if backward:
         count["chunk"] = len(chunks)
-        t.alloc("grad_h", (4 if p.grad_h_fp32 else ob) * n * H)
+        t.alloc("grad_h", (4 if p.grad_h_fp32 else ob) * n_grad * H)
         if not p.grad_w_direct:
             t.alloc("grad_W fp32", 4 * V * H)
         if p.zero_fill:
@@ -442,6 +447,12 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
     t.alloc("stage logits fp32", 4 * stage_rows * V)
     if backward and p.cast_in_place:
         t.alloc("chunk logits gradient", ob * chunk_rows * V)
+    for rows in p.statistics_only:  # tokens whose loss gradient is 0: log-probs and entropy only
+        t.phase = "stage"
+        t.views(p.stage_views)
+        t.gemm("projection", rows, V, H, operand_bytes=ob, out_bytes=4)
+        t.stream("log-prob pass", 4 * rows * V, logits=True, triton=True)
+        t.small("log-prob combine", p.logprob_launches - 1, triton=True)
     for (c0, c1), stages in zip(chunks, layout):
         for lo, hi in stages:
             rows = hi - lo
@@ -468,7 +479,7 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
         if not p.cast_in_place:
             t.alloc("chunk logits gradient", ob * rows * V)
             t.stream("logits gradient -> bf16 copy", (4 + ob) * rows * V, logits=True)
-        if c1 == n and p.free_stage_early:
+        if c1 == n_grad and p.free_stage_early:
             t.free("stage logits fp32")
         t.gemm("grad_h = dlogits @ W", rows, H, V, operand_bytes=ob, out_bytes=4 if p.grad_h_fp32 else ob,
                accumulate=p.zero_fill)
@@ -492,13 +503,13 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
     t.stream("zero hidden.grad", positions * H * ob)
     cast = t.cast if p.backward_cast == "torch" else (lambda name, b: t.stream(name, b, triton=True))
     if p.grad_h_fp32:
-        t.alloc("grad_h scaled", n * H * ob)
-        cast("scale grad_h into bf16", 6 * n * H)
-        t.stream("index_copy grad_h", 2 * n * H * ob)
+        t.alloc("grad_h scaled", n_grad * H * ob)
+        cast("scale grad_h into bf16", 6 * n_grad * H)
+        t.stream("index_copy grad_h", 2 * n_grad * H * ob)
         t.free("grad_h scaled")
     else:
         t.small("scale grad_h if the incoming gradient is not 1", triton=True)
-        t.stream("index_copy grad_h", 2 * n * H * ob)
+        t.stream("index_copy grad_h", 2 * n_grad * H * ob)
     if p.grad_w_direct:
         t.small("scale weight.grad if the incoming gradient is not 1", triton=True)
         t.free("grad_h")
@@ -553,6 +564,11 @@ def main() -> None:
             now, trl = costs["now"], costs["trl"]
             print(f"  now vs trl: {trl.time_s / now.time_s:.2f}x faster, {now.peak_bytes / trl.peak_bytes:.2f}x its "
                   f"peak memory")
+            if backward:  # what skipping the gradient work of zero-advantage tokens buys (not in the benchmark)
+                for share in (0.3, 0.6):
+                    zero = round(share * n)
+                    skip = fused_loss(current_plan(n, **GOAL_SHAPE, zero_rows=zero), n, backward=True, **GOAL_SHAPE)
+                    print(f"  now, {share:.0%} of the tokens with advantage 0: {describe(skip)}")
 
 
 if __name__ == "__main__":

@@ -340,6 +340,37 @@ def token_grad_inputs(
     )
 
 
+# an old log-probability above this keeps exp(logp - old) finite in fp32 whatever logp <= 0 is (exp(88.7) overflows)
+_OLD_LOGP_FINITE_RATIO = -87.0
+
+
+@torch.no_grad()
+def zero_gradient_tokens(live: torch.Tensor, advantages: torch.Tensor, options: GRPOLossOptions, *,
+                         old_logps: torch.Tensor | None = None, vllm_is_ratio: torch.Tensor | None = None
+                         ) -> torch.Tensor | None:
+    """The scored tokens (`live`, (B, T) bool) whose d(loss)/d(logp) is exactly 0 whatever their log-probability,
+    as token_loss_gradient computes it (None where no token can be: beta != 0, whose KL term depends on logp, or a
+    loss that is not token-local). Every term of a token-local loss without KL is its advantage times a factor, so
+    the token's advantage is 0 and that factor must be finite: its vLLM ratio finite, and its old log-probability
+    (where given) finite, and for the clipped types and sapo, whose factor holds the ratio exp(logp - old), above
+    -87 so that the ratio cannot overflow (inf x 0 is NaN, as in TRL; cispo clamps the ratio; vespo's weight phi is
+    finite). There is no entropy term in this loss."""
+    o = options
+    if o.beta != 0.0 or not o.is_token_local(with_old_logps=old_logps is not None):
+        return None
+    B, T = live.shape
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
+    zero = live & (adv == 0)
+    if vllm_is_ratio is not None:
+        ratio = vllm_is_ratio if vllm_is_ratio.dim() == 2 else vllm_is_ratio.unsqueeze(1)
+        zero &= torch.isfinite(ratio)
+    if old_logps is not None:
+        zero &= torch.isfinite(old_logps)
+        if o.loss_type not in ("cispo", "vespo"):
+            zero &= old_logps > _OLD_LOGP_FINITE_RATIO
+    return zero
+
+
 def token_loss_gradient(logp: torch.Tensor, inputs: TokenGradInputs, options: GRPOLossOptions) -> torch.Tensor:
     """d(loss)/d(logp) of scored tokens from their log-probabilities, in closed form: the derivative of
     grpo_loss_from_logps term by term, as autograd takes it (torch.min passes half the gradient to each side of a

@@ -139,7 +139,7 @@ def fused_linear_grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reference of :func:`gfpo_kernels.fused_linear_grpo_loss`: the full (B, T, V) logits in float64, then
     TRL's loss (gfpo_kernels.grpo_loss_math). Gradients flow to hidden, weight and bias by autograd."""
-    options, _ = linear_grpo_call_options(locals())
+    options, *_ = linear_grpo_call_options(locals())
     logits = hidden.double() @ weight.double().t()
     if bias is not None:
         logits = logits + bias.double()

@@ -22,7 +22,7 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 def force_plan(monkeypatch, stage_rows, chunk_rows):
     """Chunks of `chunk_rows` tokens (their gradient GEMMs together), projected `stage_rows` at a time."""
     def plan(footprint, device):
-        return flg._Plan.fixed(footprint.n, stage_rows, chunk_rows)
+        return flg._Plan.fixed(footprint.n - footprint.n_zero, stage_rows, chunk_rows, footprint.n_zero)
 
     monkeypatch.setattr(flg, "_chunk_plan", plan)
 
@@ -712,6 +712,104 @@ def test_log_prob_pass_computes_the_loss_gradient(backend, config, with_old):
     loss, _ = grpo_loss_from_logps(x.view(B, T), mask, options=options, with_stats=False, **loss_inputs)
     (want,) = torch.autograd.grad(loss, x)
     torch.testing.assert_close(g_rows, want[at], rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+SKIP_CONFIGS = [
+    dict(loss_type="dapo", with_old=True, uses_vllm=True),
+    dict(loss_type="grpo", with_old=True, delta=1.2),
+    dict(loss_type="sapo", with_old=True),
+    dict(loss_type="cispo", with_old=True, epsilon_high=1.2),
+    dict(loss_type="vespo", uses_vllm=True),
+    dict(loss_type="luspo", token_advantages=True),
+    dict(loss_type="bnpo", temperature=0.7, logit_softcap=5.0),
+]
+
+
+@pytest.mark.parametrize("config", SKIP_CONFIGS, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in SKIP_CONFIGS])
+def test_zero_gradient_rows_skip_the_gradient_work(backend, monkeypatch, config):
+    """Scored tokens whose loss gradient is exactly 0 (advantage 0, no KL; grpo_loss_math.zero_gradient_tokens)
+    take no logits-gradient pass and no row in either gradient GEMM, yet their log-probs and entropy are computed:
+    the loss, statistics and gradients equal the reference's and the fused loss's without skipping, and the rows
+    that went through the gradient work are counted (the others' count, the zero-advantage sequences' scored
+    tokens, is what is saved)."""
+    config = dict(config)
+    with_old, uses_vllm, token_adv = (config.pop(k, False) for k in ("with_old", "uses_vllm", "token_advantages"))
+    p = _problem(83)
+    p["mask"][2, :4] = 1.0  # row 2 scored too
+    adv = p["adv"].clone()
+    adv[1] = 0.0  # a zero-variance group's row
+    if token_adv:  # (B, T) advantages: a zero per token as well
+        adv = adv[:, None].expand(B, T).clone()
+        adv[0, 1] = 0.0
+    p["adv"] = adv
+    options = dict(config, old_logps=p["old"] if with_old else None,
+                   vllm_is_ratio=p["is_ratio"] if uses_vllm else None)
+    zero = (p["mask"] != 0) & ((adv == 0) if adv.dim() == 2 else (adv == 0)[:, None])
+    assert 0 < int(zero.sum()) < int(p["mask"].sum())
+
+    rows = []
+    real_ops = flg._backend_ops
+
+    def counting(backend_name):
+        ops = real_ops(backend_name)
+
+        def grad_logits(logits, *args, **kwargs):
+            rows.append(logits.shape[0])
+            return ops[1](logits, *args, **kwargs)
+        return (ops[0], grad_logits, *ops[2:])
+
+    monkeypatch.setattr(flg, "_backend_ops", counting)
+    _compare(p, **options)
+    assert sum(rows) == int(p["mask"].sum()) - int(zero.sum())
+    rows.clear()
+    with _OpLog() as log:
+        skipped = _run(gfpo_kernels.fused_linear_grpo_loss, p, **options)
+    # the input-gradient GEMMs' outputs (chunk rows, H): the rows the gradient GEMMs took
+    gemm_rows = [shape[0] for op, shape, _ in log.ops if op in GEMMS and shape[1] == H and shape[0] != V]
+    assert sum(gemm_rows) == sum(rows) == int(p["mask"].sum()) - int(zero.sum())
+    monkeypatch.setattr(flg, "zero_gradient_tokens", lambda *args, **kwargs: None)
+    rows.clear()
+    unskipped = _run(gfpo_kernels.fused_linear_grpo_loss, p, **options)
+    assert sum(rows) == int(p["mask"].sum())
+    torch.testing.assert_close(skipped[0], unskipped[0], rtol=1e-6, atol=1e-7)
+    for got, want in zip(skipped[2], unskipped[2]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(skipped[1]["logps"], unskipped[1]["logps"], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(skipped[1]["entropy"], unskipped[1]["entropy"], rtol=1e-6, atol=1e-6)
+
+
+def test_no_skip_where_the_gradient_is_not_provably_zero():
+    """A zero advantage does not make the gradient 0 with a KL term, at sequence level, for vespo given old
+    log-probs, where an old log-prob is not finite or (clipped types, sapo) so low that the ratio could overflow
+    (inf x 0 is NaN, in TRL too), or where the vLLM ratio is not finite; where it is flagged, autograd's gradient
+    is exactly 0 even at the extremes allowed (an old log-prob of -86.9 under a log-prob of 0)."""
+    from gfpo_kernels.grpo_loss_math import zero_gradient_tokens
+
+    live = torch.ones(2, 3, dtype=torch.bool)
+    adv = torch.tensor([0.0, 1.0])
+    old = torch.tensor([[-1.0, -86.9, -90.0], [-1.0, -1.0, -1.0]])
+    ratio = torch.tensor([[1.0, float("nan"), 2.0], [1.0, 1.0, 1.0]])
+    opts = GRPOLossOptions(loss_type="dapo")
+    assert zero_gradient_tokens(live, adv, opts).tolist() == [[True] * 3, [False] * 3]
+    assert zero_gradient_tokens(live, adv, opts, old_logps=old).tolist() == [[True, True, False], [False] * 3]
+    assert zero_gradient_tokens(live, adv, opts, vllm_is_ratio=ratio).tolist() == [[True, False, True], [False] * 3]
+    cispo = GRPOLossOptions(loss_type="cispo")
+    assert zero_gradient_tokens(live, adv, cispo, old_logps=old).tolist() == [[True] * 3, [False] * 3]
+    nan_old = old.clone()
+    nan_old[0, 0] = float("nan")
+    assert zero_gradient_tokens(live, adv, cispo, old_logps=nan_old)[0, 0].item() is False
+    for opts_off, kw in ((GRPOLossOptions(beta=0.1), {}), (GRPOLossOptions(importance_sampling_level="sequence"), {}),
+                         (GRPOLossOptions(loss_type="vespo"), dict(old_logps=old))):
+        assert zero_gradient_tokens(live, adv, opts_off, **kw) is None
+    # autograd's gradient at the flagged tokens, log-probs at their extremes (0, and far below the old ones)
+    for loss_type in ("grpo", "sapo", "cispo", "dapo"):
+        opts = GRPOLossOptions(loss_type=loss_type, delta=2.0)
+        flagged = zero_gradient_tokens(live, adv, opts, old_logps=old, vllm_is_ratio=ratio)
+        for value in (0.0, -200.0):
+            x = torch.full((2, 3), value, requires_grad=True)
+            loss, _ = grpo_loss_from_logps(x, live.float(), adv, opts, old_logps=old, vllm_is_ratio=ratio)
+            (grad,) = torch.autograd.grad(loss, x)
+            assert torch.all(grad[flagged] == 0), (loss_type, value)
 
 
 def _bf16_operands_on_cpu(monkeypatch):

@@ -121,8 +121,8 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward):
     monkeypatch.setattr(flg, "_backend_ops", lambda backend: (
         launching(torch_ops[0], plan.logprob_launches), launching(torch_ops[1], 1), launching(torch_ops[2], 1),
         launching(torch_ops[3], 1)))
-    monkeypatch.setattr(flg, "_chunk_plan", lambda footprint, device: flg._Plan.fixed(footprint.n, stage_rows,
-                                                                                      chunk_rows))
+    monkeypatch.setattr(flg, "_chunk_plan", lambda footprint, device: flg._Plan.fixed(
+        footprint.n - footprint.n_zero, stage_rows, chunk_rows, footprint.n_zero))
     g = torch.Generator().manual_seed(0)
     B, T, H, V = 2, 16, 8, 50
     hidden = torch.randn(B, T, H, generator=g).requires_grad_(backward)
@@ -162,17 +162,19 @@ def test_launches_per_stage_and_chunk_are_the_codes(monkeypatch, backward):
     assert a[1] == sum(launches["triton"] for launches in model.launches.values())
 
 
+@pytest.mark.parametrize("zero_share", [0.0, 0.3, 0.6])
 @pytest.mark.parametrize("mask", list(cost.BENCH_MASKS))
-def test_planner_and_model_count_the_same_peak(mask):
+def test_planner_and_model_count_the_same_peak(mask, zero_share):
     """The budget's accounting (fused_linear_grpo._Footprint, which decides the plan) and the model's simulated
     allocations (which predict the benchmark's peak) agree on the plan the loss makes at the goal shape: one
     mechanism counted twice, so a change to either that the other misses fails here."""
     n = cost.BENCH_MASKS[mask]
-    plan = cost.current_plan(n, **cost.GOAL_SHAPE)
+    zero = round(zero_share * n)  # tokens with advantage 0: no gradient work
+    plan = cost.current_plan(n, **cost.GOAL_SHAPE, zero_rows=zero)
     shape = cost.GOAL_SHAPE
     footprint = flg._Footprint(n=n, positions=shape["positions"], V=shape["V"], H=shape["H"], operand_size=2,
                                hidden_size=2, grad_h_size=2, weight_size=2, weight_direct=True, weight_copy=False,
-                               need_h=True, need_w=True)
+                               need_h=True, need_w=True, n_zero=zero)
     planned = footprint.peak(plan.stage_rows, plan.chunk_rows, len(plan.layout))
     assert cost.fused_loss(plan, n, backward=True, **shape).peak_bytes == pytest.approx(planned, rel=0.01)
     forward_only = dataclasses.replace(footprint, need_h=False, need_w=False)
