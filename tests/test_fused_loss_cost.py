@@ -180,3 +180,23 @@ def test_planner_and_model_count_the_same_peak(mask, zero_share):
     forward_only = dataclasses.replace(footprint, need_h=False, need_w=False)
     assert cost.fused_loss(plan, n, backward=False, **shape).peak_bytes == pytest.approx(
         forward_only.peak(plan.stage_rows, 0, 1), rel=0.01)
+
+
+def test_predicted_vs_measured_report(capsys):
+    """bench/predicted_vs_measured.py, which every GPU run's bench-loss step runs on its results: on the cec7c50
+    run, a row per gfpo/trl case with the measured median and peak beside the model's, none outside the
+    tolerances."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pvm", Path(__file__).parents[1] / "bench" / "predicted_vs_measured.py")
+    pvm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pvm)
+    assert pvm.main([str(RUN)]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("| gfpo", "| trl"))]
+    ours_and_trl = {key: value for key, value in CASES.items() if key[2] in ("gfpo", "trl")}
+    assert len(lines) == len(ours_and_trl) == 8
+    for (mask, passes, impl), (seconds, gib, _) in ours_and_trl.items():
+        (line,) = [x for x in lines if x.startswith(f"| {impl} {passes} {mask} ")]
+        assert f"{seconds * 1e3:.2f} ms" in line and f"{gib:.2f} GiB" in line and "MISS" not in line
+    assert "gfpo plan: cec7c50" in out and "0 case(s) outside" in out
