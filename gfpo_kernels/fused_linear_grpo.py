@@ -41,8 +41,9 @@ the cast of an fp32 accumulator, or in place, and skipped on the device when the
 (_finished). Three GEMMs (6*N*H*V FLOPs) instead of the four (8*N*H*V) of a forward + recomputing backward such
 as TRL's chunked log-prob kernel or Liger's, and nothing is recomputed. With sequence-level importance sampling
 the loss is not token-local: a first sweep (steps 1-2) computes all log-probabilities, g is taken once over the
-whole batch by autograd through grpo_loss_math, and a second sweep does steps 1, 4, 5 (four GEMMs). Without grad mode (eval, no_grad,
-inference_mode) only steps 1-2 run, whatever the parameters' requires_grad, over the same stages (the same bits).
+whole batch by autograd through grpo_loss_math, and a second sweep does steps 1, 4, 5 (four GEMMs). Without grad
+mode (eval, no_grad, inference_mode) only steps 1-2 run, whatever the parameters' requires_grad, over the same
+stages (the same bits).
 vespo given old log-probabilities takes the two sweeps too: its per-sequence weight phi is a function of every
 log-probability of the sequence.
 
@@ -335,7 +336,7 @@ def _fp32_reductions(dtype: torch.dtype, device: torch.device):
         yield
         return
     matmul = torch.backends.cuda.matmul
-    name = "allow_bf16_reduced_precision_reduction" if dtype == torch.bfloat16 else "allow_fp16_reduced_precision_reduction"
+    name = f"allow_{'bf16' if dtype == torch.bfloat16 else 'fp16'}_reduced_precision_reduction"
     previous = getattr(matmul, name)
     split_k = getattr(matmul, name + "_split_k", None)  # torch >= 2.12 keeps a second flag
     setattr(matmul, name, False)
@@ -502,10 +503,10 @@ class _ScoredRows:
         """Rows [lo, hi)'s log p(target), entropy, log-partition and (token_grad, rows with gradients) g, from
         their logits."""
         grad = self.token_grad is not None and hi <= self.n_grad
+        g, g_inputs = (self.g[lo:hi], self.token_grad.rows(lo, hi)) if grad else (None, None)
         self.stage_statistics(logits, self.targets[lo:hi], self.inv_t, self.softcap, logps=self.logps,
-                              entropy=self.entropy, lse=self.lse[lo:hi], positions=self.rows[lo:hi],
-                              g=self.g[lo:hi] if grad else None, g_inputs=self.token_grad.rows(lo, hi) if grad else None,
-                              options=self.options)
+                              entropy=self.entropy, lse=self.lse[lo:hi], positions=self.rows[lo:hi], g=g,
+                              g_inputs=g_inputs, options=self.options)
 
 
 class _LossGradient:

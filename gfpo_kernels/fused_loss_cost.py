@@ -1,8 +1,8 @@
-"""Cost model of the fused linear GRPO loss and of TRL 1.16's chunked fused LM head (what bench/test_bench_linear_grpo.py
-times as "trl"): per call, the executed GEMM FLOPs, the HBM bytes (trips over the logits, the fp32 weight-gradient
-accumulator's reads and writes), the kernel launches and host time per phase (per stage of the projection loop,
-per chunk of the gradient GEMMs), the peak extra memory, and a time from stated device constants. It needs no GPU:
-it reads a plan, not a device.
+"""Cost model of the fused linear GRPO loss and of TRL 1.16's chunked fused LM head (what
+bench/test_bench_linear_grpo.py times as "trl"): per call, the executed GEMM FLOPs, the HBM bytes (trips over the
+logits, the fp32 weight-gradient accumulator's reads and writes), the kernel launches and host time per phase (per
+stage of the projection loop, per chunk of the gradient GEMMs), the peak extra memory, and a time from stated device
+constants. It needs no GPU: it reads a plan, not a device.
 
 How it works. A builder writes one call as the host issues it, op by op, with the allocations and frees between
 them. `simulate` then runs two clocks: the host issues each op after the previous one (its host cost), the device

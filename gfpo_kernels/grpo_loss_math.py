@@ -157,6 +157,13 @@ def vespo_gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, mask: torch.
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _masked_is_ratio(vllm_is_ratio: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """The vLLM ratio as (B, T) or (B, 1) ((B,): one ratio a sequence), 1 at masked positions and for a sequence
+    without a scored token (what TRL computes there)."""
+    is_ratio = vllm_is_ratio.unsqueeze(1) if vllm_is_ratio.dim() == 1 else vllm_is_ratio
+    return torch.where(live if is_ratio.shape[1] != 1 else live.any(-1, keepdim=True), is_ratio, 1.0)
+
+
 def grpo_loss_from_logps(
     logps: torch.Tensor,
     mask: torch.Tensor,
@@ -198,13 +205,7 @@ def grpo_loss_from_logps(
         if o.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    is_ratio = None
-    if vllm_is_ratio is not None:
-        is_ratio = vllm_is_ratio.to(logps.dtype)
-        if is_ratio.dim() == 1:  # (B,): one ratio a sequence, as (B, 1)
-            is_ratio = is_ratio.unsqueeze(1)
-        # 1 at masked positions, and for a sequence without a scored token (what TRL computes there)
-        is_ratio = torch.where(live if is_ratio.shape[1] != 1 else live.any(-1, keepdim=True), is_ratio, 1.0)
+    is_ratio = None if vllm_is_ratio is None else _masked_is_ratio(vllm_is_ratio.to(logps.dtype), live)
 
     if o.loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=o.eps_high).detach()
@@ -329,9 +330,7 @@ def token_grad_inputs(
         is_ratio = flat(ratio.expand(B, T))
     phi = None
     if o.loss_type == "vespo":  # no old log-probs here: every log-ratio is 0
-        ratio2d = None if vllm_is_ratio is None else vllm_is_ratio.float().reshape(B, -1)
-        if ratio2d is not None:
-            ratio2d = torch.where(live if ratio2d.shape[1] != 1 else live.any(-1, keepdim=True), ratio2d, 1.0)
+        ratio2d = None if vllm_is_ratio is None else _masked_is_ratio(vllm_is_ratio.float(), live)
         adv2d = adv if adv.dim() == 2 else adv.unsqueeze(1)
         phi = flat(vespo_gamma_weights(adv2d, torch.zeros_like(mask), mask, ratio2d, o).expand(B, T))
     return TokenGradInputs(

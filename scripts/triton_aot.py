@@ -94,7 +94,8 @@ def _row_launches(vocab_sizes) -> list[Launch]:
             for kind_name, kind in kinds.items():
                 on = kind != linear_grpo_triton.NO_GRAD
                 launches.append(Launch(
-                    f"logprob/entropy combine V={V}{kind_name}{name}", linear_grpo_triton._logprob_entropy_combine_kernel,
+                    f"logprob/entropy combine V={V}{kind_name}{name}",
+                    linear_grpo_triton._logprob_entropy_combine_kernel,
                     {"logits_ptr": "*fp32", "stride": "i32", "targets_ptr": "*i64", **partials, "logp_ptr": "*fp32",
                      "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "positions_ptr": "*i64", "adv_ptr": "*fp32",
                      "weight_ptr": "*fp32", "old_ptr": "*fp32", "ref_ptr": "*fp32", "ratio_ptr": "*fp32",

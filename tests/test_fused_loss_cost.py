@@ -188,7 +188,8 @@ def test_predicted_vs_measured_report(capsys):
     tolerances."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("pvm", Path(__file__).parents[1] / "bench" / "predicted_vs_measured.py")
+    script = Path(__file__).parents[1] / "bench" / "predicted_vs_measured.py"
+    spec = importlib.util.spec_from_file_location("pvm", script)
     pvm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pvm)
     assert pvm.main([str(RUN)]) == 0
