@@ -277,3 +277,18 @@ def test_closed_form_follows_autograd_at_ties():
         inputs = token_grad_inputs(mask, positions, adv, opts, old_logps=old_logps)
         got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
         torch.testing.assert_close(got, want.reshape(-1)[positions], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_vespo_weight_at_zero_advantage(level):
+    """TRL's get_gamma_weights takes (k_pos, lambda_pos) where advantage >= 0, so a row of advantage exactly 0 (or
+    -0.0) with moved log-probabilities gets the positive-side phi: its loss term is 0 either way, but phi enters
+    vespo/phi_seq_mean (logged whenever such rows are trained: skip_zero_gradient_rows off, or beta != 0)."""
+    opts = GRPOLossOptions(loss_type="vespo", importance_sampling_level=level, vespo_k_pos=1.5, vespo_lambda_pos=2.5,
+                           vespo_k_neg=4.0, vespo_lambda_neg=0.5)
+    logps, mask, old, ref, adv, is_ratio = _case(5)
+    adv = torch.tensor([0.7, 0.0, -0.0, -1.2], dtype=torch.float64)
+    assert mask[1:3].sum(-1).min() > 1  # the zero-advantage rows have moved ratios (phi != 1)
+    for ratio in (None, is_ratio):
+        given = dict(logps=logps, old=old, ref=None, is_ratio=ratio)
+        _assert_matches_trl(opts, mask, adv, None, given, given)
