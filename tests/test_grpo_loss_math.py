@@ -292,3 +292,27 @@ def test_vespo_weight_at_zero_advantage(level):
     for ratio in (None, is_ratio):
         given = dict(logps=logps, old=old, ref=None, is_ratio=ratio)
         _assert_matches_trl(opts, mask, adv, None, given, given)
+
+
+def test_vespo_weight_clamps_match_trl():
+    """vespo's phi in TRL's log space, on extreme but legal values at scored positions, where each of TRL's clamps
+    decides: a token log-ratio past -20 (clamped per token), a sequence log-ratio below log(1e-8), a vLLM ratio of 0
+    at a scored position (token_mask mode zeroes ratios outside its range: log 0 is clamped to log(1e-8)), and an
+    old log-probability of NaN at a scored position (phi NaN, which TRL turns into 0: a finite loss). Small k and
+    lambda keep phi far from 0 there, so a missing or moved clamp changes the loss, not only the last bits."""
+    opts = GRPOLossOptions(loss_type="vespo", vespo_k_pos=0.1, vespo_lambda_pos=0.5, vespo_k_neg=0.1,
+                           vespo_lambda_neg=0.5)
+    logps = -2.0 - 0.1 * torch.arange(B * T, dtype=torch.float64).view(B, T)
+    log_ratio = torch.zeros(B, T, dtype=torch.float64)
+    log_ratio[0, :3] = torch.tensor([-25.0, 4.0, 4.0])  # per-token clamp: -20 + 8, not -17
+    log_ratio[1, :2] = -10.0  # the sequence's -20 is clamped to log(1e-8)
+    log_ratio[2, 0] = 5.0  # with the vLLM ratio 0 at position 1: 5 + log(1e-8)
+    old = logps - log_ratio
+    old[3, 2] = float("nan")
+    mask = torch.ones(B, T, dtype=torch.float64)
+    adv = torch.tensor([0.8, -0.6, 0.5, 0.3], dtype=torch.float64)
+    is_ratio = torch.ones(B, T, dtype=torch.float64)
+    is_ratio[2, 1] = 0.0
+    for ratio in (None, is_ratio):
+        given = dict(logps=logps, old=old, ref=None, is_ratio=ratio)
+        _assert_matches_trl(opts, mask, adv, None, given, given)
