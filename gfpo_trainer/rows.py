@@ -120,6 +120,11 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
     real = torch.arange(share, device=rows.device) < n_real
     output["completion_mask"] = output["completion_mask"] * real.unsqueeze(1).to(output["completion_mask"].dtype)
     output["advantages"] = torch.where(real, output["advantages"], 0.0)
+    if "importance_sampling_ratio" in output:
+        # vLLM's ratio of a padding row: 1 (no correction), not the copied row's. TRL's vespo sums log(ratio) over
+        # every position, masked or not, into its logged weight phi; the fused loss keeps masked positions out
+        is_ratio = output["importance_sampling_ratio"]
+        output["importance_sampling_ratio"] = torch.where(real.view(-1, *[1] * (is_ratio.dim() - 1)), is_ratio, 1.0)
     output[REAL_ROW_KEY] = real
     weight = P * share / max(kept.numel(), 1) if trainer.loss_type in PER_SEQUENCE_LOSSES else 1.0
     output[ROW_WEIGHT_KEY] = real.float() * weight

@@ -253,6 +253,40 @@ def test_vespo_kernels_on_and_off_agree(model_dir, tokenizer, tmp_path):
     assert abs(phi_off[0] - 1.0) > 1e-3  # phi is not trivially 1: the ratios moved
 
 
+def test_vespo_padding_rows_hold_a_neutral_vllm_ratio(model_dir, tokenizer, tmp_path, monkeypatch):
+    """With vLLM's token-level ratio (vespo needs token_truncate or token_mask), a padding row (a copy of a kept row,
+    completion mask 0) must hold ratio 1: TRL's vespo sums log(ratio) over every position, masked or not, so with the
+    copied row's ratios the kernels-off path logged vespo/phi_seq_mean 1.076 where the fused path (masked positions
+    out of phi) logged 1.017 on this batch. The loss is the same either way; with ratio 1 so is the metric."""
+    from trl import GRPOTrainer
+
+    generate_and_score = GRPOTrainer._generate_and_score_completions
+
+    def with_vllm_ratio(self, inputs):  # what TRL's output holds with use_vllm and token-level IS correction
+        output = generate_and_score(self, inputs)
+        g = torch.Generator().manual_seed(0)
+        mask = output["completion_mask"].bool()
+        output["importance_sampling_ratio"] = torch.where(mask, 0.6 + 0.8 * torch.rand(mask.shape, generator=g), 1.0)
+        return output
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", with_vllm_ratio)
+    results = []
+    for use_kernels in (False, True):
+        trainer = make_trainer(model_dir, tokenizer, tmp_path, use_gfpo_kernels=use_kernels, **VESPO,
+                               per_device_train_batch_size=4, steps_per_generation=4, skip_zero_gradient_rows=False)
+        output, _ = scored_batch(trainer, seed=3)
+        padding = ~output["gfpo_real_row"]
+        assert padding.any() and torch.all(output["importance_sampling_ratio"][padding] == 1.0)
+        _older_policy(output, seed=1)
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True  # scored without vLLM, trained as with
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(trainer.model, output)
+        results.append((loss.item(), trainer._metrics["train"]["vespo/phi_seq_mean"]))
+    (loss_off, phi_off), (loss_on, phi_on) = results
+    assert loss_on == pytest.approx(loss_off, rel=1e-5)
+    assert len(phi_on) == len(phi_off) == 1 and phi_on[0] == pytest.approx(phi_off[0], rel=1e-5)
+
+
 def test_vespo_kernels_equal_trl_grpo_trainer(model_dir, tokenizer, tmp_path):
     """The fused vespo loss through GFPOTrainer (plain GRPO, use_gfpo_kernels=True) on a batch TRL's own GRPOTrainer
     made (old log-probabilities, a vLLM-free run) equals GRPOTrainer's loss, gradients and vespo/phi_seq_mean."""
