@@ -5,7 +5,8 @@ One mechanism for both reasons a batch is not divided evenly:
 - rows whose advantage is exactly 0 carry no gradient (`skip_zero_gradient_rows`), so they are not trained on.
 Every process takes an equal, steps_per_generation-divisible share of the rows to train (TRL's
 `split_tensor_dict` would drop a remainder, and its loss gathers per-sequence metrics across processes and hangs on
-unequal sizes). Missing rows are copies of a trained row with an all-zero completion mask and advantage 0.
+unequal sizes). Missing rows are copies of a trained row with an all-zero completion mask, advantage 0 and vLLM
+ratio 1.
 
 Row weights with global normalisers: a row must weigh in the loss what it would in an evenly divided batch of all
 K rows that would be trained without skipping (K = the kept rows). TRL's per-sequence losses (grpo, sapo, luspo,
