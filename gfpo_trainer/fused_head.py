@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import torch
 
 import gfpo_kernels
-from gfpo_kernels.grpo_loss_math import TOKEN_COUNT_LOSS_TYPES, soft_capped
+from gfpo_kernels.grpo_loss_math import TOKEN_COUNT_LOSS_TYPES, GRPOLossOptions, soft_capped
 
 from ._compat import MULTIMODAL_INPUT_KEYS, TOKEN_MEAN_METRICS
 from .config import GFPOConfig
@@ -57,23 +57,9 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
         advantages=inputs["advantages"],
         old_logps=inputs.get("old_per_token_logps"),
         ref_logps=inputs.get("ref_per_token_logps"),
-        beta=trainer.beta,
-        epsilon_low=trainer.epsilon_low,
-        epsilon_high=trainer.epsilon_high,
-        delta=trainer.args.delta,
-        temperature=trainer.temperature,
-        loss_type=trainer.loss_type,
-        importance_sampling_level=trainer.importance_sampling_level,
         num_items_in_batch=num_items,
-        max_completion_length=trainer.max_completion_length,
         vllm_is_ratio=inputs.get("importance_sampling_ratio") if use_is else None,
-        use_bias_correction_kl=trainer.args.use_bias_correction_kl,
-        sapo_temperature_pos=trainer.args.sapo_temperature_pos,
-        sapo_temperature_neg=trainer.args.sapo_temperature_neg,
-        vespo_k_pos=trainer.args.vespo_k_pos,
-        vespo_lambda_pos=trainer.args.vespo_lambda_pos,
-        vespo_k_neg=trainer.args.vespo_k_neg,
-        vespo_lambda_neg=trainer.args.vespo_lambda_neg,
+        **fused_loss_options(trainer.args),
     )
     with trainer.accelerator.autocast():
         loss, stats, aux_loss = model(
@@ -268,8 +254,22 @@ def _probe(model, original_forward, num_tokens: int = 8) -> None:
         )
 
 
+def fused_loss_options(args: GFPOConfig) -> dict:
+    """The fused loss's scalar options from the config, as TRL's GRPOTrainer reads them (epsilon_high None: epsilon)."""
+    return dict(
+        beta=args.beta, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
+        temperature=args.temperature, loss_type=args.loss_type,
+        importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
+        use_bias_correction_kl=args.use_bias_correction_kl, sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+    )
+
+
 def check_fused_loss_supported(args: GFPOConfig) -> None:
-    """Options of TRL's loss that the fused loss does not implement: refuse them rather than ignore them."""
+    """Options of TRL's loss that the fused loss does not implement: refuse them rather than ignore them; and the
+    loss options themselves, checked here at construction rather than at the first loss, after a generation."""
+    GRPOLossOptions(**fused_loss_options(args))
     unsupported = {
         "top_entropy_quantile": (args.top_entropy_quantile, 1.0),
         "off_policy_mask_threshold": (args.off_policy_mask_threshold, None),

@@ -160,6 +160,10 @@ def test_construction_errors(model_dir, tokenizer, tmp_path):
         make_trainer(model_dir, tokenizer, tmp_path, group_filter=None, group_filter_func="shortest")
     with pytest.raises(ValueError, match="use_gfpo_kernels=True does not support top_entropy_quantile=0.5"):
         make_trainer(model_dir, tokenizer, tmp_path, use_gfpo_kernels=True, top_entropy_quantile=0.5)
+    # the loss options are checked when the trainer is built, not at the first loss after a generation
+    with pytest.raises(ValueError, match="vespo_k_pos must be a finite float, got vespo_k_pos=nan"):
+        make_trainer(model_dir, tokenizer, tmp_path, use_gfpo_kernels=True, loss_type="vespo",
+                     vespo_k_pos=float("nan"))
     # Liger's fused linear cross-entropy would replace the forward the fused loss patches (TRL 1.14 applied it)
     with pytest.raises(ValueError, match=r'use_gfpo_kernels=True does not support liger_kernel_config='
                                          r'\{"fused_linear_cross_entropy": True\}'):
