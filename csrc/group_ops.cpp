@@ -1,19 +1,21 @@
-// CPU kernels of the gfpo group ops, the op schemas, and the Python module stub of gfpo_kernels._C.
+// CPU kernels of the gfpo group ops, the op schemas and their registration, and the Python module stub of
+// gfpo_kernels._C. Only the LibTorch stable ABI is used (see group_ops.h).
 //
-// at::parallel_for splits the groups over threads; each thread ranks, filters and normalises kLanes groups
-// at a time: ranks by counting for G <= 32, by std::nth_element (O(G)) above. Statistics accumulate in double.
+// torch::stable::parallel_for (at::parallel_for behind the stable C shim) splits the groups over threads; each
+// thread ranks, filters and normalises kLanes groups at a time: ranks by counting for G <= 32, by
+// std::nth_element (O(G)) above. Statistics accumulate in double.
 #include <Python.h>
 
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -21,15 +23,55 @@
 
 namespace gfpo {
 
-at::ScalarType reward_read_type(at::ScalarType type) {
-  return type == at::kDouble || type == at::kInt || type == at::kLong ? at::kDouble : at::kFloat;
+ScalarType reward_read_type(ScalarType type) {
+  return type == ScalarType::Double || type == ScalarType::Int || type == ScalarType::Long ? ScalarType::Double
+                                                                                          : ScalarType::Float;
 }
 
-Scale parse_scale(c10::string_view scale) {
+Scale parse_scale(std::string_view scale) {
   if (scale == "group") return Scale::kGroup;
   if (scale == "batch") return Scale::kBatch;
   if (scale == "none") return Scale::kNone;
-  TORCH_CHECK_VALUE(false, "scale must be 'group', 'batch' or 'none', got '", std::string(scale), "'");
+  throw std::invalid_argument(concat("scale must be 'group', 'batch' or 'none', got '", scale, "'"));
+}
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream out;
+  out << '[';
+  const auto sizes = t.sizes();
+  for (size_t i = 0; i < sizes.size(); ++i) out << (i > 0 ? ", " : "") << sizes[i];
+  out << ']';
+  return out.str();
+}
+
+Tensor undefined() { return Tensor(); }
+
+Tensor empty(std::initializer_list<int64_t> sizes, ScalarType dtype, const Tensor& like) {
+  int32_t code;
+  switch (dtype) {
+    case ScalarType::Bool: code = aoti_torch_dtype_bool(); break;
+    case ScalarType::Float: code = aoti_torch_dtype_float32(); break;
+    case ScalarType::Double: code = aoti_torch_dtype_float64(); break;
+    default: throw std::logic_error(concat("gfpo: empty() of dtype ", dtype));
+  }
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= std::max<int64_t>(sizes.begin()[i], 1);
+  }
+  int32_t device_type, device_index;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_index(like.get(), &device_index));
+  AtenTensorHandle out;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.begin(), strides.data(),
+                                                  code, device_type, device_index, &out));
+  return Tensor(out);
+}
+
+Tensor contiguous_as(const Tensor& t, ScalarType dtype) {
+  if (t.scalar_type() == dtype && t.is_contiguous()) return t;
+  return torch::stable::contiguous(torch::stable::to(t, dtype));
 }
 
 namespace {
@@ -160,53 +202,63 @@ void advantages_lanes(const reward_t* r, const bool* keep, int64_t G, int64_t la
 
 }  // namespace
 
-GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Tensor& scores, const at::Tensor& k,
-                                        int64_t k_fixed, const at::Tensor& keep_in, bool largest, Scale scale,
-                                        double eps) {
-  const at::Tensor& shape_src = rewards.defined() ? rewards : scores;
+// Scale::kBatch: the unbiased std of all kept finite rewards of the batch from the per-group count, mean and sum
+// of squared deviations (Chan's formula), 0 with fewer than 2 rewards.
+double batch_std(const std::vector<double>& n, const std::vector<double>& mean, const std::vector<double>& m2) {
+  double total = 0.0, weighted = 0.0;
+  for (size_t g = 0; g < n.size(); ++g) {
+    total += n[g];
+    weighted += n[g] * mean[g];
+  }
+  const double batch_mean = weighted / std::max(total, 1.0);
+  double batch_m2 = 0.0;
+  for (size_t g = 0; g < n.size(); ++g) batch_m2 += m2[g] + n[g] * (mean[g] - batch_mean) * (mean[g] - batch_mean);
+  return total >= 2.0 ? std::sqrt(batch_m2 / (total - 1.0)) : 0.0;
+}
+
+GroupResult group_filter_advantages_cpu(const Tensor& rewards, const Tensor& scores, const Tensor& k, int64_t k_fixed,
+                                        const Tensor& keep_in, bool largest, Scale scale, double eps) {
+  const Tensor& shape_src = rewards.defined() ? rewards : scores;
   const int64_t num_groups = shape_src.size(0), G = shape_src.size(1);
   GroupResult out;
-  if (scores.defined()) {
-    out.keep = at::empty({num_groups, G}, shape_src.options().dtype(at::kBool));
-  } else if (keep_in.defined()) {
-    out.keep = keep_in.to(at::kBool).contiguous();
+  if (scores.defined() || !keep_in.defined()) {
+    out.keep = empty({num_groups, G}, ScalarType::Bool, shape_src);
   } else {
-    out.keep = at::ones({num_groups, G}, shape_src.options().dtype(at::kBool));
+    out.keep = contiguous_as(keep_in, ScalarType::Bool);
   }
-  bool* keep = out.keep.data_ptr<bool>();
+  bool* keep = out.keep.mutable_data_ptr<bool>();
+  if (!scores.defined() && !keep_in.defined()) std::fill(keep, keep + num_groups * G, true);
 
   // Rewards are read as reward_read_type says and accumulated in double.
-  const at::Tensor r =
-      rewards.defined() ? rewards.to(reward_read_type(rewards.scalar_type())).contiguous() : at::Tensor();
-  const bool read_double = r.defined() && r.scalar_type() == at::kDouble;
-  const float* rp = r.defined() && !read_double ? r.data_ptr<float>() : nullptr;
-  const double* rdp = read_double ? r.data_ptr<double>() : nullptr;
+  const Tensor r = rewards.defined() ? contiguous_as(rewards, reward_read_type(rewards.scalar_type())) : undefined();
+  const bool read_double = r.defined() && r.scalar_type() == ScalarType::Double;
+  const float* rp = r.defined() && !read_double ? r.const_data_ptr<float>() : nullptr;
+  const double* rdp = read_double ? r.const_data_ptr<double>() : nullptr;
+  if (r.defined()) out.adv = empty({num_groups, G}, ScalarType::Float, r);
+  float* ap = r.defined() ? out.adv.mutable_data_ptr<float>() : nullptr;
   // Scale::kBatch: the centred rewards wait for the batch std in double (r - mean of finite rewards near the
   // float32 or double range overflows float32, though the scaled advantage is finite)
   const bool batch = r.defined() && scale == Scale::kBatch;
-  if (r.defined()) out.adv = at::empty({num_groups, G}, r.options().dtype(batch ? at::kDouble : at::kFloat));
-  float* ap = r.defined() && !batch ? out.adv.data_ptr<float>() : nullptr;
-  double* adp = batch ? out.adv.data_ptr<double>() : nullptr;
-  double *np_ = nullptr, *mp = nullptr, *m2p = nullptr;
+  std::unique_ptr<double[]> adv_double;  // not zero-filled: every element is written
+  std::vector<double> n, mean, m2;
   if (batch) {
-    out.n = at::empty({num_groups}, r.options().dtype(at::kDouble));
-    out.mean = at::empty_like(out.n);
-    out.m2 = at::empty_like(out.n);
-    np_ = out.n.data_ptr<double>();
-    mp = out.mean.data_ptr<double>();
-    m2p = out.m2.data_ptr<double>();
+    adv_double.reset(new double[num_groups * G]);
+    n.resize(num_groups);
+    mean.resize(num_groups);
+    m2.resize(num_groups);
   }
-  const at::Tensor s = scores.defined() ? scores.contiguous() : at::Tensor();
-  const at::Tensor kk = scores.defined() && k.defined() ? k.to(at::kLong).contiguous() : at::Tensor();
-  const int64_t* kp = kk.defined() ? kk.data_ptr<int64_t>() : nullptr;
+  double* adp = adv_double.get();
+  const Tensor s = scores.defined() ? contiguous_as(scores, scores.scalar_type()) : undefined();
+  const Tensor kk = scores.defined() && k.defined() ? contiguous_as(k, ScalarType::Long) : undefined();
+  const int64_t* kp = kk.defined() ? kk.const_data_ptr<int64_t>() : nullptr;
   const std::vector<int64_t> k_lanes(kLanes, k_fixed);  // k of every lane when one k holds for all groups
 
-  const at::ScalarType score_type = s.defined() ? s.scalar_type() : at::kFloat;
-  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, score_type, "gfpo_group_filter_advantages_cpu", [&] {
+  dispatch_score_type(s.defined() ? s.scalar_type() : ScalarType::Float, [&](auto type_tag) {
+    using scalar_t = decltype(type_tag);
     using key_t = key_type<scalar_t>;
-    const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* sp = s.defined() ? static_cast<const scalar_t*>(s.const_data_ptr()) : nullptr;
     const int64_t grain = std::max<int64_t>(kLanes, 4096 / G);
-    at::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
+    torch::stable::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
       std::vector<key_t> key(G * kLanes);
       std::vector<int64_t> order(G);
       std::vector<double> x(G * kLanes), w(G * kLanes);
@@ -224,93 +276,75 @@ GroupResult group_filter_advantages_cpu(const at::Tensor& rewards, const at::Ten
             topk_by_selection(key.data(), G, kp ? kp[g0 + b] : k_fixed, order.data(), keep + (g0 + b) * G);
           }
         }
-        double* const n_g = np_ ? np_ + g0 : nullptr;
-        double* const mean_g = mp ? mp + g0 : nullptr;
-        double* const m2_g = m2p ? m2p + g0 : nullptr;
+        double* const n_g = batch ? n.data() + g0 : nullptr;
+        double* const mean_g = batch ? mean.data() + g0 : nullptr;
+        double* const m2_g = batch ? m2.data() + g0 : nullptr;
         const auto lanes_of = [&](const auto* rewards_g, auto* adv_g) {
           advantages_lanes(rewards_g + g0 * G, keep + g0 * G, G, lanes, scale, eps, x.data(), w.data(), adv_g + g0 * G,
                            n_g, mean_g, m2_g);
         };
-        if (rp != nullptr && ap != nullptr) lanes_of(rp, ap);
-        if (rp != nullptr && adp != nullptr) lanes_of(rp, adp);
-        if (rdp != nullptr && ap != nullptr) lanes_of(rdp, ap);
-        if (rdp != nullptr && adp != nullptr) lanes_of(rdp, adp);
+        if (rp != nullptr && !batch) lanes_of(rp, ap);
+        if (rp != nullptr && batch) lanes_of(rp, adp);
+        if (rdp != nullptr && !batch) lanes_of(rdp, ap);
+        if (rdp != nullptr && batch) lanes_of(rdp, adp);
       }
     });
   });
+  if (batch) {
+    const double denom = batch_std(n, mean, m2) + eps;
+    torch::stable::parallel_for(0, num_groups * G, 32768, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) ap[i] = static_cast<float>(adp[i] / denom);
+    });
+  }
   return out;
-}
-
-at::Tensor apply_batch_scale(const GroupResult& res, double eps) {
-  const at::Tensor n = res.n.to(at::kDouble), mean = res.mean.to(at::kDouble), m2 = res.m2.to(at::kDouble);
-  const at::Tensor total = n.sum();
-  const at::Tensor batch_mean = (n * mean).sum() / total.clamp_min(1.0);
-  const at::Tensor batch_m2 = m2.sum() + (n * (mean - batch_mean).square()).sum();
-  const at::Tensor std_b =
-      at::where(total >= 2.0, (batch_m2 / (total - 1.0).clamp_min(1.0)).sqrt(), at::zeros_like(total));
-  return (res.adv.to(at::kDouble) / (std_b + eps)).to(at::kFloat);
 }
 
 namespace {
 
-using Kernel = GroupResult (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&,
-                               bool, Scale, double);
+using Kernel = GroupResult (*)(const Tensor&, const Tensor&, const Tensor&, int64_t, const Tensor&, bool, Scale,
+                               double);
 
 // k: an int64 tensor of num_groups entries (adaptive k), or none and k_fixed for every group.
-at::Tensor k_per_group(const std::optional<at::Tensor>& k, const at::Tensor& scores) {
-  if (!k.has_value()) return at::Tensor();
-  TORCH_CHECK_VALUE(k->dim() == 1 && k->size(0) == scores.size(0), "k must have num_groups=", scores.size(0),
-                    " entries, got shape ", k->sizes());
+Tensor k_per_group(const std::optional<Tensor>& k, const Tensor& scores) {
+  if (!k.has_value()) return undefined();
+  GFPO_CHECK_VALUE(k->dim() == 1 && k->size(0) == scores.size(0), "k must have num_groups=", scores.size(0),
+                   " entries, got shape ", shape_str(*k));
   return *k;
 }
 
 template <Kernel kernel>
-at::Tensor group_topk_mask_op(const at::Tensor& scores, const std::optional<at::Tensor>& k, int64_t k_fixed,
-                              bool largest) {
-  TORCH_CHECK_VALUE(scores.dim() == 2, "scores must be 2-D (num_groups, G), got ", scores.dim(), "-D");
-  return kernel(at::Tensor(), scores, k_per_group(k, scores), k_fixed, at::Tensor(), largest, Scale::kGroup, 0.0).keep;
-}
-
-at::Tensor finish(const GroupResult& res, Scale scale, double eps) {
-  return scale == Scale::kBatch ? apply_batch_scale(res, eps) : res.adv;
+Tensor group_topk_mask_op(const Tensor& scores, const std::optional<Tensor>& k, int64_t k_fixed, bool largest) {
+  GFPO_CHECK_VALUE(scores.dim() == 2, "scores must be 2-D (num_groups, G), got ", scores.dim(), "-D");
+  return kernel(undefined(), scores, k_per_group(k, scores), k_fixed, undefined(), largest, Scale::kGroup, 0.0).keep;
 }
 
 template <Kernel kernel>
-at::Tensor group_advantages_op(const at::Tensor& rewards, const std::optional<at::Tensor>& keep,
-                               c10::string_view scale, double eps) {
-  TORCH_CHECK_VALUE(rewards.dim() == 2, "rewards must be 2-D (num_groups, G), got ", rewards.dim(), "-D");
-  const at::Tensor keep_t = keep.has_value() ? keep->to(at::kBool) : at::Tensor();
-  TORCH_CHECK_VALUE(!keep_t.defined() || keep_t.sizes() == rewards.sizes(), "keep must have the shape of rewards ",
-                    rewards.sizes(), ", got ", keep_t.sizes());
+Tensor group_advantages_op(const Tensor& rewards, const std::optional<Tensor>& keep, std::string_view scale,
+                           double eps) {
+  GFPO_CHECK_VALUE(rewards.dim() == 2, "rewards must be 2-D (num_groups, G), got ", rewards.dim(), "-D");
+  GFPO_CHECK_VALUE(!keep.has_value() || keep->sizes().equals(rewards.sizes()), "keep must have the shape of rewards ",
+                   shape_str(rewards), ", got ", shape_str(*keep));
   const Scale s = parse_scale(scale);
-  return finish(kernel(rewards, at::Tensor(), at::Tensor(), 0, keep_t, false, s, eps), s, eps);
+  return kernel(rewards, undefined(), undefined(), 0, keep.value_or(undefined()), false, s, eps).adv;
 }
 
 template <Kernel kernel>
-std::tuple<at::Tensor, at::Tensor> gfpo_filter_advantages_op(const at::Tensor& rewards, const at::Tensor& scores,
-                                                             const std::optional<at::Tensor>& k, int64_t k_fixed,
-                                                             bool largest, c10::string_view scale, double eps) {
-  TORCH_CHECK_VALUE(rewards.dim() == 2 && rewards.sizes() == scores.sizes(),
-                    "rewards and scores must be 2-D of one shape, got ", rewards.sizes(), " and ", scores.sizes());
+std::tuple<Tensor, Tensor> gfpo_filter_advantages_op(const Tensor& rewards, const Tensor& scores,
+                                                     const std::optional<Tensor>& k, int64_t k_fixed, bool largest,
+                                                     std::string_view scale, double eps) {
+  GFPO_CHECK_VALUE(rewards.dim() == 2 && rewards.sizes().equals(scores.sizes()),
+                   "rewards and scores must be 2-D of one shape, got ", shape_str(rewards), " and ",
+                   shape_str(scores));
   const Scale s = parse_scale(scale);
-  GroupResult res = kernel(rewards, scores, k_per_group(k, scores), k_fixed, at::Tensor(), largest, s, eps);
-  return {res.keep, finish(res, s, eps)};
+  GroupResult res = kernel(rewards, scores, k_per_group(k, scores), k_fixed, undefined(), largest, s, eps);
+  return {res.keep, res.adv};
 }
 
 }  // namespace
 
-// The CUDA registrations live in group_ops_cuda.cu and reuse these wrappers through this entry point.
-#ifdef GFPO_WITH_CUDA
-void register_cuda_impls(torch::Library& m) {
-  m.impl("group_topk_mask", &group_topk_mask_op<group_filter_advantages_cuda>);
-  m.impl("group_advantages", &group_advantages_op<group_filter_advantages_cuda>);
-  m.impl("gfpo_filter_advantages", &gfpo_filter_advantages_op<group_filter_advantages_cuda>);
-}
-#endif
-
 }  // namespace gfpo
 
-TORCH_LIBRARY(gfpo, m) {
+STABLE_TORCH_LIBRARY(gfpo, m) {
   // k: a tensor (adaptive k), or None and k_fixed for every group
   m.def("group_topk_mask(Tensor scores, Tensor? k, int k_fixed, bool largest) -> Tensor");
   m.def("group_advantages(Tensor rewards, Tensor? keep, str scale, float eps) -> Tensor");
@@ -320,11 +354,19 @@ TORCH_LIBRARY(gfpo, m) {
       "-> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(gfpo, CPU, m) {
-  m.impl("group_topk_mask", &gfpo::group_topk_mask_op<gfpo::group_filter_advantages_cpu>);
-  m.impl("group_advantages", &gfpo::group_advantages_op<gfpo::group_filter_advantages_cpu>);
-  m.impl("gfpo_filter_advantages", &gfpo::gfpo_filter_advantages_op<gfpo::group_filter_advantages_cpu>);
+STABLE_TORCH_LIBRARY_IMPL(gfpo, CPU, m) {
+  m.impl("group_topk_mask", TORCH_BOX(&gfpo::group_topk_mask_op<gfpo::group_filter_advantages_cpu>));
+  m.impl("group_advantages", TORCH_BOX(&gfpo::group_advantages_op<gfpo::group_filter_advantages_cpu>));
+  m.impl("gfpo_filter_advantages", TORCH_BOX(&gfpo::gfpo_filter_advantages_op<gfpo::group_filter_advantages_cpu>));
 }
+
+#ifdef GFPO_WITH_CUDA
+STABLE_TORCH_LIBRARY_IMPL(gfpo, CUDA, m) {
+  m.impl("group_topk_mask", TORCH_BOX(&gfpo::group_topk_mask_op<gfpo::group_filter_advantages_cuda>));
+  m.impl("group_advantages", TORCH_BOX(&gfpo::group_advantages_op<gfpo::group_filter_advantages_cuda>));
+  m.impl("gfpo_filter_advantages", TORCH_BOX(&gfpo::gfpo_filter_advantages_op<gfpo::group_filter_advantages_cuda>));
+}
+#endif
 
 // gfpo_kernels._C is imported only for the side effect of registering the ops above.
 extern "C" PyObject* PyInit__C(void) {

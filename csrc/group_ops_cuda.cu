@@ -5,20 +5,21 @@
 // for G <= 1024 (the ranks of a group cost G^2/32 comparisons per lane). Rewards are read in float32 or double
 // (reward_read_type); count, mean and sum of squared deviations use butterfly reductions in double (rewards up to
 // FLT_MAX square without overflow, float64 rewards keep their digits), so the result does not depend on the launch.
-#include <ATen/OpMathType.h>
-#include <ATen/Dispatch.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
 
 #include "group_ops.h"
 
 namespace gfpo {
 
-void register_cuda_impls(torch::Library& m);
-
 namespace {
+
+// Half and BFloat16 scores are compared in float (exact: every half and bfloat16 value is a float).
+template <typename T>
+using opmath = std::conditional_t<std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>, float, T>;
 
 constexpr int kWarpsPerBlock = 4;
 constexpr int kMaxGroupSize = 1024;
@@ -47,7 +48,7 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
                                                bool divide_by_std, double eps, bool* __restrict__ keep_out,
                                                void* __restrict__ adv, bool adv_double, double* __restrict__ n_out,
                                                double* __restrict__ mean_out, double* __restrict__ m2_out) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath<scalar_t>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t g = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
@@ -123,55 +124,126 @@ __global__ void group_filter_advantages_kernel(const scalar_t* __restrict__ scor
   }
 }
 
+// Scale::kBatch, on one block of kBatchThreads: the batch's unbiased std from the per-group count, mean and sum of
+// squared deviations (the CPU's Chan formula, its sums reduced in a fixed tree, so the result does not depend on
+// the launch), then denom = std + eps for batch_scale_kernel.
+constexpr int kBatchThreads = 1024;
+
+__device__ double block_sum(double v, double* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int stride = kBatchThreads / 2; stride > 0; stride >>= 1) {
+    if (threadIdx.x < stride) shared[threadIdx.x] += shared[threadIdx.x + stride];
+    __syncthreads();
+  }
+  const double total = shared[0];
+  __syncthreads();
+  return total;
+}
+
+__global__ void batch_denominator_kernel(const double* __restrict__ n, const double* __restrict__ mean,
+                                         const double* __restrict__ m2, int64_t num_groups, double eps,
+                                         double* __restrict__ denom) {
+  __shared__ double shared[kBatchThreads];
+  double total = 0.0, weighted = 0.0;
+  for (int64_t g = threadIdx.x; g < num_groups; g += kBatchThreads) {
+    total += n[g];
+    weighted += n[g] * mean[g];
+  }
+  total = block_sum(total, shared);
+  const double batch_mean = block_sum(weighted, shared) / fmax(total, 1.0);
+  double batch_m2 = 0.0;
+  for (int64_t g = threadIdx.x; g < num_groups; g += kBatchThreads) {
+    batch_m2 += m2[g] + n[g] * (mean[g] - batch_mean) * (mean[g] - batch_mean);
+  }
+  batch_m2 = block_sum(batch_m2, shared);
+  if (threadIdx.x == 0) *denom = (total >= 2.0 ? sqrt(batch_m2 / (total - 1.0)) : 0.0) + eps;
+}
+
+__global__ void batch_scale_kernel(const double* __restrict__ centred, const double* __restrict__ denom, int64_t size,
+                                   float* __restrict__ adv) {
+  const double d = *denom;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < size;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    adv[i] = static_cast<float>(centred[i] / d);
+  }
+}
+
+// The current CUDA stream of `device_index`, from the stable C shim's aoti_torch_get_current_cuda_stream. That
+// function lives in libtorch_cuda.so, which a CPU-only torch does not have; _C.so must load there too (its CPU
+// kernels), so the function is looked up here, when the first CUDA tensor arrives (only a CUDA torch makes one),
+// instead of being a symbol the loader must resolve.
+cudaStream_t current_stream(int32_t device_index) {
+  using StreamGetter = AOTITorchError (*)(int32_t, void**);
+  static const StreamGetter getter = []() -> StreamGetter {
+    void* torch_cuda = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
+    return torch_cuda ? reinterpret_cast<StreamGetter>(dlsym(torch_cuda, "aoti_torch_get_current_cuda_stream"))
+                      : nullptr;
+  }();
+  if (getter == nullptr) throw std::runtime_error("gfpo_kernels._C: libtorch_cuda.so is not loaded (a CPU torch?)");
+  void* stream = nullptr;
+  TORCH_ERROR_CODE_CHECK(getter(device_index, &stream));
+  return static_cast<cudaStream_t>(stream);
+}
+
+void check_launch() {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) throw std::runtime_error(concat("gfpo_kernels._C: CUDA error: ", cudaGetErrorString(error)));
+}
+
 }  // namespace
 
-GroupResult group_filter_advantages_cuda(const at::Tensor& rewards, const at::Tensor& scores, const at::Tensor& k,
-                                         int64_t k_fixed, const at::Tensor& keep_in, bool largest, Scale scale,
+GroupResult group_filter_advantages_cuda(const Tensor& rewards, const Tensor& scores, const Tensor& k,
+                                         int64_t k_fixed, const Tensor& keep_in, bool largest, Scale scale,
                                          double eps) {
-  const at::Tensor& shape_src = rewards.defined() ? rewards : scores;
-  const c10::cuda::CUDAGuard guard(shape_src.device());
+  const Tensor& shape_src = rewards.defined() ? rewards : scores;
+  const int32_t device = shape_src.get_device_index();
+  const torch::stable::accelerator::DeviceGuard guard(device);
   const int64_t num_groups = shape_src.size(0), G = shape_src.size(1);
-  TORCH_CHECK_VALUE(G <= kMaxGroupSize, "the CUDA group kernel supports group_size <= ", kMaxGroupSize, ", got ", G);
+  GFPO_CHECK_VALUE(G <= kMaxGroupSize, "the CUDA group kernel supports group_size <= ", kMaxGroupSize, ", got ", G);
   GroupResult out;
-  out.keep = at::empty({num_groups, G}, shape_src.options().dtype(at::kBool));
-  const at::Tensor s = scores.defined() ? scores.contiguous() : at::Tensor();
-  const at::Tensor kk = scores.defined() && k.defined() ? k.to(at::kLong).contiguous() : at::Tensor();
-  const at::Tensor keep_c = keep_in.defined() ? keep_in.to(at::kBool).contiguous() : at::Tensor();
-  const at::Tensor r =
-      rewards.defined() ? rewards.to(reward_read_type(rewards.scalar_type())).contiguous() : at::Tensor();
-  const bool rewards_double = r.defined() && r.scalar_type() == at::kDouble;
+  out.keep = empty({num_groups, G}, ScalarType::Bool, shape_src);
+  const Tensor s = scores.defined() ? contiguous_as(scores, scores.scalar_type()) : undefined();
+  const Tensor kk = scores.defined() && k.defined() ? contiguous_as(k, ScalarType::Long) : undefined();
+  const Tensor keep_c = keep_in.defined() ? contiguous_as(keep_in, ScalarType::Bool) : undefined();
+  const Tensor r = rewards.defined() ? contiguous_as(rewards, reward_read_type(rewards.scalar_type())) : undefined();
+  const bool rewards_double = r.defined() && r.scalar_type() == ScalarType::Double;
   const bool batch = rewards.defined() && scale == Scale::kBatch;
-  // Scale::kBatch: centred rewards in double until the batch std divides them (see GroupResult)
-  if (rewards.defined()) {
-    out.adv = at::empty({num_groups, G}, shape_src.options().dtype(batch ? at::kDouble : at::kFloat));
-  }
-  if (batch) {
-    const auto dopts = shape_src.options().dtype(at::kDouble);
-    out.n = at::empty({num_groups}, dopts);
-    out.mean = at::empty({num_groups}, dopts);
-    out.m2 = at::empty({num_groups}, dopts);
-  }
+  if (rewards.defined()) out.adv = empty({num_groups, G}, ScalarType::Float, shape_src);
+  // Scale::kBatch: the centred rewards wait for the batch std in double (see group_filter_advantages_cpu); one
+  // buffer holds them, then the per-group n, mean, m2, then the denominator.
+  Tensor batch_buffer = batch ? empty({num_groups * G + 3 * num_groups + 1}, ScalarType::Double, shape_src) : undefined();
+  double* const centred = batch ? batch_buffer.mutable_data_ptr<double>() : nullptr;
+  double* const stats = batch ? centred + num_groups * G : nullptr;
   if (num_groups == 0) return out;
 
-  const at::ScalarType score_type = s.defined() ? s.scalar_type() : at::kFloat;
   const dim3 block(32 * kWarpsPerBlock);
   const dim3 grid(static_cast<unsigned>((num_groups + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, score_type, "gfpo_group_filter_advantages_cuda", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const size_t smem = static_cast<size_t>(kWarpsPerBlock) * G * (sizeof(opmath_t) + sizeof(bool));
+  const cudaStream_t stream = current_stream(device);
+  dispatch_score_type(s.defined() ? s.scalar_type() : ScalarType::Float, [&](auto type_tag) {
+    using scalar_t = decltype(type_tag);
+    const size_t smem = static_cast<size_t>(kWarpsPerBlock) * G * (sizeof(opmath<scalar_t>) + sizeof(bool));
     group_filter_advantages_kernel<scalar_t><<<grid, block, smem, stream>>>(
-        s.defined() ? s.data_ptr<scalar_t>() : nullptr, kk.defined() ? kk.data_ptr<int64_t>() : nullptr, k_fixed,
-        keep_c.defined() ? keep_c.data_ptr<bool>() : nullptr, r.defined() ? r.const_data_ptr() : nullptr,
+        s.defined() ? static_cast<const scalar_t*>(s.const_data_ptr()) : nullptr,
+        kk.defined() ? kk.const_data_ptr<int64_t>() : nullptr, k_fixed,
+        keep_c.defined() ? keep_c.const_data_ptr<bool>() : nullptr, r.defined() ? r.const_data_ptr() : nullptr,
         rewards_double, num_groups, static_cast<int>(G), largest, scale == Scale::kGroup, eps,
-        out.keep.data_ptr<bool>(), r.defined() ? out.adv.data_ptr() : nullptr, batch,
-        batch ? out.n.data_ptr<double>() : nullptr, batch ? out.mean.data_ptr<double>() : nullptr,
-        batch ? out.m2.data_ptr<double>() : nullptr);
+        out.keep.mutable_data_ptr<bool>(),
+        r.defined() ? (batch ? static_cast<void*>(centred) : out.adv.mutable_data_ptr()) : nullptr, batch,
+        stats, batch ? stats + num_groups : nullptr, batch ? stats + 2 * num_groups : nullptr);
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch();
+  if (batch) {
+    double* const denom = stats + 3 * num_groups;
+    batch_denominator_kernel<<<1, kBatchThreads, 0, stream>>>(stats, stats + num_groups, stats + 2 * num_groups,
+                                                              num_groups, eps, denom);
+    check_launch();
+    const int64_t size = num_groups * G;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((size + 255) / 256, 4096));
+    batch_scale_kernel<<<blocks, 256, 0, stream>>>(centred, denom, size, out.adv.mutable_data_ptr<float>());
+    check_launch();
+  }
   return out;
 }
 
 }  // namespace gfpo
-
-TORCH_LIBRARY_IMPL(gfpo, CUDA, m) { gfpo::register_cuda_impls(m); }
