@@ -24,21 +24,17 @@ import threading
 
 import torch
 
+from ._extension import STATUS as EXTENSION
+
 BACKENDS = ("triton", "cpp", "torch", "reference")
 OP_BACKENDS = {
     "group": ("cpp", "triton", "reference"),
     "linear_grpo": ("triton", "torch", "reference"),
 }
 
-try:
-    from . import _C  # noqa: F401  (registers torch.ops.gfpo.*)
-
-    HAS_CPP = True
-    HAS_CPP_CUDA = hasattr(torch.ops.gfpo, "group_topk_mask") and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "gfpo::group_topk_mask", "CUDA"
-    )
-except ImportError:  # built with GFPO_NO_EXTENSION=1, or no compiler at install time
-    HAS_CPP = HAS_CPP_CUDA = False
+# The extension's ops (torch.ops.gfpo.*), and their CUDA kernels; _extension says why not when they are missing.
+HAS_CPP = EXTENSION.loaded
+HAS_CPP_CUDA = EXTENSION.cuda
 
 try:
     import triton  # noqa: F401
@@ -73,7 +69,7 @@ def _can_run(backend: str, op: str, device: torch.device, group_size: int = 1) -
         return None
     # cpp
     if not HAS_CPP:
-        return "the extension gfpo_kernels._C is not built (pip install --no-build-isolation -e .)"
+        return f"the extension gfpo_kernels._C {EXTENSION.problem}"
     if device.type == "cuda":
         if not HAS_CPP_CUDA:
             return "gfpo_kernels._C was built without CUDA"

@@ -1,7 +1,8 @@
 """The environment report for bug reports: `python -m gfpo_kernels`.
 
-Versions, devices, how the extension was built, and the backend each op family would use for CPU and CUDA
-tensors (asked of `_dispatch`, the one place that decides). Needs neither TRL nor a GPU.
+Versions (and the commit gfpo was built from), devices, the extension (loaded or why not, and what it was built
+against), and the backend each op family would use for CPU and CUDA tensors (asked of `_dispatch`, the one place
+that decides). Needs neither TRL nor a GPU.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from . import _dispatch
 
-_PACKAGES = ("gfpo", "torch", "triton", "trl", "transformers", "accelerate", "liger-kernel", "tdigest")
+_PACKAGES = ("torch", "triton", "trl", "transformers", "accelerate", "liger-kernel", "tdigest")
 
 
 def _version(package: str) -> str:
@@ -28,7 +29,9 @@ def _version(package: str) -> str:
 
 def environment_report() -> str:
     """A plain-text report of what gfpo_kernels runs on, one `name: value` per line."""
-    lines = [f"python: {sys.version.split()[0]} ({platform.platform()})"]
+    extension = _dispatch.EXTENSION
+    lines = [f"python: {sys.version.split()[0]} ({platform.platform()})", f"gfpo: {_version('gfpo')}",
+             f"gfpo commit: {extension.build.get('COMMIT', 'unknown (no build record)')}"]
     lines += [f"{name}: {_version(name)}" for name in _PACKAGES]
     lines.append(f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}")
     if torch.cuda.is_available():
@@ -38,8 +41,12 @@ def environment_report() -> str:
                          f"{props.total_memory / 2**30:.0f} GiB")
     else:
         lines.append("device: CPU only (no CUDA device visible)")
-    extension = "built with CUDA" if _dispatch.HAS_CPP_CUDA else "built (CPU only)" if _dispatch.HAS_CPP else "not built"
-    lines.append(f"extension gfpo_kernels._C: {extension}")
+    if extension.loaded:
+        state = f"loaded, {'built with CUDA' if extension.cuda else 'built for CPU only'}"
+    else:
+        state = f"not loaded: it {extension.problem}"
+    lines.append(f"extension gfpo_kernels._C: {state}")
+    lines.append(f"extension built against: {extension.built_against()}")
     lines.append(f"TRITON_INTERPRET: {'on' if _dispatch.triton_interpreting() else 'off'}")
     forced = _dispatch.forced_backend()
     if forced:

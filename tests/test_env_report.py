@@ -14,12 +14,18 @@ from gfpo_test_utils import subprocess_env
 def test_report_names_versions_extension_and_backends():
     lines = dict(line.split(": ", 1) for line in environment_report().splitlines())
     assert lines["torch"] == torch.__version__
-    assert lines["extension gfpo_kernels._C"] == ("built with CUDA" if _dispatch.HAS_CPP_CUDA else
-                                                   "built (CPU only)" if _dispatch.HAS_CPP else "not built")
+    extension = _dispatch.EXTENSION
+    assert lines["extension gfpo_kernels._C"] == (
+        f"loaded, {'built with CUDA' if _dispatch.HAS_CPP_CUDA else 'built for CPU only'}" if _dispatch.HAS_CPP
+        else f"not loaded: it {extension.problem}"
+    )
+    if "TORCH" in extension.build:  # a build of the extension: what it recorded
+        assert lines["gfpo commit"] == extension.build["COMMIT"]
+        assert lines["extension built against"].startswith(f"torch {extension.build['TORCH']} (LibTorch stable ABI")
     for op in ("group", "linear_grpo"):
         assert lines[f"backend {op} ops, cpu tensors"] == _dispatch.select_backend(op, torch.device("cpu"))
         assert lines[f"backend {op} ops, cuda tensors"].startswith(_dispatch.select_backend(op, torch.device("cuda")))
-    for name in ("python", "triton", "trl", "transformers", "accelerate", "torch CUDA"):
+    for name in ("python", "gfpo", "gfpo commit", "triton", "trl", "transformers", "accelerate", "torch CUDA"):
         assert lines[name]
 
 
