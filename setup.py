@@ -16,6 +16,7 @@ A build writes gfpo_kernels/_build_info.py (git-ignored): the commit, the torch 
 architectures, or why there is no extension; `python -m gfpo_kernels` prints it.
 """
 
+import importlib.util
 import os
 import re
 import shutil
@@ -33,9 +34,12 @@ STABLE_ABI = (2, 10)
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # setup.py commands that compile (pip runs bdist_wheel / editable_wheel; metadata and sdist steps need no torch)
 BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install", "bdist_egg"}
+# dist_info: the metadata pip asks of a wheel or editable build (never of an sdist) before it resolves and downloads
+# the dependencies, so the earliest point where a build without torch can stop.
+NEEDS_TORCH = BUILD_COMMANDS | {"dist_info"}
 NO_TORCH = (
-    "gfpo compiles its extension against your installed torch, which this (isolated?) build cannot import: "
-    "install torch, then run: pip install --no-build-isolation .  (GFPO_NO_EXTENSION=1: no extension)"
+    "error: gfpo builds its C++/CUDA extension against your installed torch, which an isolated build cannot see: "
+    "run  pip install --no-build-isolation .  (torch installed first; GFPO_NO_EXTENSION=1 builds no extension)"
 )
 
 
@@ -94,10 +98,7 @@ def extension_build():
     """(ext_modules, cmdclass, build-info fields) for this build."""
     if os.environ.get("GFPO_NO_EXTENSION", "0") == "1":
         return [], {}, {"EXTENSION": "disabled", "EXTENSION_NOTE": "GFPO_NO_EXTENSION=1 at build time"}
-    try:
-        import torch
-    except ImportError:
-        sys.exit(NO_TORCH)
+    import torch
     from torch.utils import cpp_extension
 
     info = {"TORCH": torch.__version__, "STABLE_ABI": "%d.%d" % STABLE_ABI}
@@ -166,8 +167,11 @@ class SdistWithBuildInfo(sdist):
         write_build_info(target, COMMIT=recorded_commit(), EXTENSION="not built", EXTENSION_NOTE="an sdist")
 
 
+commands = set(sys.argv[1:])
+if commands & NEEDS_TORCH and os.environ.get("GFPO_NO_EXTENSION", "0") != "1" and not importlib.util.find_spec("torch"):
+    sys.exit(NO_TORCH)
 ext_modules, cmdclass, options = [], {"sdist": SdistWithBuildInfo}, {}
-if BUILD_COMMANDS & set(sys.argv[1:]):
+if commands & BUILD_COMMANDS:
     commit = recorded_commit()
     ext_modules, build_cmdclass, info = extension_build()
     cmdclass.update(build_cmdclass)
