@@ -38,8 +38,8 @@ BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develo
 # the dependencies, so the earliest point where a build without torch can stop.
 NEEDS_TORCH = BUILD_COMMANDS | {"dist_info"}
 NO_TORCH = (
-    "error: gfpo builds its C++/CUDA extension against your installed torch, which an isolated build cannot see: "
-    "run  pip install --no-build-isolation .  (torch installed first; GFPO_NO_EXTENSION=1 builds no extension)"
+    "error: gfpo compiles its C++/CUDA extension against your installed torch, which pip's isolated build cannot "
+    "see: with torch installed, run  pip install --no-build-isolation .  (or your sdist's path instead of .)"
 )
 
 

@@ -1,0 +1,46 @@
+"""Building gfpo where torch cannot be imported, as in pip's isolated build: a wheel or editable build stops at the
+metadata step (before pip resolves and downloads any dependency) with one line that says what to type, and an
+sdist builds and carries the extension's sources and the commit it was made from. setuptools' PEP 517 hooks run
+in a child Python in which `import torch` fails."""
+
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+NO_TORCH_CHILD = "import sys; sys.modules['torch'] = None; from setuptools import build_meta; "
+
+
+def run_hook(hook: str, out_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", NO_TORCH_CHILD + f"print(build_meta.{hook}({str(out_dir)!r}))"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("hook", ["prepare_metadata_for_build_wheel", "prepare_metadata_for_build_editable"])
+def test_a_build_without_torch_stops_with_one_line(tmp_path, hook):
+    done = run_hook(hook, tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "error: gfpo compiles its C++/CUDA extension against your installed torch, which pip's isolated build cannot "
+        "see: with torch installed, run  pip install --no-build-isolation .  (or your sdist's path instead of .)"
+    ]
+    assert list(tmp_path.iterdir()) == []  # stopped before writing any metadata
+
+
+def test_an_sdist_builds_without_torch(tmp_path):
+    done = run_hook("build_sdist", tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with tarfile.open(tmp_path / done.stdout.split()[-1]) as sdist:
+        names = {Path(name).relative_to(Path(name).parts[0]).as_posix() for name in sdist.getnames()}
+        assert {"csrc/group_ops.h", "csrc/group_ops.cpp", "csrc/group_ops_cuda.cu", "setup.py"} <= names
+        record = sdist.extractfile(next(n for n in sdist.getnames() if n.endswith("gfpo_kernels/_build_info.py")))
+        record = record.read().decode()
+    assert "EXTENSION = 'not built'\nEXTENSION_NOTE = 'an sdist'" in record  # not a copy of this tree's own build's
+    commit = re.search(r"^COMMIT = '(.*)'$", record, re.MULTILINE).group(1)
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout: the sdist records its commit (+dirty with uncommitted changes)
+        assert commit.split("+")[0] == head.stdout.strip()
