@@ -12,8 +12,8 @@ Environment:
     GFPO_CUDA=0 | 1         no CUDA kernels | CUDA kernels or stop (default: built when nvcc is found)
     TORCH_CUDA_ARCH_LIST    GPU architectures of the CUDA kernels, e.g. "8.0;9.0+PTX" (the default: A100, H100, and
                             PTX that newer GPUs compile when the kernel first loads)
-A build writes gfpo_kernels/_build_info.py (git-ignored): the commit, the torch built against, the CUDA version and
-architectures, or why there is no extension; `python -m gfpo_kernels` prints it.
+A build records the commit, the torch built against, the CUDA version and architectures, or why there is no
+extension, in gfpo_kernels/_build_info.py (git-ignored; a wheel carries its own); `python -m gfpo_kernels` prints it.
 """
 
 import importlib.util
@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
@@ -112,6 +113,18 @@ def extension_build():
     if want_cuda == "1" and cuda_home is None:
         sys.exit("gfpo: GFPO_CUDA=1 but nvcc was not found (set CUDA_HOME, or put nvcc on PATH)")
     with_cuda = cuda_home is not None and want_cuda != "0"
+    if with_cuda:
+        nvcc_version = subprocess.check_output([str(cuda_home / "bin" / "nvcc"), "--version"], text=True)
+        release = re.search(r"release (\d+\.\d+)", nvcc_version).group(1)
+        # A CUDA torch runs on a driver for its CUDA major version, which may not run kernels of another major
+        # (torch itself refuses to compile .cu files with such an nvcc): leave the CUDA kernels out, and say so.
+        if torch.version.cuda and torch.version.cuda.split(".")[0] != release.split(".")[0]:
+            note = f"nvcc {release} ({cuda_home}) and torch's CUDA {torch.version.cuda} differ in major version"
+            if want_cuda == "1":
+                sys.exit(f"gfpo: GFPO_CUDA=1 but {note}: point CUDA_HOME at a CUDA {torch.version.cuda} toolkit")
+            print(f"gfpo: building without CUDA kernels: {note} (the group ops then run on Triton on the GPU)")
+            info["CUDA_NOTE"] = f"no CUDA kernels: {note}"
+            with_cuda = False
     target = "-DTORCH_TARGET_VERSION=0x%02X%02X000000000000" % STABLE_ABI  # headers show the 2.10 stable ABI only
     cxx_flags = ["-O3", target]
     nvcc_flags, extra_objects, libraries = [], [], []
@@ -120,16 +133,17 @@ def extension_build():
         # torch compiles .cu files with $CUDA_HOME/bin/nvcc, and leaves CUDA_HOME unset in a CPU build of torch;
         # the stable-ABI kernels need nothing of torch's CUDA, so a CPU torch builds them too.
         cpp_extension.CUDA_HOME = str(cuda_home)
-        nvcc_version = subprocess.check_output([str(cuda_home / "bin" / "nvcc"), "--version"], text=True)
-        release = re.search(r"release (\d+\.\d+)", nvcc_version)
         archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_CUDA_ARCHS
-        info.update(CUDA=release.group(1) if release else "unknown", CUDA_ARCHS=archs)
+        info.update(CUDA=release, CUDA_ARCHS=archs)
         sources.append("csrc/group_ops_cuda.cu")
         cxx_flags.append("-DGFPO_WITH_CUDA")
         nvcc_flags = ["-O3", target, *cuda_arch_flags(archs)]
         # The CUDA runtime linked in statically: no libcudart.so to find, so _C.so loads beside a CPU-only torch
         # too (its CUDA kernels registered, never called there), and beside any CUDA torch whose driver runs it.
         extra_objects = [str(cuda_home / "lib64" / "libcudart_static.a")]
+        if not Path(extra_objects[0]).exists():
+            sys.exit(f"gfpo: {extra_objects[0]} not found: the CUDA kernels link the CUDA runtime statically "
+                     "(install the toolkit's static runtime, or build without them: GFPO_CUDA=0)")
         libraries = ["dl", "rt", "pthread"]
     else:
         info.update(CUDA=None, CUDA_ARCHS=None)
@@ -150,10 +164,6 @@ def extension_build():
         extra_objects=extra_objects,
         py_limited_api=True,  # the module stub uses the limited C API only: one wheel for every Python >= 3.10
     )
-    # A development tree may hold an older in-place build named for one Python (_C.cpython-311-*.so), which
-    # Python would import before the new _C.abi3.so.
-    for stale in (ROOT / "gfpo_kernels").glob("_C.cpython-*.so"):
-        stale.unlink()
     return [extension], {"build_ext": cpp_extension.BuildExtension}, {"EXTENSION": "built", "EXTENSION_NOTE": None, **info}
 
 
@@ -167,16 +177,33 @@ class SdistWithBuildInfo(sdist):
         write_build_info(target, COMMIT=recorded_commit(), EXTENSION="not built", EXTENSION_NOTE="an sdist")
 
 
+class BuildPyWithBuildInfo(build_py):
+    """A wheel's build record goes into the wheel: the source tree's describes the tree's own in-place build."""
+
+    def run(self):
+        super().run()
+        if RECORD is not None and not IN_PLACE:
+            write_build_info(Path(self.build_lib, "gfpo_kernels", "_build_info.py"), **RECORD)
+
+
 commands = set(sys.argv[1:])
 if commands & NEEDS_TORCH and os.environ.get("GFPO_NO_EXTENSION", "0") != "1" and not importlib.util.find_spec("torch"):
     sys.exit(NO_TORCH)
-ext_modules, cmdclass, options = [], {"sdist": SdistWithBuildInfo}, {}
+# editable installs and build_ext --inplace put _C beside the sources; a wheel build puts it into build/
+IN_PLACE = bool(commands & {"editable_wheel", "develop"}) or bool({"--inplace", "-i"} & commands)
+ext_modules, options, RECORD = [], {}, None
+cmdclass = {"sdist": SdistWithBuildInfo, "build_py": BuildPyWithBuildInfo}
 if commands & BUILD_COMMANDS:
-    commit = recorded_commit()
+    commit = recorded_commit()  # before anything is written: an sdist's comes from its build record
     ext_modules, build_cmdclass, info = extension_build()
     cmdclass.update(build_cmdclass)
     if ext_modules:
         options = {"bdist_wheel": {"py_limited_api": "cp310"}}
-    write_build_info(BUILD_INFO, COMMIT=commit, **info)
+    RECORD = {"COMMIT": commit, **info}
+    if IN_PLACE:
+        write_build_info(BUILD_INFO, **RECORD)
+        # an older in-place build named for one Python (_C.cpython-311-*.so) would be imported before _C.abi3.so
+        for stale in (ROOT / "gfpo_kernels").glob("_C.cpython-*.so"):
+            stale.unlink()
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass, options=options)

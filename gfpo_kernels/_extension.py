@@ -42,6 +42,8 @@ class ExtensionStatus:
         text = f"torch {self.build['TORCH']} (LibTorch stable ABI >= {self.build.get('STABLE_ABI', STABLE_ABI)})"
         if self.build.get("CUDA"):
             text += f", CUDA {self.build['CUDA']} for {self.build.get('CUDA_ARCHS')}"
+        if self.build.get("CUDA_NOTE"):
+            text += f" ({self.build['CUDA_NOTE']})"
         return text
 
 
