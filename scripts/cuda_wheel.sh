@@ -67,7 +67,8 @@ EOF
 
 echo "== the installed wheel beside torch $("$PY" -c 'import torch; print(torch.__version__)')"
 cd "$work/site"  # the wheel's gfpo_kernels, not this checkout's
-"$PY" -m gfpo_kernels | grep -E "^(gfpo|gfpo commit|torch|extension[^:]*):"
-"$PY" -m gfpo_kernels | grep -q "^extension gfpo_kernels._C: loaded, built with CUDA$"
+report=$("$PY" -m gfpo_kernels)
+grep -E "^(gfpo|gfpo commit|torch|extension[^:]*):" <<<"$report"
+grep -q "^extension gfpo_kernels._C: loaded, built with CUDA$" <<<"$report"
 "$PY" -m pytest -q -p no:cacheprovider "$REPO/tests/test_extension_abi.py" "$REPO/tests/test_extension.py" \
   "$REPO/tests/test_group_ops.py" 2>&1 | tail -1
