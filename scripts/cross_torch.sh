@@ -62,6 +62,7 @@ for run in "$@"; do
   cd "$site"  # the wheel's gfpo_kernels, not this checkout's
   report=$("$PY" -m gfpo_kernels 2>&1)
   extension=$(grep "^extension gfpo_kernels._C:" <<<"$report")
+  against=$(grep "^extension built against:" <<<"$report")
   if [ "$old" = True ]; then
     tests=("$REPO/tests/test_group_ops.py" "$REPO/tests/test_validation.py")
     want="not loaded: it needs torch >= 2.10"
@@ -80,7 +81,7 @@ for run in "$@"; do
     verdict=FAIL
     status=1
   fi
-  line="$(date -u +%F) $(git rev-parse --short=12 HEAD) built with torch $build_torch, run under torch $run_torch: $verdict | ${extension#extension } | tests: $outcome"
+  line="$(date -u +%F) $(git rev-parse --short=12 HEAD) built with torch $build_torch, run under torch $run_torch: $verdict | ${extension#extension } | ${against#extension } | tests: $outcome"
   echo "$line" | tee -a "$LOG"
 done
 exit $status
