@@ -39,6 +39,8 @@ class ExtensionStatus:
         """What the extension was compiled against, from the build record."""
         if "TORCH" not in self.build:
             return "unknown (no build record)"
+        if self.build.get("EXTENSION") != "built":
+            return f"nothing: no extension in this build (torch {self.build['TORCH']} at build time)"
         text = f"torch {self.build['TORCH']} (LibTorch stable ABI >= {self.build.get('STABLE_ABI', STABLE_ABI)})"
         if self.build.get("CUDA"):
             text += f", CUDA {self.build['CUDA']} for {self.build.get('CUDA_ARCHS')}"
