@@ -126,7 +126,8 @@ def extension_build():
             info["CUDA_NOTE"] = f"no CUDA kernels: {note}"
             with_cuda = False
     target = "-DTORCH_TARGET_VERSION=0x%02X%02X000000000000" % STABLE_ABI  # headers show the 2.10 stable ABI only
-    cxx_flags = ["-O3", target]
+    # Hidden by default, as torch::stable and torch::headeronly are: _C.so exports its module init function only.
+    cxx_flags = ["-O3", "-fvisibility=hidden", target]
     nvcc_flags, extra_objects, libraries = [], [], []
     sources = ["csrc/group_ops.cpp"]
     if with_cuda:
@@ -137,7 +138,7 @@ def extension_build():
         info.update(CUDA=release, CUDA_ARCHS=archs)
         sources.append("csrc/group_ops_cuda.cu")
         cxx_flags.append("-DGFPO_WITH_CUDA")
-        nvcc_flags = ["-O3", target, *cuda_arch_flags(archs)]
+        nvcc_flags = ["-O3", "-Xcompiler=-fvisibility=hidden", target, *cuda_arch_flags(archs)]
         # The CUDA runtime linked in statically: no libcudart.so to find, so _C.so loads beside a CPU-only torch
         # too (its CUDA kernels registered, never called there), and beside any CUDA torch whose driver runs it.
         extra_objects = [str(cuda_home / "lib64" / "libcudart_static.a")]

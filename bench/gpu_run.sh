@@ -88,7 +88,8 @@ step_setup() {
       wheel_stamp >/tmp/site/.installed
     fi
     export PYTHONPATH=$PWD:/tmp/site
-    # Against the machine's torch, no isolation; TORCH_CUDA_ARCH_LIST=9.0 builds sm_90 code only (fast build).
+    # Against the machine's torch, no isolation, on the LibTorch stable ABI (as scripts/cuda_wheel.sh builds the
+    # wheel); TORCH_CUDA_ARCH_LIST=9.0 builds sm_90 code only (fast build).
     TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 "$PY" setup.py -q build_ext --inplace || return 1
   fi
   {
@@ -109,6 +110,8 @@ import gfpo_kernels, trl, datasets, liger_kernel, tdigest  # noqa: the imports t
 from gfpo_kernels import _dispatch
 print("HAS_TRITON", _dispatch.HAS_TRITON, "HAS_CPP", getattr(_dispatch, "HAS_CPP", None), "HAS_CPP_CUDA", getattr(_dispatch, "HAS_CPP_CUDA", None))
 print("group backends", gfpo_kernels.available_backends("group", "cuda" if torch.cuda.is_available() else "cpu"))
+from gfpo_kernels.env_report import environment_report  # the extension's state and build record among it
+print(environment_report())
 EOF
   } 2>&1 | tee "$OUTDIR/env.txt"
   return "${PIPESTATUS[0]}"

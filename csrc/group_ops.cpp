@@ -369,7 +369,7 @@ STABLE_TORCH_LIBRARY_IMPL(gfpo, CUDA, m) {
 #endif
 
 // gfpo_kernels._C is imported only for the side effect of registering the ops above.
-extern "C" PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
 }

@@ -5,7 +5,8 @@
 #      this one install's --index-url (https://download.pytorch.org/whl/cpu: the CPU build). Unset, pip's own
 #      configuration decides, as CI needs (it reaches only its configured index);
 #   2. this package alone, built WITHOUT build isolation, so the C++/CUDA extension compiles against that torch
-#      (an isolated build would download a second, CUDA torch);
+#      (an isolated build cannot see it and stops with one line); its CUDA kernels too when nvcc is found, whatever
+#      the torch (GFPO_CUDA=0 leaves them out);
 #   3. its dependencies and extras, installed normally: wheels, or sdists built in their own isolated
 #      environments with their own build tools (--no-build-isolation must never reach them: an sdist such as
 #      accumulation-tree needs Cython at build time, which only its isolated build brings).
@@ -22,7 +23,7 @@ python -m pip install -q "setuptools>=64" wheel
 
 # 2. the package (and its extension) alone; skipped when nothing it is built from changed
 stamp_file=.venv/.gfpo-build-stamp
-stamp=$( { python -c "import torch; print(torch.__version__)"; echo "${GFPO_NO_EXTENSION:-0}";
+stamp=$( { python -c "import torch; print(torch.__version__)"; echo "${GFPO_NO_EXTENSION:-0} ${GFPO_CUDA:-} ${TORCH_CUDA_ARCH_LIST:-}";
            cat setup.py pyproject.toml csrc/*; } | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ] && python -m pip show gfpo >/dev/null 2>&1; then
   echo "gfpo: extension up to date (csrc/, setup.py and torch unchanged), not rebuilt"
