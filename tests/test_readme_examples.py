@@ -240,13 +240,31 @@ def check_arguments(arguments: list[str], source: str, where: str) -> None:
         assert f'"{positional[0]}"' in source, f"{where}: {positional[0]!r} is no subcommand of it"
 
 
+def check_pip(arguments: list[str], where: str) -> None:
+    """pip's own parser checks the command and its options (--no-build-isolation, -e, ...)."""
+    from pip._internal.commands import commands_dict, create_command
+
+    assert arguments and arguments[0] in commands_dict, f"{where}: no pip command {arguments[:1]}"
+    parser = create_command(arguments[0]).parser
+    try:
+        parser.parse_args(arguments[1:])
+    except SystemExit:
+        pytest.fail(f"{where}: pip rejects the options of: pip {' '.join(arguments)}")
+    # optparse also takes unambiguous abbreviations (--no-build-isol): the text must spell options out
+    options = {name for option in parser._get_all_options() for name in option._long_opts + option._short_opts}
+    for word in arguments[1:]:
+        assert not word.startswith("-") or word.split("=")[0] in options, f"{where}: {word} is no pip option"
+
+
 def check_command(words: list[str], where: str) -> None:
     while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value: a variable the project reads
         name = words.pop(0).split("=")[0]
         assert any(name in p.read_text() for p in [*ROOT.glob("scripts/*"), *ROOT.glob("gfpo_*/*.py"), ROOT / "setup.py"]
                    if p.is_file()), f"{where}: nothing in the project reads {name}"
     program, *arguments = words
-    if program == "bash":
+    if program in ("pip", ".venv/bin/pip") or (program in (".venv/bin/python", "python") and arguments[:2] == ["-m", "pip"]):
+        check_pip(arguments if program.endswith("pip") else arguments[2:], where)
+    elif program == "bash":
         assert (ROOT / arguments[0]).is_file(), f"{where}: no script {arguments[0]}"
     elif program in (".venv/bin/python", "python"):
         if arguments[0] == "-m":
