@@ -200,10 +200,9 @@ void advantages_lanes(const reward_t* r, const bool* keep, int64_t G, int64_t la
   }
 }
 
-}  // namespace
-
 // Scale::kBatch: the unbiased std of all kept finite rewards of the batch from the per-group count, mean and sum
-// of squared deviations (Chan's formula), 0 with fewer than 2 rewards.
+// of squared deviations (Chan's formula), 0 with fewer than 2 rewards. The CUDA kernel reduces the same sums in a
+// block (batch_denominator_kernel).
 double batch_std(const std::vector<double>& n, const std::vector<double>& mean, const std::vector<double>& m2) {
   double total = 0.0, weighted = 0.0;
   for (size_t g = 0; g < n.size(); ++g) {
@@ -215,6 +214,8 @@ double batch_std(const std::vector<double>& n, const std::vector<double>& mean, 
   for (size_t g = 0; g < n.size(); ++g) batch_m2 += m2[g] + n[g] * (mean[g] - batch_mean) * (mean[g] - batch_mean);
   return total >= 2.0 ? std::sqrt(batch_m2 / (total - 1.0)) : 0.0;
 }
+
+}  // namespace
 
 GroupResult group_filter_advantages_cpu(const Tensor& rewards, const Tensor& scores, const Tensor& k, int64_t k_fixed,
                                         const Tensor& keep_in, bool largest, Scale scale, double eps) {
