@@ -714,6 +714,39 @@ def test_log_prob_pass_computes_the_loss_gradient(backend, config, with_old):
     torch.testing.assert_close(g_rows, want[at], rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("config", [dict(loss_type="grpo", delta=1.1), dict(loss_type="cispo"),
+                                    dict(loss_type="sapo"), dict(loss_type="bnpo", epsilon_high=0.18)],
+                         ids=["grpo,delta", "cispo", "sapo", "bnpo"])
+def test_log_prob_pass_loss_gradient_at_non_finite_ratios(backend, config):
+    """Old log-probs that overflow the fp32 ratio (-100, -inf) or are NaN at scored tokens: the log-prob pass's g
+    (Triton kernel or torch twin) is non-finite exactly where autograd through grpo_loss_math is (0 * inf = NaN in
+    exp's backward, as in TRL; torch.clamp passes NaN through) and equal to it elsewhere; before, delta's clamp
+    gave a finite 0 there, and the Triton kernel's NaN-dropping minimum a finite cispo gradient."""
+    options = GRPOLossOptions(**config)
+    p = _problem(61)
+    mask = torch.ones(B, T, device=DEVICE)
+    positions = torch.arange(B * T, device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    logits = (2 * torch.randn(B * T, V, generator=g)).to(DEVICE)
+    targets = p["target"].reshape(-1)
+    adv = torch.tensor([1.0, -1.0, 0.5], device=DEVICE)
+    old = p["old"].clone()
+    old[:2, :3] = torch.tensor([-100.0, float("-inf"), float("nan")], device=DEVICE)
+    inputs = flg.token_grad_inputs(mask, positions, adv, options, old_logps=old)
+    logps, entropy = torch.zeros(B * T, device=DEVICE), torch.zeros(B * T, device=DEVICE)
+    lse, g_rows = torch.empty(B * T, device=DEVICE), torch.empty(B * T, device=DEVICE)
+    flg._backend_ops(backend)[0](logits, targets, 1.0, None, logps=logps, entropy=entropy, lse=lse,
+                                 positions=positions, g=g_rows, g_inputs=inputs, options=options)
+    x = logps.clone().view(B, T).requires_grad_()
+    loss, _ = grpo_loss_from_logps(x, mask, adv, options, old_logps=old, with_stats=False)
+    (want,) = torch.autograd.grad(loss, x)
+    want = want.reshape(-1)
+    finite = torch.isfinite(want)
+    assert not finite.all()
+    assert torch.equal(torch.isfinite(g_rows), finite)
+    torch.testing.assert_close(g_rows[finite], want[finite], rtol=1e-5, atol=1e-7)
+
+
 SKIP_CONFIGS = [
     dict(loss_type="dapo", with_old=True, uses_vllm=True),
     dict(loss_type="grpo", with_old=True, delta=1.2),
