@@ -554,14 +554,18 @@ class _Gradients:
                                 torch.float32, device=device)
         self.weight_dtype = weight_dtype
         self.grad_b = torch.zeros(V, dtype=torch.float32, device=device) if need_b else None
-        self.dlogits = torch.empty(plan.chunk_rows, V, dtype=scored.w.dtype, device=device)
+        # the two GEMMs' operand; a bias trained alone sums each stage's logits gradient and needs none (its plan
+        # is the forward's: one chunk of every row)
+        self.dlogits = None
+        if need_h or need_w:
+            self.dlogits = torch.empty(plan.chunk_rows, V, dtype=scored.w.dtype, device=device)
 
     def add_stage(self, lo: int, hi: int, chunk_start: int, logits: torch.Tensor) -> None:
         """Rows [lo, hi)'s d(loss)/d(logits) from their g into the chunk's buffer, rounded once to the operand dtype
         by the row kernel itself. A bias gradient sums the fp32 values first, then they are rounded."""
         s = self.scored
-        out = self.dlogits[lo - chunk_start: hi - chunk_start]
-        exact = self.grad_b is None or out.dtype == torch.float32
+        out = None if self.dlogits is None else self.dlogits[lo - chunk_start: hi - chunk_start]
+        exact = self.grad_b is None or out is None or out.dtype == torch.float32
         d = s.grad_logits(logits, s.targets[lo:hi], s.lse[lo:hi], s.g[lo:hi], s.inv_t, out if exact else None,
                           softcap=s.softcap)
         if self.grad_b is not None:
@@ -572,6 +576,8 @@ class _Gradients:
     def add_chunk(self, start: int, end: int) -> None:
         """The chunk's two gradient GEMMs from its logits-gradient buffer."""
         s = self.scored
+        if self.dlogits is None:  # a bias alone: summed per stage
+            return
         d = self.dlogits[: end - start]
         if self.grad_h is not None:
             _gemm(self.grad_h[start:end], d, s.w)

@@ -1087,6 +1087,16 @@ def test_no_buffer_spans_every_token_at_the_default_budget(backend, monkeypatch)
                                                           torch.randn(b, device=DEVICE), loss_type=loss_type)
             loss.backward()
         assert probe.largest <= b * t * v // 2, (loss_type, probe.largest)
+    # a bias trained alone (the head's weight and the hidden states frozen): its gradient sums the logits gradient
+    # of each stage; no chunk buffer for the GEMMs it does not run (it was (n, V), every token's)
+    bias = torch.zeros(v, device=DEVICE, requires_grad=True)
+    with _LargestTensor() as probe:
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden.detach(), weight.detach(), target,
+                                                      torch.ones(b, t, device=DEVICE), torch.randn(b, device=DEVICE),
+                                                      bias=bias)
+        (grad_b,) = torch.autograd.grad(loss, bias)
+    assert probe.largest <= b * t * v // 2, ("bias only", probe.largest)
+    assert grad_b.abs().sum() > 0
 
 
 @pytest.mark.parametrize(
