@@ -338,8 +338,9 @@ def _fp32_reductions(dtype: torch.dtype, device: torch.device):
     matmul = torch.backends.cuda.matmul
     name = f"allow_{'bf16' if dtype == torch.bfloat16 else 'fp16'}_reduced_precision_reduction"
     previous = getattr(matmul, name)
-    split_k = getattr(matmul, name + "_split_k", None)  # torch >= 2.12 keeps a second flag
-    setattr(matmul, name, False)
+    # torch >= 2.10 keeps a second flag, split-K allowed, which setting a bool turns on: kept as the user set it
+    split_k = getattr(matmul, name + "_split_k", None)
+    setattr(matmul, name, False if split_k is None else (False, split_k))
     try:
         yield
     finally:

@@ -922,6 +922,12 @@ def test_reduced_precision_reductions_off_around_half_outputs():
                 assert getattr(matmul, name) is True
         with flg._fp32_reductions(torch.float32, cuda):
             assert matmul.allow_bf16_reduced_precision_reduction is True
+        if hasattr(matmul, "allow_bf16_reduced_precision_reduction_split_k"):  # torch >= 2.10: (reduced, split-K)
+            # a user who turned split-K off (deterministic sums) keeps it off inside: only reduced precision goes
+            matmul.allow_bf16_reduced_precision_reduction = (False, False)
+            with flg._fp32_reductions(torch.bfloat16, cuda):
+                assert matmul.allow_bf16_reduced_precision_reduction_split_k is False
+            assert matmul.allow_bf16_reduced_precision_reduction_split_k is False
     finally:
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
 
