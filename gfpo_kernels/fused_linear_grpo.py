@@ -233,7 +233,7 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
       (_BUFFER_SHARE_OF_WEIGHT; _BUFFER_BYTES_MIN at least), or in what the budget leaves beside everything else
       when that is less (but not under _MIN_CHUNK_BYTES for the chunk): their weight gradient is summed in an fp32
       accumulator;
-    - or one chunk, when its peak is no higher than that and fits the budget: every stage's logits gradient in one
+    - or one chunk, when its peak is no higher than that (budget or not): every stage's logits gradient in one
       buffer, and the weight gradient written once by one GEMM in the weight's dtype, no fp32 accumulator. (Few
       scored rows: GRPO batches of short completions.)
     When every one of the B*T positions is scored, no stage or chunk holds more than half of them, so that no
@@ -260,7 +260,9 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
     stages_per_chunk = max(1, min(chunk_bytes // (f.operand_size * V * stage_rows), most // stage_rows))
     n_chunks = max(2, -(-n_stages // stages_per_chunk))
     several = f.peak(stage_rows, -(-n_stages // n_chunks) * stage_rows, chunks=2)
-    if most >= n and f.peak(stage_rows, n, chunks=1) <= min(budget, several):
+    # one chunk when it peaks no higher than several would, whatever the budget: a budget one chunk exceeds is
+    # exceeded further by several chunks then (the fp32 accumulator beside the weight gradient cast from it)
+    if most >= n and f.peak(stage_rows, n, chunks=1) <= several:
         return _Plan.balanced(n, n_stages, 1, zero)
     return _Plan.balanced(n, n_stages, n_chunks, zero)
 
