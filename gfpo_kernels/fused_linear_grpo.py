@@ -233,7 +233,7 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
       (_BUFFER_SHARE_OF_WEIGHT; _BUFFER_BYTES_MIN at least), or in what the budget leaves beside everything else
       when that is less (but not under _MIN_CHUNK_BYTES for the chunk): their weight gradient is summed in an fp32
       accumulator;
-    - or one chunk, when its peak is no higher than that and fits the budget: every stage's logits gradient in one
+    - or one chunk, when its peak is no higher than that (budget or not): every stage's logits gradient in one
       buffer, and the weight gradient written once by one GEMM in the weight's dtype, no fp32 accumulator. (Few
       scored rows: GRPO batches of short completions.)
     When every one of the B*T positions is scored, no stage or chunk holds more than half of them, so that no
@@ -260,7 +260,9 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
     stages_per_chunk = max(1, min(chunk_bytes // (f.operand_size * V * stage_rows), most // stage_rows))
     n_chunks = max(2, -(-n_stages // stages_per_chunk))
     several = f.peak(stage_rows, -(-n_stages // n_chunks) * stage_rows, chunks=2)
-    if most >= n and f.peak(stage_rows, n, chunks=1) <= min(budget, several):
+    # one chunk when it peaks no higher than several would, whatever the budget: a budget one chunk exceeds is
+    # exceeded further by several chunks then (the fp32 accumulator beside the weight gradient cast from it)
+    if most >= n and f.peak(stage_rows, n, chunks=1) <= several:
         return _Plan.balanced(n, n_stages, 1, zero)
     return _Plan.balanced(n, n_stages, n_chunks, zero)
 
@@ -338,8 +340,9 @@ def _fp32_reductions(dtype: torch.dtype, device: torch.device):
     matmul = torch.backends.cuda.matmul
     name = f"allow_{'bf16' if dtype == torch.bfloat16 else 'fp16'}_reduced_precision_reduction"
     previous = getattr(matmul, name)
-    split_k = getattr(matmul, name + "_split_k", None)  # torch >= 2.12 keeps a second flag
-    setattr(matmul, name, False)
+    # torch >= 2.10 keeps a second flag, split-K allowed, which setting a bool turns on: kept as the user set it
+    split_k = getattr(matmul, name + "_split_k", None)
+    setattr(matmul, name, False if split_k is None else (False, split_k))
     try:
         yield
     finally:
@@ -554,14 +557,18 @@ class _Gradients:
                                 torch.float32, device=device)
         self.weight_dtype = weight_dtype
         self.grad_b = torch.zeros(V, dtype=torch.float32, device=device) if need_b else None
-        self.dlogits = torch.empty(plan.chunk_rows, V, dtype=scored.w.dtype, device=device)
+        # the two GEMMs' operand; a bias trained alone sums each stage's logits gradient and needs none (its plan
+        # is the forward's: one chunk of every row)
+        self.dlogits = None
+        if need_h or need_w:
+            self.dlogits = torch.empty(plan.chunk_rows, V, dtype=scored.w.dtype, device=device)
 
     def add_stage(self, lo: int, hi: int, chunk_start: int, logits: torch.Tensor) -> None:
         """Rows [lo, hi)'s d(loss)/d(logits) from their g into the chunk's buffer, rounded once to the operand dtype
         by the row kernel itself. A bias gradient sums the fp32 values first, then they are rounded."""
         s = self.scored
-        out = self.dlogits[lo - chunk_start: hi - chunk_start]
-        exact = self.grad_b is None or out.dtype == torch.float32
+        out = None if self.dlogits is None else self.dlogits[lo - chunk_start: hi - chunk_start]
+        exact = self.grad_b is None or out is None or out.dtype == torch.float32
         d = s.grad_logits(logits, s.targets[lo:hi], s.lse[lo:hi], s.g[lo:hi], s.inv_t, out if exact else None,
                           softcap=s.softcap)
         if self.grad_b is not None:
@@ -572,6 +579,8 @@ class _Gradients:
     def add_chunk(self, start: int, end: int) -> None:
         """The chunk's two gradient GEMMs from its logits-gradient buffer."""
         s = self.scored
+        if self.dlogits is None:  # a bias alone: summed per stage
+            return
         d = self.dlogits[: end - start]
         if self.grad_h is not None:
             _gemm(self.grad_h[start:end], d, s.w)

@@ -384,15 +384,16 @@ def token_loss_gradient(logp: torch.Tensor, inputs: TokenGradInputs, options: GR
         d_loss = -torch.clamp(coef_1, max=o.eps_high) * adv
     elif o.loss_type in CLIPPED_LOSS_TYPES:
         coef_2 = torch.clamp(coef_1, 1 - o.epsilon_low, 1 + o.eps_high)
-        d_coef_2 = torch.where((coef_1 >= 1 - o.epsilon_low) & (coef_1 <= 1 + o.eps_high), d_coef_1, 0.0)
-        clipped_1, d_clipped_1 = coef_1, d_coef_1
-        if o.delta is not None:
-            clipped_1 = torch.clamp(coef_1, max=o.delta)
-            d_clipped_1 = torch.where(coef_1 <= o.delta, d_coef_1, 0.0)
+        clipped_1 = coef_1 if o.delta is None else torch.clamp(coef_1, max=o.delta)
         a, b = clipped_1 * adv, coef_2 * adv
         share_a = torch.where(a == b, 0.5, 1.0).masked_fill(a > b, 0.0)
         share_b = torch.where(a == b, 0.5, 1.0).masked_fill(a < b, 0.0)
-        d_loss = -(share_a * adv * d_clipped_1 + share_b * adv * d_coef_2)
+        # what reaches coef_1 through each side (a clamp passes it inside its bounds), summed, then times
+        # d(coef_1)/d(logp) as autograd's exp does: an overflowed or NaN ratio that both clamps cut off gives
+        # 0 * inf = NaN there, as in TRL, not 0
+        through_a = share_a * adv if o.delta is None else torch.where(coef_1 <= o.delta, share_a * adv, 0.0)
+        through_b = torch.where((coef_1 >= 1 - o.epsilon_low) & (coef_1 <= 1 + o.eps_high), share_b * adv, 0.0)
+        d_loss = -(through_a + through_b) * d_coef_1
     elif o.loss_type == "sapo":
         temperature = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
         s = torch.sigmoid(temperature * (coef_1 - 1))

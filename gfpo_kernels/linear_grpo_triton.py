@@ -98,32 +98,36 @@ NO_GRAD, CLIPPED, CISPO, SAPO, VESPO = 0, 1, 2, 3, 4
 
 
 @triton.jit
-def _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, eps_low, eps_high, delta, tau_pos, tau_neg, beta,
+def _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, clip_low, clip_high, delta, tau_pos, tau_neg, beta,
                          LOSS: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_RATIO: tl.constexpr,
                          HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr):
-    """d(loss)/d(logp) of one token: grpo_loss_math.token_loss_gradient, term by term (see there)."""
+    """d(loss)/d(logp) of one token: grpo_loss_math.token_loss_gradient, term by term (see there). clip_low /
+    clip_high: the ratio's clamp bounds, 1 - epsilon_low and 1 + epsilon_high (cispo: epsilon_high), computed on the
+    host and rounded once to fp32 as torch.clamp rounds its bounds (1.0 + eps in fp32 here would round twice and may
+    be an ulp off); the clamps pass NaN through, as torch's do."""
     if HAS_OLD:
         coef_1 = tl.exp(logp - old)
     else:
         coef_1 = logp * 0.0 + 1.0
     if LOSS == 1:  # clipped: -min(clamp(coef_1, max=delta) * adv, clamp(coef_1, 1 - eps_low, 1 + eps_high) * adv)
-        low = 1.0 - eps_low
-        high = 1.0 + eps_high
-        coef_2 = tl.minimum(tl.maximum(coef_1, low), high)
-        d_coef_2 = tl.where((coef_1 >= low) & (coef_1 <= high), coef_1, 0.0)
+        coef_2 = tl.clamp(coef_1, clip_low, clip_high, propagate_nan=tl.PropagateNan.ALL)
         if HAS_DELTA:
-            clipped_1 = tl.minimum(coef_1, delta)
-            d_clipped_1 = tl.where(coef_1 <= delta, coef_1, 0.0)
+            clipped_1 = tl.minimum(coef_1, delta, propagate_nan=tl.PropagateNan.ALL)
         else:
             clipped_1 = coef_1
-            d_clipped_1 = coef_1
         a = clipped_1 * adv
         b = coef_2 * adv
         share_a = tl.where(a > b, 0.0, tl.where(a == b, 0.5, 1.0))  # torch.min's gradient splits a tie
         share_b = tl.where(a < b, 0.0, tl.where(a == b, 0.5, 1.0))
-        d_loss = -(share_a * adv * d_clipped_1 + share_b * adv * d_coef_2)
-    elif LOSS == 2:  # cispo: -clamp(coef_1, max=eps_high).detach() * adv * logp
-        d_loss = -tl.minimum(coef_1, eps_high) * adv
+        # what reaches coef_1 through each side, summed, then times d(coef_1)/d(logp) = coef_1 (autograd's order:
+        # an overflowed or NaN ratio gives NaN, not 0)
+        through_a = share_a * adv
+        if HAS_DELTA:
+            through_a = tl.where(coef_1 <= delta, through_a, 0.0)
+        through_b = tl.where((coef_1 >= clip_low) & (coef_1 <= clip_high), share_b * adv, 0.0)
+        d_loss = -(through_a + through_b) * coef_1
+    elif LOSS == 2:  # cispo: -clamp(coef_1, max=eps_high).detach() * adv * logp (clip_high: eps_high itself)
+        d_loss = -tl.minimum(coef_1, clip_high, propagate_nan=tl.PropagateNan.ALL) * adv
     elif LOSS == 3:  # sapo: -sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
         tau = tl.where(adv > 0, tau_pos, tau_neg)
         s = tl.sigmoid(tau * (coef_1 - 1))
@@ -145,7 +149,7 @@ def _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, eps_low, eps_h
 def _logprob_entropy_combine_kernel(
     logits_ptr, stride, targets_ptr, m_ptr, s_ptr, d_ptr, logp_ptr, entropy_ptr, lse_ptr, positions_ptr,
     adv_ptr, weight_ptr, old_ptr, ref_ptr, ratio_ptr, phi_ptr, g_ptr,
-    inv_t, softcap, SPLITS, eps_low, eps_high, delta, tau_pos, tau_neg, beta,
+    inv_t, softcap, SPLITS, clip_low, clip_high, delta, tau_pos, tau_neg, beta,
     BLOCK_S: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCATTER: tl.constexpr, LOSS: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_RATIO: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_KL: tl.constexpr,
@@ -188,8 +192,8 @@ def _logprob_entropy_combine_kernel(
             ratio = tl.load(ratio_ptr + row)
         if LOSS == 4:
             phi = tl.load(phi_ptr + row)
-        g = _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, eps_low, eps_high, delta, tau_pos, tau_neg,
-                                 beta, LOSS, HAS_OLD, HAS_DELTA, HAS_RATIO, HAS_KL, BIAS_KL)
+        g = _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, clip_low, clip_high, delta, tau_pos,
+                                 tau_neg, beta, LOSS, HAS_OLD, HAS_DELTA, HAS_RATIO, HAS_KL, BIAS_KL)
         tl.store(g_ptr + row, g)
 
 
@@ -293,7 +297,8 @@ def stage_statistics_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: 
     if g is not None:
         o, i = options, g_inputs
         loss = _LOSS_KINDS.get(o.loss_type, CLIPPED)
-        scalars = (o.epsilon_low, o.eps_high, 1.0 if o.delta is None else o.delta, o.sapo_temperature_pos,
+        high = o.eps_high if loss == CISPO else 1 + o.eps_high
+        scalars = (1 - o.epsilon_low, high, 1.0 if o.delta is None else o.delta, o.sapo_temperature_pos,
                    o.sapo_temperature_neg, o.beta)
         flags = dict(HAS_OLD=i.old is not None, HAS_DELTA=o.delta is not None, HAS_RATIO=i.is_ratio is not None,
                      HAS_KL=o.beta != 0.0, BIAS_KL=o.use_bias_correction_kl)

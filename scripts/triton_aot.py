@@ -100,7 +100,7 @@ def _row_launches(vocab_sizes) -> list[Launch]:
                      "entropy_ptr": "*fp32", "lse_ptr": "*fp32", "positions_ptr": "*i64", "adv_ptr": "*fp32",
                      "weight_ptr": "*fp32", "old_ptr": "*fp32", "ref_ptr": "*fp32", "ratio_ptr": "*fp32",
                      "phi_ptr": "*fp32", "g_ptr": "*fp32", "inv_t": "fp32", "softcap": "fp32", "SPLITS": "i32",
-                     "eps_low": "fp32", "eps_high": "fp32", "delta": "fp32", "tau_pos": "fp32", "tau_neg": "fp32",
+                     "clip_low": "fp32", "clip_high": "fp32", "delta": "fp32", "tau_pos": "fp32", "tau_neg": "fp32",
                      "beta": "fp32", **{flag: "constexpr" for flag in COMBINE_FLAGS}},
                     {"BLOCK_S": triton.next_power_of_2(splits), "HAS_SOFTCAP": cap, "SCATTER": True, "LOSS": kind,
                      "HAS_OLD": on, "HAS_DELTA": on, "HAS_RATIO": on, "HAS_KL": on, "BIAS_KL": on}))

@@ -562,9 +562,19 @@ def test_chunk_plan_from_the_one_budget(monkeypatch):
     monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": int(2.5 * 2**30)})
     short = flg._chunk_plan(_qwen_footprint(14309), cuda)
     assert short.stages == roomy.stages and len(short.chunks) == 28
-    # ... and no single chunk when it does not fit the budget
+    # a budget (2 GiB) that one chunk exceeds (4335 rows: 2.45 GiB; 8000: 3.55) keeps it all the same: several
+    # chunks would peak higher still (3.64 / 3.66 GiB: the fp32 accumulator beside the weight gradient cast from it)
+    # and run 9 / 16 accumulator passes; where one chunk peaks higher than several (10000 rows: 4.14 against
+    # 3.68 GiB), several
     monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 2 << 30})
-    assert len(flg._chunk_plan(_qwen_footprint(4335), cuda).chunks) > 1
+    for n, one_chunk in ((4335, True), (8000, True), (10000, False)):
+        footprint = _qwen_footprint(n)
+        chosen = flg._chunk_plan(footprint, cuda)
+        assert (len(chosen.chunks) == 1) is one_chunk, n
+        peak = footprint.peak(chosen.stage_rows, chosen.chunk_rows, len(chosen.chunks))
+        other = (footprint.peak(chosen.stage_rows, 3 * chosen.stage_rows, 2) if one_chunk
+                 else footprint.peak(chosen.stage_rows, n, 1))
+        assert peak <= other, (n, peak / 2**30, other / 2**30)
     # an fp32 head under bf16 autocast: its bf16 copy (VH * 2 bytes) and the fp32 input gradient count, so a budget
     # that holds the bf16 head's 5 chunks exactly leaves its chunks only the 256 MiB floor
     bf16 = _qwen_footprint(14309)
@@ -712,6 +722,39 @@ def test_log_prob_pass_computes_the_loss_gradient(backend, config, with_old):
     loss, _ = grpo_loss_from_logps(x.view(B, T), mask, options=options, with_stats=False, **loss_inputs)
     (want,) = torch.autograd.grad(loss, x)
     torch.testing.assert_close(g_rows, want[at], rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("config", [dict(loss_type="grpo", delta=1.1), dict(loss_type="cispo"),
+                                    dict(loss_type="sapo"), dict(loss_type="bnpo", epsilon_high=0.18)],
+                         ids=["grpo,delta", "cispo", "sapo", "bnpo"])
+def test_log_prob_pass_loss_gradient_at_non_finite_ratios(backend, config):
+    """Old log-probs that overflow the fp32 ratio (-100, -inf) or are NaN at scored tokens: the log-prob pass's g
+    (Triton kernel or torch twin) is non-finite exactly where autograd through grpo_loss_math is (0 * inf = NaN in
+    exp's backward, as in TRL; torch.clamp passes NaN through) and equal to it elsewhere; before, delta's clamp
+    gave a finite 0 there, and the Triton kernel's NaN-dropping minimum a finite cispo gradient."""
+    options = GRPOLossOptions(**config)
+    p = _problem(61)
+    mask = torch.ones(B, T, device=DEVICE)
+    positions = torch.arange(B * T, device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    logits = (2 * torch.randn(B * T, V, generator=g)).to(DEVICE)
+    targets = p["target"].reshape(-1)
+    adv = torch.tensor([1.0, -1.0, 0.5], device=DEVICE)
+    old = p["old"].clone()
+    old[:2, :3] = torch.tensor([-100.0, float("-inf"), float("nan")], device=DEVICE)
+    inputs = flg.token_grad_inputs(mask, positions, adv, options, old_logps=old)
+    logps, entropy = torch.zeros(B * T, device=DEVICE), torch.zeros(B * T, device=DEVICE)
+    lse, g_rows = torch.empty(B * T, device=DEVICE), torch.empty(B * T, device=DEVICE)
+    flg._backend_ops(backend)[0](logits, targets, 1.0, None, logps=logps, entropy=entropy, lse=lse,
+                                 positions=positions, g=g_rows, g_inputs=inputs, options=options)
+    x = logps.clone().view(B, T).requires_grad_()
+    loss, _ = grpo_loss_from_logps(x, mask, adv, options, old_logps=old, with_stats=False)
+    (want,) = torch.autograd.grad(loss, x)
+    want = want.reshape(-1)
+    finite = torch.isfinite(want)
+    assert not finite.all()
+    assert torch.equal(torch.isfinite(g_rows), finite)
+    torch.testing.assert_close(g_rows[finite], want[finite], rtol=1e-5, atol=1e-7)
 
 
 SKIP_CONFIGS = [
@@ -889,6 +932,12 @@ def test_reduced_precision_reductions_off_around_half_outputs():
                 assert getattr(matmul, name) is True
         with flg._fp32_reductions(torch.float32, cuda):
             assert matmul.allow_bf16_reduced_precision_reduction is True
+        if hasattr(matmul, "allow_bf16_reduced_precision_reduction_split_k"):  # torch >= 2.10: (reduced, split-K)
+            # a user who turned split-K off (deterministic sums) keeps it off inside: only reduced precision goes
+            matmul.allow_bf16_reduced_precision_reduction = (False, False)
+            with flg._fp32_reductions(torch.bfloat16, cuda):
+                assert matmul.allow_bf16_reduced_precision_reduction_split_k is False
+            assert matmul.allow_bf16_reduced_precision_reduction_split_k is False
     finally:
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
 
@@ -907,6 +956,12 @@ def test_scale_in_place_skips_a_scale_of_one(backend, dtype):
     assert torch.equal(x, before)
     if backend == "torch" and DEVICE == "cpu":  # x * 1 keeps every bit anyway: what shows the skip is no pass
         assert log.count("mul", "mul_") == 0
+    if backend == "triton" or DEVICE == "cpu":  # (the torch twin multiplies on a GPU rather than wait for the host)
+        # ... except a signalling NaN's, which any multiplication quiets: its bits show that nothing was written
+        as_int, pattern = {torch.float32: (torch.int32, 0x7F800001), torch.bfloat16: (torch.int16, 0x7F81)}[dtype]
+        snan = torch.full((3, 5000), pattern, dtype=as_int, device=DEVICE).view(dtype)
+        scale_in_place(snan, torch.tensor(1.0, device=DEVICE))
+        assert torch.all(snan.view(as_int) == pattern)
     scale = torch.tensor(-0.37, device=DEVICE)
     scale_in_place(x, scale)
     want = before.float() * scale
@@ -1054,6 +1109,16 @@ def test_no_buffer_spans_every_token_at_the_default_budget(backend, monkeypatch)
                                                           torch.randn(b, device=DEVICE), loss_type=loss_type)
             loss.backward()
         assert probe.largest <= b * t * v // 2, (loss_type, probe.largest)
+    # a bias trained alone (the head's weight and the hidden states frozen): its gradient sums the logits gradient
+    # of each stage; no chunk buffer for the GEMMs it does not run (it was (n, V), every token's)
+    bias = torch.zeros(v, device=DEVICE, requires_grad=True)
+    with _LargestTensor() as probe:
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden.detach(), weight.detach(), target,
+                                                      torch.ones(b, t, device=DEVICE), torch.randn(b, device=DEVICE),
+                                                      bias=bias)
+        (grad_b,) = torch.autograd.grad(loss, bias)
+    assert probe.largest <= b * t * v // 2, ("bias only", probe.largest)
+    assert grad_b.abs().sum() > 0
 
 
 @pytest.mark.parametrize(

@@ -316,3 +316,41 @@ def test_vespo_weight_clamps_match_trl():
     for ratio in (None, is_ratio):
         given = dict(logps=logps, old=old, ref=None, is_ratio=ratio)
         _assert_matches_trl(opts, mask, adv, None, given, given)
+
+
+NON_FINITE_CONFIGS = [
+    dict(loss_type="grpo", delta=1.1),
+    dict(loss_type="dapo", delta=1.5, beta=0.04, use_bias_correction_kl=True),
+    dict(loss_type="bnpo"),
+    dict(loss_type="sapo"),
+    dict(loss_type="cispo"),
+    dict(loss_type="luspo", beta=0.04),
+]
+
+
+@pytest.mark.parametrize("config", NON_FINITE_CONFIGS,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in NON_FINITE_CONFIGS])
+def test_closed_form_follows_autograd_at_non_finite_ratios(config):
+    """Old log-probabilities that make the fp32 ratio exp(logp - old) overflow (-100, -inf) or NaN at scored tokens:
+    autograd multiplies what reaches the ratio by the ratio itself (exp's backward), so a clipped token gets
+    0 * inf = NaN (TRL's fp32 loss does the same), and a NaN old log-prob gives NaN; the closed form must be
+    non-finite at the same tokens (inf or NaN: the order of the terms decides which) and equal elsewhere, not a
+    finite 0 where delta or the clip range cut the ratio off."""
+    opts = GRPOLossOptions(**config)
+    logps, mask, old, ref, adv, _ = (x.float() for x in _case(17))
+    mask[1:] = 1.0
+    adv[1], adv[2] = 1.0, -1.0
+    old[1, :4] = torch.tensor([-100.0, float("-inf"), float("nan"), float("inf")])
+    old[2, :4] = torch.tensor([-100.0, float("-inf"), float("nan"), float("inf")])
+    kwargs = dict(old_logps=old, ref_logps=ref if opts.beta != 0.0 else None)
+    x = logps.clone().requires_grad_()
+    loss, _ = grpo_loss_from_logps(x, mask, adv, opts, **kwargs)
+    (want,) = torch.autograd.grad(loss, x)
+    positions = torch.nonzero(mask.reshape(-1) != 0).squeeze(1)
+    inputs = token_grad_inputs(mask, positions, adv, opts, **kwargs)
+    got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
+    want = want.reshape(-1)[positions]
+    finite = torch.isfinite(want)
+    assert not finite.all()
+    assert torch.equal(torch.isfinite(got), finite)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-7)
