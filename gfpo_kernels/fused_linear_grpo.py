@@ -129,6 +129,9 @@ class _Plan:
     chunks: tuple[tuple[int, int], ...]
     stages: tuple[tuple[int, int], ...]  # in order; those of the gradient rows each inside one chunk
     statistics_only: tuple[tuple[int, int], ...] = ()  # stages of rows whose loss gradient is exactly 0
+    # the peak the budget counted for this plan (_Footprint.peak of its own buffer sizes; None: a plan not made by
+    # _chunk_plan, which tests force)
+    peak_bytes: int | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def balanced(cls, n: int, n_stages: int, n_chunks: int, zero: tuple[int, int] = (0, 0)) -> _Plan:
@@ -211,6 +214,12 @@ class _Footprint:
     def peak(self, stage_rows: int, chunk_rows: int, chunks: int) -> int:
         return max(self.phases(stage_rows, chunk_rows, chunks))
 
+    def counted(self, plan: _Plan) -> _Plan:
+        """`plan` with the peak it holds (peak_bytes), from the buffers the call allocates for it: the staging buffer
+        of its largest stage (those of the rows without gradients included) and the chunk buffer of its largest
+        chunk."""
+        return dataclasses.replace(plan, peak_bytes=self.peak(plan.stage_rows, plan.chunk_rows, len(plan.chunks)))
+
 
 def _budget(device: torch.device) -> int:
     """The bytes a call may hold at its peak on `device` (_BUDGET_BYTES overrides)."""
@@ -241,30 +250,28 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
     f = footprint
     V = f.V
     n = f.n - f.n_zero  # the rows with gradients come first; those without get stages of their own
-    if f.n == 0:
-        return _Plan(chunks=(), stages=())
     most = -(-f.n // 2) if f.n >= f.positions > 1 else f.n
     stage_max = max(1, min(_STAGE_ROWS, _STAGE_BYTES_MAX // (4 * V), most))
     zero = (f.n_zero, -(-f.n_zero // stage_max))
     n_stages = -(-n // stage_max)
-    if n == 0:
-        return _Plan.balanced(0, 0, 0, zero)
-    stage_rows = -(-n // n_stages)
-    if not (f.need_h or f.need_w) or n_stages == 1 and most >= n:
-        return _Plan.balanced(n, n_stages, 1, zero)
+    one = f.counted(_Plan.balanced(n, n_stages, min(n_stages, 1), zero))
+    if not (f.need_h or f.need_w) or n_stages <= 1 and most >= n:
+        return one
+    # every count below from the buffers as allocated: the staging buffer holds the largest stage, which may be one
+    # of the rows without gradients, the chunk buffer only rows with gradients
     budget = _budget(device)
-    stage_loop = f.phases(stage_rows, 0, chunks=2)[0]  # several chunks, without the chunk buffer
+    staging, grad_stage_rows = 4 * one.stage_rows * V, -(-n // n_stages)
+    stage_loop = f.phases(one.stage_rows, 0, chunks=2)[0]  # several chunks, without the chunk buffer
     cap = max(int(_BUFFER_SHARE_OF_WEIGHT * V * f.H * f.operand_size), _BUFFER_BYTES_MIN)
-    buffers = min(cap, budget - stage_loop + 4 * stage_rows * V)
-    chunk_bytes = max(buffers - 4 * stage_rows * V, _MIN_CHUNK_BYTES)
-    stages_per_chunk = max(1, min(chunk_bytes // (f.operand_size * V * stage_rows), most // stage_rows))
-    n_chunks = max(2, -(-n_stages // stages_per_chunk))
-    several = f.peak(stage_rows, -(-n_stages // n_chunks) * stage_rows, chunks=2)
+    buffers = min(cap, budget - stage_loop + staging)
+    chunk_bytes = max(buffers - staging, _MIN_CHUNK_BYTES)
+    stages_per_chunk = max(1, min(chunk_bytes // (f.operand_size * V * grad_stage_rows), most // grad_stage_rows))
+    several = f.counted(_Plan.balanced(n, n_stages, max(2, -(-n_stages // stages_per_chunk)), zero))
     # one chunk when it peaks no higher than several would, whatever the budget: a budget one chunk exceeds is
     # exceeded further by several chunks then (the fp32 accumulator beside the weight gradient cast from it)
-    if most >= n and f.peak(stage_rows, n, chunks=1) <= several:
-        return _Plan.balanced(n, n_stages, 1, zero)
-    return _Plan.balanced(n, n_stages, n_chunks, zero)
+    if most >= n and one.peak_bytes <= several.peak_bytes:
+        return one
+    return several
 
 
 def _normaliser_on(value, device: torch.device) -> torch.Tensor | None:

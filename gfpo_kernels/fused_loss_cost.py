@@ -330,12 +330,14 @@ class LossPlan:
     grad_h_fp32: the input gradient is held in an fp32 (n, H) accumulator and cast in backward (False: each chunk's
         GEMM writes it in the parameter dtype).
     grad_w_direct: one chunk, whose weight-gradient GEMM writes the parameter dtype: no fp32 (V, H) accumulator.
+    weight_grad: the LM head weight is trained (False: a frozen head, no weight-gradient GEMM, sum or gradient).
     backward_cast: how backward finishes an fp32 accumulator: "triton" (one vectorised pass) or "torch" (PyTorch's
         casting multiply); a gradient written in the parameter dtype is scaled in place only when the incoming
         gradient is not 1 (a device-side test: one small launch).
     free_stage_early: the staging buffer is freed before the last chunk's gradient GEMMs (where a directly written
         weight gradient is allocated).
     sweeps: projection sweeps (sequence-level importance sampling: 2).
+    planned_peak_bytes: the peak the fused loss's budget counted for this plan (current_plan; None: not made there).
     """
 
     stage_rows: int
@@ -355,11 +357,13 @@ class LossPlan:
     zero_fill: bool = False
     grad_h_fp32: bool = True
     grad_w_direct: bool = False
+    weight_grad: bool = True
     backward_cast: str = "triton"
     free_stage_early: bool = False
     sweeps: int = 1
     layout: tuple | None = None  # per chunk, its stages' rows (None: chunks of chunk_rows cut into stage_rows)
     statistics_only: tuple = ()  # the stages' rows of tokens whose loss gradient is 0 (log-probs only)
+    planned_peak_bytes: int | None = None
 
     def chunk_layout(self, n: int) -> list[list[tuple[int, int]]]:
         """Per chunk, its stages as (lo, hi) row ranges."""
@@ -387,15 +391,17 @@ def cec7c50_plan(n: int, V: int, operand_bytes: int = 2, budget: int = 4 << 30) 
 
 
 def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 75 * GiB,
-                 operand_bytes: int = 2, zero_rows: int = 0) -> LossPlan:
+                 operand_bytes: int = 2, zero_rows: int = 0, weight_grad: bool = True) -> LossPlan:
     """The plan gfpo_kernels.fused_linear_grpo makes for these shapes (parameters in the operand dtype, token-level
-    importance sampling, gradients for hidden and weight) on a CUDA device with `free_bytes` free; `zero_rows` of
-    the n scored tokens have a loss gradient of exactly 0 (zero advantage, no KL)."""
+    importance sampling, gradients for hidden and, unless not `weight_grad` (a frozen head), weight) on a CUDA device
+    with `free_bytes` free; `zero_rows` of the n scored tokens have a loss gradient of exactly 0 (zero advantage, no
+    KL)."""
     from . import fused_linear_grpo as flg
 
     footprint = flg._Footprint(n=n, positions=positions, V=V, H=H, operand_size=operand_bytes,
                                hidden_size=operand_bytes, grad_h_size=operand_bytes, weight_size=operand_bytes,
-                               weight_direct=True, weight_copy=False, need_h=True, need_w=True, n_zero=zero_rows)
+                               weight_direct=True, weight_copy=False, need_h=True, need_w=weight_grad,
+                               n_zero=zero_rows)
     saved = dict(flg._BUDGET_BYTES)
     flg._BUDGET_BYTES["cuda"] = int(free_bytes * flg._CUDA_BUDGET_SHARE)
     try:
@@ -407,14 +413,15 @@ def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 
         flg._BUDGET_BYTES.update(saved)
     layout = tuple(tuple(hi - lo for lo, hi in plan.stages_of(start, end)) for start, end in plan.chunks)
     return LossPlan(stage_rows=plan.stage_rows, chunk_rows=plan.chunk_rows, layout=layout, grad_h_fp32=False,
-                    grad_w_direct=len(plan.chunks) == 1, free_stage_early=True,
-                    statistics_only=tuple(hi - lo for lo, hi in plan.statistics_only))
+                    grad_w_direct=weight_grad and len(plan.chunks) == 1, weight_grad=weight_grad,
+                    free_stage_early=True, statistics_only=tuple(hi - lo for lo, hi in plan.statistics_only),
+                    planned_peak_bytes=plan.peak_bytes)
 
 
 def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backward: bool,
                device: DeviceConstants = H100, operand_bytes: int = 2, first_gemm: bool = False) -> Cost:
     """Our fused loss on n scored of `positions` tokens under `plan` (token-level importance sampling, no bias;
-    parameters in the operand dtype)."""
+    parameters in the operand dtype; a weight gradient where plan.weight_grad)."""
     t = Trace(device)
     p = plan
     ob = operand_bytes
@@ -439,11 +446,13 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
     if backward:
         count["chunk"] = len(chunks)
         t.alloc("grad_h", (4 if p.grad_h_fp32 else ob) * n_grad * H)
-        if not p.grad_w_direct:
+        sums_w = p.weight_grad and not p.grad_w_direct
+        if sums_w:
             t.alloc("grad_W fp32", 4 * V * H)
         if p.zero_fill:
             t.stream("zero grad_h", 4 * n * H)
-            t.stream("zero grad_W", 4 * V * H)
+            if sums_w:
+                t.stream("zero grad_W", 4 * V * H)
     t.alloc("stage logits fp32", 4 * stage_rows * V)
     if backward and p.cast_in_place:
         t.alloc("chunk logits gradient", ob * chunk_rows * V)
@@ -485,8 +494,9 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
                accumulate=p.zero_fill)
         if p.grad_w_direct:
             t.alloc("weight.grad", V * H * ob)
-        t.gemm("grad_W += dlogits^T @ h", V, H, rows, operand_bytes=ob, out_bytes=ob if p.grad_w_direct else 4,
-               accumulate=p.zero_fill or c0 > 0)
+        if p.weight_grad:
+            t.gemm("grad_W += dlogits^T @ h", V, H, rows, operand_bytes=ob, out_bytes=ob if p.grad_w_direct else 4,
+                   accumulate=p.zero_fill or c0 > 0)
         if not p.cast_in_place:
             t.free("chunk logits gradient")
     t.phase = "loss"
@@ -510,7 +520,9 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
     else:
         t.small("scale grad_h if the incoming gradient is not 1", triton=True)
         t.stream("index_copy grad_h", 2 * n_grad * H * ob)
-    if p.grad_w_direct:
+    if not p.weight_grad:
+        t.free("grad_h")
+    elif p.grad_w_direct:
         t.small("scale weight.grad if the incoming gradient is not 1", triton=True)
         t.free("grad_h")
     else:
