@@ -5,8 +5,8 @@ Design
 ------
 Only the scored tokens (mask != 0) are projected: they are gathered once into (n, H), in the dtype TRL's head
 would use (the autocast dtype under autocast, else the common dtype of hidden and weight). One budget decides the
-plan (_chunk_plan, _budget: on CUDA half the free memory, counting everything the call holds): stages of at most
-512 tokens, grouped into chunks. For each stage:
+plan (_chunk_plan, _budget: on CUDA half the free memory, elsewhere a constant; counting everything the call
+holds): stages of at most 512 tokens (off CUDA within half the budget), grouped into chunks. For each stage:
 
 1. GEMM: logits = h_stage @ W^T (+ b) into the fp32 staging buffer (stage_rows, V) (cuBLAS with fp32
    accumulation and output for bf16/fp16).
@@ -59,7 +59,8 @@ call. Besides it, only
 the torch backward on CPU reads grad_output. The Triton launches make the tensors' device current.
 
 Extra memory (what the budget counts, _Footprint): the staging and chunk buffers (with several chunks at most the
-LM head weight's size in the operand dtype, not under 1 GiB), the gathered rows and their input gradient (n x H),
+LM head weight's size in the operand dtype, not under 1 GiB on CUDA) and the torch twins' (rows, V) temporaries
+(_TORCH_STAGE_TEMPORARIES), the gathered rows and their input gradient (n x H),
 a converted copy of the weight where the operand dtype is not the weight's (an fp32 head under bf16 autocast:
 V x H x 2), the fp32 (V, H) accumulator with several chunks, the gradients returned, and O(B*T) per-token vectors;
 never a (B*T, V) tensor. What that comes to against TRL's fused head at the benchmark's shape is a prediction of
@@ -88,8 +89,8 @@ import torch
 
 from ._dispatch import select_backend
 from ._validation import linear_grpo_call_options
-from .grpo_loss_math import (GRPOLossOptions, grpo_loss_from_logps, soft_capped, token_grad_inputs,
-                             token_loss_gradient, zero_gradient_tokens)
+from .grpo_loss_math import (GRPOLossOptions, grpo_loss_from_logps, token_grad_inputs, token_loss_gradient,
+                             zero_gradient_tokens)
 
 __all__ = ["FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
 
@@ -116,8 +117,13 @@ _BUFFER_SHARE_OF_WEIGHT = 1.0
 # ... not under 1 GiB: each chunk reads and writes the fp32 (V, H) accumulator once, exposed in full below about
 # 1800 rows (fused_loss_cost.H100), so small heads keep chunks of thousands of rows.
 _BUFFER_BYTES_MIN = 1 << 30
-# When the budget is short, the chunk's logits-gradient buffer still takes this much.
+# When the budget is short, the chunk's logits-gradient buffer still takes this much (on CUDA, where the budget
+# follows free memory; elsewhere the budget is a constant, the buffers stay within it).
 _MIN_CHUNK_BYTES = 256 << 20
+# Where the budget is a constant (off CUDA), the staging buffer and the row passes' temporaries take at most this
+# share of it, with or without gradients (so the stages, and the log-probabilities' bits, stay a function of the
+# shapes): the rest is for a call with gradients, its chunk buffer among it.
+_STAGE_SHARE_OF_CONSTANT_BUDGET = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +193,11 @@ class _Footprint:
     need_h: bool
     need_w: bool
     n_zero: int = 0  # scored rows whose loss gradient is exactly 0: projected, no gradient work
+    stage_temporaries: int = 0  # (rows, V) fp32 temporaries the backend's row passes hold beside the staging buffer
+
+    def staging(self, stage_rows: int) -> int:
+        """Bytes of a stage of `stage_rows`: the fp32 staging buffer and the row passes' temporaries."""
+        return 4 * stage_rows * self.V * (1 + self.stage_temporaries)
 
     def phases(self, stage_rows: int, chunk_rows: int, chunks: int) -> tuple[int, int, int]:
         """Bytes held during the stage loop, during the last chunk's GEMMs (the staging buffer freed, a weight
@@ -195,7 +206,7 @@ class _Footprint:
         n_grad = n - self.n_zero
         rows = n * H * self.operand_size + 20 * n + 8 * self.positions + n_grad * H * self.grad_h_size * self.need_h
         copy = V * H * self.operand_size if self.weight_copy else 0
-        staging = 4 * stage_rows * V
+        staging = self.staging(stage_rows)
         if not (self.need_h or self.need_w):
             return rows + copy + staging, 0, 0
         buffer = self.operand_size * chunk_rows * V
@@ -235,13 +246,15 @@ def _budget(device: torch.device) -> int:
 def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
     """The plan for a call, from the one budget (_budget, everything counted).
 
-    Stages: _STAGE_ROWS rows (fewer past _STAGE_BYTES_MAX of fp32 logits), cut evenly: they depend on the shapes
-    only, so the log-probabilities are the same bits with and without gradients and whatever memory is free.
+    Stages: _STAGE_ROWS rows (fewer past _STAGE_BYTES_MAX of fp32 logits; off CUDA, where the budget is a
+    constant, fewer past _STAGE_SHARE_OF_CONSTANT_BUDGET of it, the backend's temporaries counted), cut evenly: they
+    depend on the shapes only, so the log-probabilities are the same bits with and without gradients and whatever
+    memory is free.
     Without gradients that is all. With them:
     - several chunks of whole stages, cut evenly, as few as fit in buffers of the LM head weight's size
       (_BUFFER_SHARE_OF_WEIGHT; _BUFFER_BYTES_MIN at least), or in what the budget leaves beside everything else
-      when that is less (but not under _MIN_CHUNK_BYTES for the chunk): their weight gradient is summed in an fp32
-      accumulator;
+      when that is less (on CUDA not under _MIN_CHUNK_BYTES for the chunk, elsewhere not under one stage): their
+      weight gradient is summed in an fp32 accumulator;
     - or one chunk, when its peak is no higher than that (budget or not): every stage's logits gradient in one
       buffer, and the weight gradient written once by one GEMM in the weight's dtype, no fp32 accumulator. (Few
       scored rows: GRPO batches of short completions.)
@@ -252,6 +265,9 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
     n = f.n - f.n_zero  # the rows with gradients come first; those without get stages of their own
     most = -(-f.n // 2) if f.n >= f.positions > 1 else f.n
     stage_max = max(1, min(_STAGE_ROWS, _STAGE_BYTES_MAX // (4 * V), most))
+    constant = device.type != "cuda"  # a constant budget (_budget): the stages within their share of it
+    if constant:
+        stage_max = max(1, min(stage_max, int(_budget(device) * _STAGE_SHARE_OF_CONSTANT_BUDGET) // f.staging(1)))
     zero = (f.n_zero, -(-f.n_zero // stage_max))
     n_stages = -(-n // stage_max)
     one = f.counted(_Plan.balanced(n, n_stages, min(n_stages, 1), zero))
@@ -260,11 +276,11 @@ def _chunk_plan(footprint: _Footprint, device: torch.device) -> _Plan:
     # every count below from the buffers as allocated: the staging buffer holds the largest stage, which may be one
     # of the rows without gradients, the chunk buffer only rows with gradients
     budget = _budget(device)
-    staging, grad_stage_rows = 4 * one.stage_rows * V, -(-n // n_stages)
+    staging, grad_stage_rows = f.staging(one.stage_rows), -(-n // n_stages)
     stage_loop = f.phases(one.stage_rows, 0, chunks=2)[0]  # several chunks, without the chunk buffer
     cap = max(int(_BUFFER_SHARE_OF_WEIGHT * V * f.H * f.operand_size), _BUFFER_BYTES_MIN)
     buffers = min(cap, budget - stage_loop + staging)
-    chunk_bytes = max(buffers - staging, _MIN_CHUNK_BYTES)
+    chunk_bytes = max(buffers - staging, 0 if constant else _MIN_CHUNK_BYTES)
     stages_per_chunk = max(1, min(chunk_bytes // (f.operand_size * V * grad_stage_rows), most // grad_stage_rows))
     several = f.counted(_Plan.balanced(n, n_stages, max(2, -(-n_stages // stages_per_chunk)), zero))
     # one chunk when it peaks no higher than several would, whatever the budget: a budget one chunk exceeds is
@@ -387,13 +403,25 @@ def _finished(grad: torch.Tensor, grad_output: torch.Tensor, dtype: torch.dtype,
     return scale_in_place(grad, grad_output)
 
 
+# (rows, V) fp32 temporaries the torch twins of the row passes hold beside the staging buffer, at most: the shifted
+# logits z - max and exp(z - max) (_logprob_entropy_torch; the logits-gradient pass works in place, one with a soft
+# cap). The Triton kernels hold none.
+_TORCH_STAGE_TEMPORARIES = 2
+
+
 def _logprob_entropy_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None = None):
-    """Torch twin of linear_grpo_triton.logprob_entropy_triton: (log p(target), entropy, log-partition)."""
-    z = soft_capped(logits, softcap) * inv_t
-    lse = torch.logsumexp(z, dim=-1)
-    log_p = z - lse.unsqueeze(-1)
-    entropy = -(log_p.exp() * log_p).sum(-1)
-    return log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy, lse
+    """Torch twin of linear_grpo_triton.logprob_entropy_triton: (log p(target), entropy, log-partition), by the
+    kernel's formulas (the sums of exp(z - m) and of exp(z - m) * (z - m) over the row, m its maximum), in place
+    where it can (_TORCH_STAGE_TEMPORARIES)."""
+    z = logits * inv_t if softcap is None else (logits / softcap).tanh_().mul_(softcap).mul_(inv_t)
+    m = z.amax(-1, keepdim=True)
+    z.sub_(m)
+    e = z.exp()
+    total = e.sum(-1, keepdim=True)
+    log_total = total.log()
+    entropy = log_total - e.mul_(z).sum(-1, keepdim=True) / total
+    logp = z.gather(-1, targets.unsqueeze(-1)) - log_total
+    return logp.squeeze(-1), entropy.squeeze(-1), (m + log_total).squeeze(-1)
 
 
 def _stage_statistics_torch(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None, *,
@@ -418,7 +446,7 @@ def _grad_logits_torch(logits: torch.Tensor, targets: torch.Tensor, lse: torch.T
     slope = None
     if softcap is not None:  # z -> cap * tanh(z / cap), whose derivative is 1 - tanh^2
         logits.div_(softcap).tanh_()
-        slope = 1 - logits.square()
+        slope = logits.square().neg_().add_(1)
         logits.mul_(softcap)
     logits.mul_(inv_t).sub_(lse.unsqueeze(-1)).exp_().mul_(-(g * inv_t).unsqueeze(-1))
     logits[torch.arange(logits.shape[0], device=logits.device), targets] += g * inv_t
@@ -494,6 +522,7 @@ class _ScoredRows:
         self.options = options
         self.inv_t = 1.0 / options.temperature
         self.softcap = options.logit_softcap
+        self.backend = backend
         self.stage_statistics, self.grad_logits = _backend_ops(backend)[:2]
 
     def compute_token_gradients(self, mask, loss_inputs) -> None:
@@ -634,7 +663,7 @@ def _footprint(scored: _ScoredRows, hidden, weight, needs_grad) -> _Footprint:
         hidden_size=hidden.dtype.itemsize, grad_h_size=_written_dtype(hidden.dtype, operand).itemsize,
         weight_size=weight.dtype.itemsize, weight_direct=_written_dtype(weight.dtype, operand) == weight.dtype,
         weight_copy=scored.w.data_ptr() != weight.data_ptr(), need_h=needs_grad[0], need_w=needs_grad[1],
-        n_zero=n - scored.n_grad,
+        n_zero=n - scored.n_grad, stage_temporaries=_TORCH_STAGE_TEMPORARIES if scored.backend == "torch" else 0,
     )
 
 

@@ -60,3 +60,42 @@ def record_on_device(monkeypatch, module) -> list:
 
     monkeypatch.setattr(module, "on_device", recording)
     return entered
+
+
+def record_plans(monkeypatch) -> list:
+    """Wraps gfpo_kernels.fused_linear_grpo._chunk_plan so that each plan a call makes and uses (with the peak its
+    budget counted, plan.peak_bytes) is appended to the list returned."""
+    from gfpo_kernels import fused_linear_grpo as flg
+
+    plans, make_plan = [], flg._chunk_plan
+    monkeypatch.setattr(flg, "_chunk_plan", lambda footprint, device: plans.append(make_plan(footprint, device))
+                        or plans[-1])
+    return plans
+
+
+def peak_memory(fn, device) -> int:
+    """The most bytes allocated on `device` during fn() beyond what was allocated before it: CUDA's allocator
+    statistics; on the CPU, which keeps no peak, the running sum of the allocations and frees that the profiler
+    records (a block allocated before fn and freed during it is not seen: the figure can only be higher)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    sizes, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == device.type:
+            sizes.append((node.start_time_ns, fields.alloc_size))
+    current = peak = 0
+    for _, size in sorted(sizes):
+        current += size
+        peak = max(peak, current)
+    return peak

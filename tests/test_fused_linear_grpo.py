@@ -13,7 +13,7 @@ from gfpo_kernels import fused_linear_grpo as flg
 from gfpo_kernels import reference as ref
 from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 
-from gfpo_test_utils import DEVICE, LOSS_BACKENDS, record_on_device
+from gfpo_test_utils import DEVICE, LOSS_BACKENDS, peak_memory, record_on_device, record_plans
 
 B, T, H, V = 3, 6, 16, 40
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -597,6 +597,48 @@ def test_chunk_plan_from_the_one_budget(monkeypatch):
     assert flg._chunk_plan(no_grad, cuda).stages == roomy.stages
 
 
+@pytest.mark.parametrize("call", ["no_grad", "forward+backward", "frozen head, most advantages 0"])
+def test_cpu_call_holds_its_plans_count_within_the_constant_budget(monkeypatch, call):
+    """Off CUDA the budget is a constant (64 MiB): a stage and the torch twins' temporaries take at most half of it
+    (whatever the call, so the stages stay a function of the shapes), the chunk buffer what the rest leaves. A CPU
+    call (V=32768, H=32, 600 scored tokens) then holds at its peak what its plan counted (plan.peak_bytes, the
+    twins' temporaries among it), measured by the profiler's allocation events, and that stays within the budget.
+    Before: stages of up to 512 rows whatever the budget, each with 3-4 temporaries of its size, and chunk buffers
+    of at least 256 MiB (measured here: 183 MiB without gradients, 223 MiB with, counted 37 and 77)."""
+    monkeypatch.setattr(flg, "_BUDGET_BYTES", {})
+    plans = record_plans(monkeypatch)
+    g = torch.Generator().manual_seed(37)
+    b, t, h, v = 8, 100, 32, 32768
+    hidden = torch.randn(b, t, h, generator=g)
+    weight = torch.randn(v, h, generator=g) / h**0.5
+    target = torch.randint(0, v, (b, t), generator=g)
+    mask = (torch.rand(b, t, generator=g) < 0.75).float()
+    adv = torch.randn(b, generator=g)
+    if call.startswith("frozen"):
+        adv[1:] = 0.0  # 7 of 8 sequences: their rows project for log-probs only, in stages of their own
+    grad = call != "no_grad"
+    leaves = (hidden.requires_grad_(grad), weight.requires_grad_(grad and not call.startswith("frozen")))
+
+    logps = []
+
+    def run():
+        with gfpo_kernels.use_backend("torch"):
+            loss, stats = gfpo_kernels.fused_linear_grpo_loss(*leaves, target, mask, adv)
+            logps.append(stats["logps"])
+            if loss.requires_grad:
+                loss.backward()
+
+    peak = peak_memory(run, "cpu")
+    (plan,) = plans
+    assert peak == pytest.approx(plan.peak_bytes, rel=0.05), (peak / 2**20, plan.peak_bytes / 2**20)
+    assert peak <= flg._DEFAULT_BUDGET_BYTES, peak / 2**20
+    assert len(plan.stages) > 4 and (len(plan.chunks) > 1) is (call == "forward+backward")
+    if grad:  # the same stages without gradients: the same bits
+        with torch.no_grad():
+            run()
+        assert plans[1].stages == plan.stages and torch.equal(logps[1], logps[0])
+
+
 def test_one_host_read_per_forward(backend, monkeypatch):
     """The forward reads the device once (the count of scored tokens and the target-id range, in one transfer):
     no any(), boolean index, int(), item() or data-dependent nonzero besides."""
@@ -1069,12 +1111,13 @@ def test_never_materialises_all_logits(backend, level, monkeypatch):
     """With V*H and the chunk far smaller than B*T*V, no op may produce a tensor anywhere near (B*T, V)."""
     g = torch.Generator().manual_seed(29)
     b, t, h, v = 8, 16, 4, 64
-    monkeypatch.undo()  # the real plan with stages of 2 tokens and chunks as small as the budget allows
-    monkeypatch.setattr(flg, "_STAGE_ROWS", 2)
+    monkeypatch.undo()  # the real plan with stages of 2 tokens (1 off CUDA, whose constant budget of 0 bounds them)
+    monkeypatch.setattr(flg, "_STAGE_ROWS", 2)  # and chunks as small as the budget allows
     monkeypatch.setattr(flg, "_MIN_CHUNK_BYTES", 0)
     monkeypatch.setattr(flg, "_BUDGET_BYTES", {DEVICE: 0})
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops; measured on GPU")
+    plans = record_plans(monkeypatch)
     hidden = torch.randn(b, t, h, generator=g).to(DEVICE).requires_grad_()
     weight = torch.randn(v, h, generator=g).to(DEVICE).requires_grad_()
     target = torch.randint(0, v, (b, t), generator=g).to(DEVICE)
@@ -1083,10 +1126,8 @@ def test_never_materialises_all_logits(backend, level, monkeypatch):
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, torch.randn(b, device=DEVICE),
                                                       importance_sampling_level=level)
         loss.backward()
-    footprint = flg._Footprint(n=b * t, positions=b * t, V=v, H=h, operand_size=4, hidden_size=4, grad_h_size=4,
-                               weight_size=4, weight_direct=True, weight_copy=False, need_h=True, need_w=True)
-    plan = flg._chunk_plan(footprint, torch.device(DEVICE))
-    assert plan.stage_rows == plan.chunk_rows == 2
+    (plan,) = plans
+    assert plan.stage_rows == plan.chunk_rows == (2 if DEVICE == "cuda" else 1)
     assert probe.largest <= max(4 * v, b * t * h, v * h) < b * t * v // 4
 
 
