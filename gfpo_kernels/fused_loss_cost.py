@@ -323,7 +323,9 @@ class LossPlan:
         stage its loss gradient g = d(loss)/d(logp).
     stage_ops: other small aten kernels per stage (writing logps / entropy / lse).
     fixed_small_forward / fixed_small_backward: small aten kernels outside the loop (validation, loss, statistics;
-        backward's own).
+        with gradients, the per-token inputs of the closed-form g and backward's own).
+    fixed_autograd_backward: autograd.grad calls outside the loop with gradients (the per-token weights of the
+        loss's reduction, grpo_loss_math.token_grad_inputs).
     cast_in_place: the chunk's logits gradient is written rounded to bf16 by the row kernel (False: an fp32 pass in
         place, then a copy to bf16, as at cec7c50).
     zero_fill: the fp32 accumulators are zero-filled (cec7c50) instead of written by the first chunk's GEMMs.
@@ -352,7 +354,8 @@ class LossPlan:
     stage_views: int = 6
     grad_views: int = 7  # more per stage with gradients
     fixed_small_forward: int = 69
-    fixed_small_backward: int = 14
+    fixed_small_backward: int = 17
+    fixed_autograd_backward: int = 1
     cast_in_place: bool = True
     zero_fill: bool = False
     grad_h_fp32: bool = True
@@ -387,7 +390,8 @@ def cec7c50_plan(n: int, V: int, operand_bytes: int = 2, budget: int = 4 << 30) 
     rows = max(1, min(n, budget // (V * (4 + operand_bytes))))
     return LossPlan(stage_rows=rows, chunk_rows=rows, logprob_launches=1, loss_grad_ops=37, loss_grad_views=19,
                     loss_grad_autograd=1, stage_ops=3, stage_views=4, grad_views=0, fixed_small_forward=59,
-                    fixed_small_backward=3, cast_in_place=False, zero_fill=True, backward_cast="torch")
+                    fixed_small_backward=3, fixed_autograd_backward=0, cast_in_place=False, zero_fill=True,
+                    backward_cast="torch")
 
 
 def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 75 * GiB,
@@ -509,6 +513,8 @@ def fused_loss(plan: LossPlan, n: int, positions: int, H: int, V: int, *, backwa
         return simulate(t, count)
     t.phase = "backward"
     t.small("backward small ops", p.fixed_small_backward)
+    for _ in range(p.fixed_autograd_backward):
+        t.autograd()
     t.alloc("hidden.grad", positions * H * ob)
     t.stream("zero hidden.grad", positions * H * ob)
     cast = t.cast if p.backward_cast == "torch" else (lambda name, b: t.stream(name, b, triton=True))

@@ -227,18 +227,7 @@ def grpo_loss_from_logps(
     if o.beta != 0.0:
         per_token_loss = per_token_loss + o.beta * per_token_kl
 
-    if o.loss_type in ("grpo", "sapo"):
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif o.loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-    elif o.loss_type == "dr_grpo":
-        max_len = o.max_completion_length if o.max_completion_length is not None else mask.shape[1]
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len)
-    elif o.loss_type in TOKEN_COUNT_LOSS_TYPES:
-        n = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=logps.dtype)
-        loss = (per_token_loss * mask).sum() / n.to(device=logps.device, dtype=logps.dtype).clamp(min=1.0)
-    else:  # luspo
-        loss = (per_token_loss * mask).sum(-1).mean()
+    loss = _reduce(per_token_loss, mask, o, num_items_in_batch)
 
     stats: dict[str, torch.Tensor] = {}
     if with_stats:
@@ -262,6 +251,28 @@ def grpo_loss_from_logps(
                 stats[name] = _global_masked_mean(value, mask)
                 stats["per_token/" + name] = value.detach()
     return loss, stats
+
+
+def _reduce(per_token_loss: torch.Tensor, mask: torch.Tensor, options: GRPOLossOptions,
+            num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
+    """The loss from the per-token loss ((B, T), or (B, 1) at sequence level) and the mask, by the loss type's
+    normaliser, in TRL's floating-point order: grpo and sapo average each sequence over its tokens, then the
+    sequences; bnpo divides by the batch's token count, dr_grpo by B * max_completion_length, dapo / cispo / vespo
+    by num_items_in_batch (None: the token count), luspo sums each sequence and averages them. The one place the
+    normalisers live: the loss is linear in the per-token loss, so token_grad_inputs takes each token's weight
+    d(loss)/d(per-token loss) from here too."""
+    o = options
+    if o.loss_type in ("grpo", "sapo"):
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if o.loss_type == "bnpo":
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if o.loss_type == "dr_grpo":
+        max_len = o.max_completion_length if o.max_completion_length is not None else mask.shape[1]
+        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len)
+    if o.loss_type in TOKEN_COUNT_LOSS_TYPES:
+        n = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=mask.dtype)
+        return (per_token_loss * mask).sum() / n.to(device=mask.device, dtype=mask.dtype).clamp(min=1.0)
+    return (per_token_loss * mask).sum(-1).mean()  # luspo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,28 +311,20 @@ def token_grad_inputs(
     num_items_in_batch: torch.Tensor | float | None = None,
 ) -> TokenGradInputs:
     """TokenGradInputs of the scored tokens at flat `positions` (into the (B, T) batch), for a token-local loss:
-    the weights of grpo_loss_from_logps's sums, its masked-position rules (a vLLM ratio of a sequence applies to its
-    every token) and vespo's phi. Vectorised over the tokens: a handful of kernels per call."""
+    the weights d(loss)/d(per-token loss) of grpo_loss_from_logps's reduction (_reduce, by autograd: exactly the
+    derivative the oracle takes), its masked-position rules (a vLLM ratio of a sequence applies to its every token)
+    and vespo's phi. Vectorised over the tokens: a handful of kernels per call."""
     o = options
     assert o.is_token_local(with_old_logps=old_logps is not None), "the loss is not token-local"
     B, T = mask.shape
     live = mask != 0
     mask = mask.float()
-    seq = positions // T
     flat = lambda x: x.float().reshape(-1).index_select(0, positions)  # noqa: E731
     adv = advantages.float()
     adv_rows = flat(adv if adv.dim() == 2 else adv.unsqueeze(1).expand(B, T))
-    if o.loss_type in ("grpo", "sapo"):
-        scale = (1.0 / (mask.sum(-1).clamp(min=1.0) * B)).index_select(0, seq)
-    elif o.loss_type == "bnpo":
-        scale = 1.0 / mask.sum().clamp(min=1.0)
-    elif o.loss_type == "dr_grpo":
-        scale = 1.0 / (B * (o.max_completion_length if o.max_completion_length is not None else T))
-    elif o.loss_type in TOKEN_COUNT_LOSS_TYPES:
-        n = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).to(mask)
-        scale = 1.0 / n.clamp(min=1.0)
-    else:  # luspo
-        scale = 1.0 / B
+    with torch.enable_grad():  # the reduction is linear: its gradient at any per-token loss, 0 here
+        per_token_loss = torch.zeros_like(mask, requires_grad=True)
+        (weight,) = torch.autograd.grad(_reduce(per_token_loss, mask, o, num_items_in_batch), per_token_loss)
     is_ratio = None
     if vllm_is_ratio is not None:
         ratio = vllm_is_ratio.float()
@@ -334,7 +337,7 @@ def token_grad_inputs(
         adv2d = adv if adv.dim() == 2 else adv.unsqueeze(1)
         phi = flat(vespo_gamma_weights(adv2d, torch.zeros_like(mask), mask, ratio2d, o).expand(B, T))
     return TokenGradInputs(
-        adv=adv_rows, weight=flat(mask) * scale, old=None if old_logps is None else flat(old_logps),
+        adv=adv_rows, weight=flat(weight), old=None if old_logps is None else flat(old_logps),
         ref=None if o.beta == 0.0 else flat(ref_logps), is_ratio=is_ratio, phi=phi,
     )
 

@@ -263,6 +263,30 @@ def test_closed_form_loss_gradient_is_autograds(config, with_old, ratio_shape):
     torch.testing.assert_close(part, got[lo:hi], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_closed_form_weight_is_the_reductions_gradient(loss_type):
+    """Each token's weight d(loss)/d(per-token loss) is taken from the loss's own reduction (grpo_loss_math._reduce,
+    one place for every normaliser), so the closed form carries the very bits autograd does: at ratio 1 and
+    advantage 1, where d(per-token loss)/d(logp) is exactly -1 for every loss type, token_loss_gradient equals
+    autograd through grpo_loss_from_logps bit for bit, sequence lengths and normalisers of every kind (a weight
+    written apart, 1 / (count * B), rounds otherwise than autograd's (1 / B) / count)."""
+    opts = GRPOLossOptions(loss_type=loss_type, epsilon_high=4.0)  # cispo's clamp max(1, 4): the ratio 1 itself
+    g = torch.Generator().manual_seed(9)
+    B, T = 7, 13
+    logps = -torch.rand(B, T, generator=g) * 3
+    mask = (torch.arange(T) < torch.tensor([13, 11, 9, 7, 6, 5, 3]).unsqueeze(1)).float()
+    adv = torch.ones(B)
+    for num_items in (None, 41.0):
+        x = logps.clone().requires_grad_()
+        loss, _ = grpo_loss_from_logps(x, mask, adv, opts, num_items_in_batch=num_items)
+        (want,) = torch.autograd.grad(loss, x)
+        positions = torch.nonzero(mask.reshape(-1)).squeeze(1)
+        inputs = token_grad_inputs(mask, positions, adv, opts, num_items_in_batch=num_items)
+        got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
+        want = want.reshape(-1)[positions]
+        assert torch.equal(got, want), (num_items, (got - want).abs().max())
+
+
 def test_closed_form_follows_autograd_at_ties():
     """Inside the clip range the two sides of TRL's min are equal: autograd passes half the gradient to each, and
     the closed form does too (equal halves, so the full gradient); at a ratio above delta the first side passes
