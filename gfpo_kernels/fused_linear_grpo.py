@@ -19,7 +19,10 @@ holds): stages of at most 512 tokens (off CUDA within half the budget), grouped 
    and reference log-probs, vLLM ratio, vespo's phi). This needs the loss to be token-local (d(loss)/d(logp[t])
    depends on no other token's log-probability: token-level importance sampling), so g of a stage is exact before
    the other stages are computed. Autograd through grpo_loss_math, the reference's code, is its oracle in the
-   tests. A stage thus launches its projection GEMM and three Triton kernels, nothing else.
+   tests. A stage thus launches its projection GEMM and three Triton kernels, nothing else; with an LM head bias
+   (_project, _Gradients.add_stage) 1 aten op more without gradients (the bias added to the staged logits) and 3
+   with them (its column sum added into grad_b), 4 with half-precision operands (the fp32 logits gradient, taken in
+   place for that sum, then copied into the chunk's buffer; 20 bytes a logit more than the kernels' 10).
 4. Row pass: logits -> d(loss)/d(logits) = g * (onehot(target) - p) / temperature (times 1 - tanh^2(z / cap)
    with a soft cap), written rounded once to the operand dtype into the chunk's gradient buffer (chunk_rows, V).
 
@@ -810,18 +813,16 @@ def fused_linear_grpo_loss(
             shapes (H of hidden vs weight among them), a tensor not on hidden's device, target ids outside [0, V)
             where mask is set, a num_items_in_batch that is not a number, bad options.
     """
-    # rows whose gradient is exactly 0 (zero advantage, no KL) are projected for their log-probs and entropy but take
-    # no gradient work; counted in validation's one host transfer
-    options, *count = linear_grpo_call_options(locals(), subset=lambda live, o: zero_gradient_tokens(
-        live, advantages, o, old_logps=old_logps, vllm_is_ratio=vllm_is_ratio))
-    backend = select_backend("linear_grpo", hidden.device)
-    if backend == "reference":
+    arguments = dict(locals())  # the call's arguments (a copy: nothing else is bound yet)
+    backend = select_backend("linear_grpo", hidden.device) if isinstance(hidden, torch.Tensor) else None
+    if backend == "reference":  # it checks the call itself, and needs no count
         from . import reference
 
-        return reference.fused_linear_grpo_loss(
-            hidden, weight, target_ids, mask, advantages, bias=bias, old_logps=old_logps, ref_logps=ref_logps,
-            num_items_in_batch=num_items_in_batch, vllm_is_ratio=vllm_is_ratio, **options.as_kwargs(),
-        )
+        return reference.fused_linear_grpo_loss(**arguments)
+    # rows whose gradient is exactly 0 (zero advantage, no KL) are projected for their log-probs and entropy but take
+    # no gradient work; counted in validation's one host transfer
+    options, *count = linear_grpo_call_options(arguments, subset=lambda live, o: zero_gradient_tokens(
+        live, advantages, o, old_logps=old_logps, vllm_is_ratio=vllm_is_ratio))
     loss_inputs = {
         "advantages": advantages.float(),
         "old_logps": None if old_logps is None else old_logps.float(),

@@ -317,6 +317,11 @@ class LossPlan:
     """Our fused loss's plan as the model needs it: how the n scored tokens are projected (stages) and how their
     gradient GEMMs are grouped (chunks), what each stage launches and where the gradients are kept.
 
+    Without an LM head bias: a bias adds per stage 1 aten op (its add to the staged logits) and with gradients 2
+    more (the column sum of the logits gradient, added into grad_b) and with half-precision operands a 4th (that
+    fp32 gradient's copy into the chunk's buffer), 20 bytes a logit of fp32 passes in all
+    (tests/test_fused_loss_cost.py counts them on the code).
+
     stage_rows / chunk_rows: rows per projection stage / per chunk of the two gradient GEMMs.
     logprob_launches: Triton launches of the log-prob pass per stage (a split pass: 2).
     loss_grad_ops, loss_grad_views, loss_grad_autograd: aten kernels, views and autograd.grad calls that give one

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -275,8 +276,7 @@ def _reduce(per_token_loss: torch.Tensor, mask: torch.Tensor, options: GRPOLossO
     return (per_token_loss * mask).sum(-1).mean()  # luspo
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenGradInputs:
+class TokenGradInputs(NamedTuple):
     """What d(loss)/d(logp) of each scored token depends on besides its own log-probability, for the token-local
     losses (GRPOLossOptions.is_token_local), one value per scored token (n,), gathered once per call:
 
@@ -293,9 +293,9 @@ class TokenGradInputs:
     phi: torch.Tensor | None = None
 
     def rows(self, lo: int, hi: int) -> TokenGradInputs:
-        """The inputs of scored tokens [lo, hi)."""
-        return TokenGradInputs(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[lo:hi]
-                                  for f in dataclasses.fields(self)})
+        """The inputs of scored tokens [lo, hi): a view of each, taken once per stage (a tuple: no per-field
+        lookups)."""
+        return TokenGradInputs._make([None if x is None else x[lo:hi] for x in self])
 
 
 @torch.no_grad()

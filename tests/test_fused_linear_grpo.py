@@ -1162,6 +1162,25 @@ def test_no_buffer_spans_every_token_at_the_default_budget(backend, monkeypatch)
     assert grad_b.abs().sum() > 0
 
 
+def test_reference_backend_takes_the_call_before_any_work(monkeypatch):
+    """Where the reference runs the call (forced, or nothing else can), the kernel entry hands it over first: the
+    reference checks the call itself (once; before, the entry checked it too) and nothing computes the zero-gradient
+    rows, which only the kernels skip (before, they were computed and read in the host transfer, then unused)."""
+    zero_rows, checks = [], []
+    monkeypatch.setattr(flg, "zero_gradient_tokens", lambda *args, **kwargs: zero_rows.append(1))
+    for module in (flg, ref):
+        check = module.linear_grpo_call_options
+        monkeypatch.setattr(module, "linear_grpo_call_options",
+                            lambda *args, check=check, **kwargs: checks.append(1) or check(*args, **kwargs))
+    p = _problem(3)
+    for backend, work in (("reference", 0), ("torch", 1)):
+        zero_rows.clear()
+        checks.clear()
+        with gfpo_kernels.use_backend(backend):
+            gfpo_kernels.fused_linear_grpo_loss(p["hidden"], p["weight"], p["target"], p["mask"], p["adv"])
+        assert (len(zero_rows), len(checks)) == (work, 1), backend
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -103,9 +103,10 @@ class _Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count(monkeypatch, stage_rows, chunk_rows, backward):
-    """(aten kernels, Triton launches) of one fp32 call on CPU under a forced plan (the torch backend, whose row ops
-    stand in for the Triton kernels: launches as the Triton wrappers make them)."""
+def _count(monkeypatch, stage_rows, chunk_rows, backward, bias=False):
+    """(aten kernels, Triton launches, views) of one fp32 call on CPU under a forced plan (the torch backend, whose
+    row ops stand in for the Triton kernels: launches as the Triton wrappers make them), with an LM head bias or
+    not."""
     mode = _Launches()
     plan = cost.LossPlan(stage_rows=1, chunk_rows=1)
     torch_ops = flg._backend_ops("torch")
@@ -126,12 +127,13 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward):
     B, T, H, V = 2, 16, 8, 50
     hidden = torch.randn(B, T, H, generator=g).requires_grad_(backward)
     weight = torch.randn(V, H, generator=g).requires_grad_(backward)
+    b = torch.randn(V, generator=g).requires_grad_(backward) if bias else None
     target = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T)
     mask[:, -4:] = 0  # 24 scored tokens
     with gfpo_kernels.use_backend("torch"), mode:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, torch.randn(B, generator=g),
-                                                      loss_type="dapo", epsilon_high=0.28)
+                                                      bias=b, loss_type="dapo", epsilon_high=0.28)
         if backward:
             loss.backward()
     return mode.aten, mode.triton, mode.views
@@ -159,6 +161,13 @@ def test_launches_per_stage_and_chunk_are_the_codes(monkeypatch, backward):
     total = sum(launches["aten"] for launches in model.launches.values())
     assert a[0] == total + 2
     assert a[1] == sum(launches["triton"] for launches in model.launches.values())
+    # an LM head bias, which the model leaves out (LossPlan): per stage its add to the staged logits and, with
+    # gradients, the column sum of the logits gradient added into grad_b (a 4th op with half-precision operands,
+    # which the CPU's fp32 ones do not take: the copy into the chunk's buffer); no more Triton launches a stage
+    d = _count(monkeypatch, 4, 8, backward, bias=True)
+    e = _count(monkeypatch, 2, 8, backward, bias=True)
+    assert (e[0] - d[0]) / 6 == stage["aten"] + (3 if backward else 1)
+    assert (e[1] - d[1]) / 6 == stage["triton"]
 
 
 PEAK_CASES = [(n, round(share * n), True) for n in cost.BENCH_MASKS.values() for share in (0.0, 0.3, 0.6)]
