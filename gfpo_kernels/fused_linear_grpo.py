@@ -803,9 +803,11 @@ def fused_linear_grpo_loss(
         "clip_ratio/region_mean"; "cispo_clip_ratio"), each also per token as "per_token/<name>" ((B, T), or
         (B, 1) at sequence level) for averaging over processes; vespo: the mean of its per-sequence weight,
         "vespo/phi_seq_mean" (per sequence, (B, 1), as "per_token/vespo/phi_seq_mean"). NaN advantages or
-        log-probabilities at scored positions propagate into the loss, as in TRL; masked positions (mask 0: padding,
-        tool output) take no part in any ratio, exp, clip or KL, whatever old_logps, ref_logps or vllm_is_ratio
-        hold there (-1e4, inf, NaN), so the loss is finite and equals TRL's.
+        log-probabilities at scored positions propagate into the loss, as in TRL (but a NaN log-probability of a
+        token whose loss gradient is exactly 0, advantage 0 without KL, adds no NaN to the gradients, where TRL's
+        would be NaN: that token takes no gradient work); masked positions (mask 0: padding, tool output) take no
+        part in any ratio, exp, clip or KL, whatever old_logps, ref_logps or vllm_is_ratio hold there (-1e4, inf,
+        NaN), so the loss is finite and equals TRL's.
 
     Raises:
         TypeError: hidden, weight, target_ids, mask or advantages not a torch.Tensor.

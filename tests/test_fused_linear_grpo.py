@@ -863,6 +863,27 @@ def test_zero_gradient_rows_skip_the_gradient_work(backend, monkeypatch, config)
     torch.testing.assert_close(skipped[1]["entropy"], unskipped[1]["entropy"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo"])
+def test_nan_hidden_state_of_a_zero_gradient_row(backend, loss_type):
+    """A NaN hidden state in a row of advantage 0 (docs/fused-loss.md, bad input): its log-probability is NaN, so
+    the loss is NaN, as the reference's (TRL's) is; its gradient work is skipped, so the gradients hold no NaN and
+    equal the reference's on the same batch with that state finite, where the reference's own gradients are NaN
+    (the weight's and bias's everywhere, that hidden state's)."""
+    p = _problem(89)
+    p["adv"][1] = 0.0
+    nan_row = p["hidden"].clone()
+    nan_row[1, 1] = float("nan")
+    assert p["mask"][1, 1] == 1
+    loss, stats, grads = _run(gfpo_kernels.fused_linear_grpo_loss, {**p, "hidden": nan_row}, loss_type=loss_type)
+    assert torch.isnan(loss) and torch.isnan(stats["logps"][1, 1])
+    _, _, trl_grads = _run(ref.fused_linear_grpo_loss, {**p, "hidden": nan_row}, loss_type=loss_type)
+    assert all(torch.isnan(x).any() for x in trl_grads)
+    _, _, want = _run(ref.fused_linear_grpo_loss, p, loss_type=loss_type)
+    for got, expected in zip(grads, want):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_no_skip_where_the_gradient_is_not_provably_zero():
     """A zero advantage does not make the gradient 0 with a KL term, at sequence level, for vespo given old
     log-probs, where an old log-prob is not finite or (clipped types, sapo) so low that the ratio could overflow
