@@ -50,7 +50,7 @@ def end_worker_process() -> None:
     """Ends a torchrun worker (tests/mp_*_worker.py) once its results are written: every process leaves its last
     collective (barrier), the process group is destroyed, and the process exits without Python's finalization.
 
-    Why not a plain return: FSDP2's DTensors, functional collectives, DDP and DeepSpeed keep the gloo group
+    Why not a plain return: FSDP2's DTensors (functional collectives) and DDP keep the gloo group
     referenced inside torch after destroy_process_group, so its worker threads outlive it. A gloo thread that
     releases a finished collective's tensors takes the GIL; when that happens while the interpreter finalizes
     (a thread scheduled late, as under CPU load), CPython ends the thread inside a noexcept destructor:
