@@ -46,7 +46,7 @@ def correctness_reward(prompts, completions, **kwargs) -> list[float]:
 @dataclasses.dataclass
 class DemoSettings:
     """Sizes of one demo run. On 2 CPU cores shared with other jobs, the warm-up and training stages took 10 min 19 s
-    at the default sizes and 2 min 52 s with `quick()` (docs/demo/*.json)."""
+    at the default sizes, and 3 to 7 minutes with `quick()` depending on the load (docs/demo/*.json)."""
 
     max_operand: int = 50
     warmup_steps: int = 2000

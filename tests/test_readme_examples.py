@@ -153,6 +153,9 @@ def runnable(block: Block) -> str:
 PYTHON_BLOCKS = all_blocks("python")
 
 
+README_TRAINING = next(b for b in code_blocks(PAGES[0], "python") if "GFPOTrainer(" in b.code)
+
+
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=str)
 def test_python_example_runs(block, tmp_path, monkeypatch):
     code = compile(runnable(block), str(block), "exec")
@@ -161,17 +164,20 @@ def test_python_example_runs(block, tmp_path, monkeypatch):
     if "gfpo_trainer" in block.code:
         pytest.importorskip("trl")
     monkeypatch.chdir(tmp_path)
-    exec(code, {"__name__": "__docs_example__"})
+    namespace = {"__name__": "__docs_example__"}
+    exec(code, namespace)
+    if block == README_TRAINING:  # the README says the reward rises from about 0.2 to above 0.9 in its 60 steps
+        rewards = [log["reward"] for log in namespace["trainer"].state.log_history if "reward" in log]
+        assert len(rewards) == 6 and rewards[0] < 0.4 and rewards[-1] > 0.85, rewards
 
 
-def test_readme_training_example_is_marked_to_run_fewer_steps():
-    """The README's first training run takes about a minute as written: CI runs it with 2 steps (the marker), and
-    the example itself must stay offline: its model line builds the tiny model, the Hub line is a comment."""
-    (example,) = [b for b in code_blocks(PAGES[0], "python") if "GFPOTrainer(" in b.code]
-    assert example.directive == "max_steps=2"
-    assert re.search(r"^# model, tokenizer, learning_rate = \"[\w./-]+\", None, [\d.e-]+ ", example.code, re.M), (
-        "the one line to uncomment for a real model")
-    assert "make_tiny_model(" in example.code and "from_pretrained" not in example.code
+def test_readme_training_example_is_offline_with_a_one_line_switch():
+    """The README's first training run builds its model in code (it runs as written in CI, offline, in seconds); the
+    real model is the one commented line to uncomment."""
+    assert README_TRAINING.directive is None, "it runs as written"
+    assert re.search(r"^# model, tokenizer, learning_rate = \"[\w./-]+\", None, [\d.e-]+ ", README_TRAINING.code,
+                     re.M), "the one line to uncomment for a real model"
+    assert "make_tiny_model(" in README_TRAINING.code and "from_pretrained" not in README_TRAINING.code
 
 
 # --- YAML training configs through the CLI ---------------------------------------------------------------------
@@ -188,8 +194,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def readme_reward_function() -> str:
-    (example,) = [b for b in code_blocks(PAGES[0], "python") if "GFPOTrainer(" in b.code]
-    return re.search(r"^def digit_share\(.*?\n\n", example.code, flags=re.S | re.M).group(0)
+    return re.search(r"^def digit_share\(.*?\n\n", README_TRAINING.code, flags=re.S | re.M).group(0)
 
 
 TRAINING_CONFIGS = [b for b in all_blocks("yaml") if "model" in (yaml.safe_load(b.code) or {})]
