@@ -45,8 +45,8 @@ def correctness_reward(prompts, completions, **kwargs) -> list[float]:
 
 @dataclasses.dataclass
 class DemoSettings:
-    """Sizes of one demo run. On 2 CPU cores shared with other jobs, a run took 4 minutes at the default sizes when
-    lightly loaded (10 under load), 3 to 7 minutes with `quick()` under load (docs/demo.md)."""
+    """Sizes of one demo run. On 2 CPU cores shared with other jobs, a run took 4 to 7 minutes at the default sizes
+    and 1 to 7 minutes with `quick()`, depending on the load (docs/demo.md)."""
 
     max_operand: int = 50
     warmup_steps: int = 2000
