@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="GRPO vs GFPO on a synthetic task with a tiny model (no downloads)")
     demo.add_argument("--quick", action="store_true",
-                      help="a shorter run (about 3 minutes of training on 2 CPU cores, the default about 10)")
+                      help="a smaller model and task (on 2 shared CPU cores: 1 to 7 minutes; the default 4 to 7)")
     demo.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds; for tests
     demo.add_argument("--output-dir", default="gfpo_demo_output", help="where the plot, results and models go")
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")

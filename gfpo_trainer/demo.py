@@ -14,11 +14,14 @@ model, generated tokens per second and wall time, and saves a plot of reward and
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
+import platform
 import random
 import re
+import subprocess
 import time
 import warnings
 
@@ -42,8 +45,8 @@ def correctness_reward(prompts, completions, **kwargs) -> list[float]:
 
 @dataclasses.dataclass
 class DemoSettings:
-    """Sizes of one demo run. On 2 CPU cores shared with other jobs, the warm-up and training stages took 10 min 19 s
-    at the default sizes and 2 min 52 s with `quick()` (docs/demo/*.json)."""
+    """Sizes of one demo run. On 2 CPU cores shared with other jobs, a run took 4 to 7 minutes at the default sizes
+    and 1 to 7 minutes with `quick()`, depending on the load (docs/demo.md)."""
 
     max_operand: int = 50
     warmup_steps: int = 2000
@@ -280,6 +283,46 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _git_commit() -> str | None:
+    """The commit of the checkout this package runs from, "+dirty" when tracked files differ; None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_environment(device: torch.device) -> dict:
+    """What a demo run's figures depend on, recorded beside them in results.json: the package versions, the commit,
+    the machine (CPU model, cores this process may use, the device trained on) and the load when the run started
+    (wall times on a machine shared with other jobs are longer)."""
+    from gfpo_kernels.env_report import _PACKAGES, _version  # the versions the env report prints, read alike
+
+    machine = {"cpu": _cpu_model(), "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if hasattr(os, "getloadavg"):
+        machine["load_average_1min_at_start"] = round(os.getloadavg()[0], 2)
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": _git_commit(), "python": platform.python_version(),
+            "versions": {name: _version(name) for name in _PACKAGES}, "machine": machine}
+
+
 def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_kernels: bool = True,
              verbose: bool = False) -> dict:
     """Warm-up, then GRPO and the two GFPO filters; prints the table, writes demo.png, results.json, the warm-up
@@ -288,6 +331,7 @@ def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_k
     if not verbose:  # transformers' deprecation notices about TRL's calls would bury the progress bars
         warnings.filterwarnings("ignore", category=FutureWarning)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    environment = run_environment(device)
     torch.manual_seed(settings.seed)
     tokenizer = make_tokenizer()
     train_pairs, eval_pairs = _split_prompts(settings)
@@ -325,9 +369,12 @@ def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_k
     print("\n" + table)
     plot_path = os.path.join(output_dir, "demo.png")
     _plot(runs, plot_path)
-    results = {"settings": dataclasses.asdict(settings), "rows": rows,
+    results = {"environment": environment, "settings": dataclasses.asdict(settings), "rows": rows,
                "history": {name: run["history"] for name, run in runs.items()}}
     with open(os.path.join(output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
-    print(f"\nplot: {plot_path}\nresults: {os.path.join(output_dir, 'results.json')}")
+    versions = environment["versions"]
+    print(f"\nplot: {plot_path}\nresults: {os.path.join(output_dir, 'results.json')} (commit {environment['commit']}, "
+          f"torch {versions['torch']}, trl {versions['trl']}, {environment['machine']['device']} on "
+          f"{environment['machine']['cpu_cores']} cores of {environment['machine']['cpu']})")
     return {"rows": rows, "table": table, "plot": plot_path}

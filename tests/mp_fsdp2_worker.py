@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import gfpo_kernels
+from gfpo_test_utils import end_worker_process
 from gfpo_trainer.fused_head import install_fused_loss_forward
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
 
@@ -55,8 +56,8 @@ def main(out_dir, head_alone):
     loss.backward()
     grad = model.lm_head.weight.grad.full_tensor()
     torch.save({"loss": loss.detach(), "head_grad": grad, "expected": expected}, Path(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_worker_process()

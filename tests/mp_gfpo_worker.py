@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 
+from gfpo_test_utils import end_worker_process
 from gfpo_trainer import GFPOConfig, GFPOTrainer
 from gfpo_trainer.tiny import make_tokenizer
 
@@ -78,13 +79,10 @@ def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False, ski
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
-    # tear the gloo group down before exit: left to static destructors it can abort the process
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     extra = sys.argv[5:]
     main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", extra == ["random_filter"],
          skip=(extra[0] == "skip_on") if extra and extra[0].startswith("skip_") else None)
+    end_worker_process()

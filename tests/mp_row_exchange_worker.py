@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gfpo_test_utils import end_worker_process
 from gfpo_trainer import rows as rows_module
 
 PAD_ID = 7
@@ -76,8 +77,8 @@ def main(out_dir):
                           "row_bytes": received_bytes[-1], "row_size": expected[:1].numel() * expected.element_size()
                           if expected.dim() > 1 else expected.element_size()})
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(cases))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_worker_process()

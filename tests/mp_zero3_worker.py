@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import Qwen2ForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 
+from gfpo_test_utils import end_worker_process
 from gfpo_trainer.fused_head import install_fused_loss_forward
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
 from mp_fsdp2_worker import _loss, batch_for_rank  # the same batches and loss as the FSDP2 check
@@ -72,7 +73,6 @@ def main(out_dir):
         for load in ("init", "plain"):
             train_zero3(Path(out_dir, f"{head}_{load}"), load, head == "tied", config, expected)
             dist.barrier()
-    dist.destroy_process_group()
 
 
 def unsharded_expected(tied, world):
@@ -120,3 +120,4 @@ def train_zero3(out_dir, load, tied, config, expected):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_worker_process()

@@ -2,6 +2,8 @@
 
 import json
 import os
+import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -9,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl")
+trl = pytest.importorskip("trl")
 yaml = pytest.importorskip("yaml")
+
+import torch  # noqa: E402
 
 from gfpo_trainer.cli import ConfigError, build_trainer, load_reward_func, main  # noqa: E402
 from gfpo_trainer.demo import correctness_reward, format_table  # noqa: E402
@@ -47,6 +51,15 @@ def test_demo_smoke(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert [r["run"] for r in results["rows"]] == ["warm-up", "grpo", "gfpo-length", "gfpo-token-efficiency"]
     assert len(results["history"]["gfpo-length"]) == 2
+    # what the figures depend on: versions, commit, machine (docs/demo.md labels recorded runs with them)
+    environment = results["environment"]
+    assert environment["versions"]["torch"] == torch.__version__ and environment["versions"]["trl"] == trl.__version__
+    if (REPO / ".git").exists():  # a checkout (a worktree's .git is a file); a copied tree records None
+        assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", environment["commit"])
+    else:
+        assert environment["commit"] is None
+    assert environment["machine"]["device"] == "cpu" and environment["machine"]["cpu_cores"] >= 1
+    assert environment["machine"]["cpu"] and environment["python"] == platform.python_version()
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for model in ("warmup_model", "grpo", "gfpo-length", "gfpo-token-efficiency"):  # what docs/demo.md says is written
         assert (out / model / "model.safetensors").exists() and (out / model / "tokenizer_config.json").exists()
