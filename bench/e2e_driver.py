@@ -111,9 +111,9 @@ def _train_at_generated_width(trainer) -> None:
     completion): the batch as a GFPO without this package's savings trains it."""
     filter_output = trainer._filter_output
 
-    def at_generated_width(output, selection, skip_zero):
+    def at_generated_width(output, *args, **kwargs):
         width = output["completion_ids"].size(1)
-        output = filter_output(output, selection, skip_zero)
+        output = filter_output(output, *args, **kwargs)
         for key in [k for k in output if k in ROW_KEYS and isinstance(output[k], torch.Tensor)]:
             pad_value, pad_left = row_padding(trainer, key)
             if not pad_left and output[key].dim() > 1:

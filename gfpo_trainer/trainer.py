@@ -44,7 +44,7 @@ from .fused_head import check_fused_loss_supported, fused_compute_loss, install_
 from .rows import (
     no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss, zero_gradient_skip_applies
 )
-from .selection import log_selection, select
+from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
 
 logger = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ class GFPOTrainer(GRPOTrainer):
         skip_zero = self.model.training and zero_gradient_skip_applies(self)
         self._gfpo_selection, self._deferred, self._stopped_rows, self._tool_mask = None, [], None, None
         self._deferring = (filtering or skip_zero) and self._can_defer()
+        metric_counts = logged_metric_counts(self) if filtering else None  # before TRL logs this batch
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
@@ -246,10 +247,12 @@ class GFPOTrainer(GRPOTrainer):
         if filtering and self._gfpo_selection is None:
             raise TRLSurfaceError("GRPOTrainer._generate_and_score_completions did not call _calculate_rewards")
         selection, self._gfpo_selection = self._gfpo_selection, None
-        return self._filter_output(output, selection, skip_zero)
+        return self._filter_output(output, selection, skip_zero, metric_counts)
 
-    def _filter_output(self, output: dict, selection: dict | None, skip_zero: bool) -> dict:
-        """The batch of the rows to train (selection None: no filter, every row with TRL's advantages)."""
+    def _filter_output(self, output: dict, selection: dict | None, skip_zero: bool,
+                       metric_counts: dict | None = None) -> dict:
+        """The batch of the rows to train (selection None: no filter, every row with TRL's advantages).
+        `metric_counts`: how many values TRL's per-batch metrics held before this batch (with a selection)."""
         n_local = output["prompt_ids"].size(0)
         deferred = {}
         for key, value in list(output.items()):
@@ -280,6 +283,8 @@ class GFPOTrainer(GRPOTrainer):
             if (stopped & keep).any():  # the rule's promise; a failure here is a bug, never a silent wrong batch
                 raise RuntimeError("gfpo: a completion stopped early by gfpo_stop_dropped_generations was kept")
         log_selection(self, selection, keep, stopped)
+        if self.args.group_filter == "length":  # whether or not the early-stop rule is on: the same rows either way
+            log_trl_metrics_of_kept_rows(self, selection, keep, metric_counts)
         # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (TRL logged its own
         # GRPO advantages of every row there: the last keep.numel() entries)
         logged = self._logs["advantages"]
