@@ -76,9 +76,11 @@ COUNTS = ("decode_steps", "tokens_generated", "rows_generated", "generated_row_s
 
 
 def make_trainer(arm: str, size_name: str, model, tokenizer, output_dir: str, **overrides):
-    """The arm's trainer on `model` (every arm: the size's prompts, reward, EOS offset and seed 0)."""
+    """The arm's trainer on `model` (every arm: the size's prompts, reward, EOS offset and seed 0). `arm` is a name of
+    ARMS, or "NAME/VARIANT" with a variant of VARIANTS."""
     size = SIZES[size_name]
-    spec = {**ARMS[arm], **overrides}
+    name, _, variant = arm.partition("/")
+    spec = {**ARMS[name], **overrides}
     G = spec["num_generations"]
     common = dict(
         output_dir=output_dir, num_generations=G, max_completion_length=size.max_completion_length,
@@ -101,6 +103,8 @@ def make_trainer(arm: str, size_name: str, model, tokenizer, output_dir: str, **
                               processing_class=tokenizer)
         if spec.get("full_width"):
             _train_at_generated_width(trainer)
+    if variant:
+        VARIANTS[variant](trainer)
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     return trainer
@@ -121,6 +125,28 @@ def _train_at_generated_width(trainer) -> None:
         return output
 
     trainer._filter_output = at_generated_width
+
+
+def _without_micro_batch_crop(trainer) -> None:
+    """Each micro-batch at the width of the generation batch's trained rows, as before compute_loss cropped it to its
+    own longest completion (gfpo_trainer.rows.crop_to_longest_completion)."""
+    import gfpo_trainer.trainer as module
+
+    compute_loss = trainer.compute_loss
+
+    def uncropped(*args, **kwargs):  # the arms step in turn, so the module's function is this arm's while it runs
+        crop = module.crop_to_longest_completion
+        module.crop_to_longest_completion = lambda trainer, batch: dict(batch)
+        try:
+            return compute_loss(*args, **kwargs)
+        finally:
+            module.crop_to_longest_completion = crop
+
+    trainer.compute_loss = uncropped
+
+
+# Variants of an arm, "ARM/VARIANT": the arm with one saving undone, to measure that saving in the same run
+VARIANTS = {"without-micro-batch-crop": _without_micro_batch_crop}
 
 
 def _resident_kib(field: str) -> int:
@@ -268,6 +294,13 @@ class StepDriver(TrainerCallback):
             return compute_loss(model, inputs, *args, **kwargs)
 
         trainer.compute_loss = counted_compute_loss
+        trainer.model.register_forward_pre_hook(self._count_forward, with_kwargs=True)
+
+    def _count_forward(self, module, args, kwargs):
+        if torch.is_grad_enabled() and module.training:  # the policy's training forward (generate and passes: no grad)
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            self._record["rows_trained"] += input_ids.size(0)
+            self._record["train_tokens"] += input_ids.numel()
 
     def _count_generation(self, result, args, kwargs, end):
         completion_ids = result[1]
@@ -298,9 +331,7 @@ class StepDriver(TrainerCallback):
         record = self._record
         rows, width = inputs["completion_ids"].shape
         scored = int(inputs["completion_mask"].sum())
-        record["rows_trained"] += rows
         record["real_rows_trained"] += int(inputs[REAL_ROW_KEY].sum()) if REAL_ROW_KEY in inputs else rows
-        record["train_tokens"] += rows * (inputs["prompt_ids"].size(1) + width)
         record["scored_tokens"] += scored
         H, V = self._head
         record["loss_gflop"] += executed_flops(self._filter_loss, True, scored, rows * width, H, V) / 1e9
@@ -476,6 +507,14 @@ def markdown(data: dict) -> str:
     if ratios:
         lines += ["", "Ratios (the issue's goals: gfpo-G16-k8 / grpo-G8 <= 1, gfpo-G16-k8 / no-savings <= 0.5):", ""]
         lines += ratios
+    variants = [(arm.partition("/")[0], arm) for arm in arm_of if "/" in arm and arm.partition("/")[0] in arm_of]
+    if variants:
+        lines += ["", "Savings measured against a variant that undoes them (bench/e2e_driver.py VARIANTS), same run:", ""]
+    for base, variant in variants:
+        a, b = arm_of[base], arm_of[variant]
+        lines.append(f"- {base} / {variant}: step time {a['stats']['median'] / b['stats']['median']:.2f}x, "
+                     f"loss and backward {a['extra_info']['loss_backward_s'] / b['extra_info']['loss_backward_s']:.2f}x, "
+                     f"train tokens {a['extra_info']['train_tokens'] / b['extra_info']['train_tokens']:.2f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -484,7 +523,8 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="interleaved steps of the arms; writes JSON and its .md")
     run.add_argument("--size", default="qwen2-0.5b" if ON_GPU else "cpu-small", choices=list(SIZES))
-    run.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    run.add_argument("--arms", nargs="+", default=list(ARMS), help=f"of {list(ARMS)}, or ARM/VARIANT with a variant "
+                     f"of {list(VARIANTS)}")
     run.add_argument("--rounds", type=int, default=7)
     run.add_argument("--warmup", type=int, default=1)
     run.add_argument("--json", type=Path, required=True)

@@ -17,7 +17,8 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
    steps_per_generation (TRL's split_tensor_dict would drop a remainder; its loss gathers per-sequence metrics
    across processes and hangs on unequal sizes). Missing rows are copies of a kept row with an all-zero
    completion mask and advantage 0; every row is weighed as in an evenly divided batch (rows.py).
-4. `compute_loss` (overridden): TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
+4. `compute_loss` (overridden): the micro-batch cropped to its longest completion (TRL pads every micro-batch to
+   the generation batch's longest), then TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
    model's LM head.
 5. `_generate` (wrapped): reads the tool masks, so the length filters count the model's tokens only.
 6. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
@@ -42,7 +43,8 @@ from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
 from .rows import (
-    no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss, zero_gradient_skip_applies
+    crop_to_longest_completion, no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss,
+    zero_gradient_skip_applies
 )
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
@@ -324,6 +326,8 @@ class GFPOTrainer(GRPOTrainer):
         restore_shuffle_rng(self)  # after skipped rows, later draws as with the skip off (see rows.py)
         if return_outputs:
             raise ValueError("The GFPOTrainer does not support returning outputs")
+        # TRL pads every micro-batch to the generation batch's longest completion: this one's padding does no work
+        inputs = crop_to_longest_completion(self, inputs)
         with no_metrics_from_padding_only(self, inputs):
             if self.args.use_gfpo_kernels:
                 loss, aux_term = fused_compute_loss(self, model, inputs)
