@@ -187,7 +187,7 @@ class StepDriver(TrainerCallback):
         self._error: BaseException | None = None
         self._rng = None
         self._record: dict = {}
-        self._filter_loss = "gfpo" if getattr(trainer.args, "use_gfpo_kernels", False) else "trl"
+        self._loss_impl = "gfpo" if getattr(trainer.args, "use_gfpo_kernels", False) else "trl"
         config = trainer.model.config
         self._head = (config.hidden_size, config.vocab_size)
         trainer.add_callback(self)
@@ -334,7 +334,7 @@ class StepDriver(TrainerCallback):
         record["real_rows_trained"] += int(inputs[REAL_ROW_KEY].sum()) if REAL_ROW_KEY in inputs else rows
         record["scored_tokens"] += scored
         H, V = self._head
-        record["loss_gflop"] += executed_flops(self._filter_loss, True, scored, rows * width, H, V) / 1e9
+        record["loss_gflop"] += executed_flops(self._loss_impl, True, scored, rows * width, H, V) / 1e9
 
     def _end_backward(self, result, args, kwargs, end):
         self._record["last_backward_end"] = end

@@ -16,10 +16,12 @@
 #   bench-train  pytest bench/test_bench_train_step.py test_bench_early_stop test_bench_skip_zero_rows
 #                                                                             -> STEM-train.{json,md,png}
 #   bench-e2e    bench/e2e_inputs.py: the EOS offset calibrated on the device   -> e2e-calibration.txt
-#                then pytest bench/test_bench_e2e.py, arms grpo-G8, gfpo-G16-k8 -> STEM-e2e-1.json
+#                then pytest bench/test_bench_e2e.py, arms grpo-G8, gfpo-G16-k8 and
+#                gfpo-G16-k8/without-micro-batch-crop (the crop's saving)    -> STEM-e2e-1.json
 #   bench-e2e-more  the same, arms gfpo-G16-k8-no-savings, -token-efficiency  -> STEM-e2e-2.json
-#                (two steps: whole Qwen2-0.5B steps at 1024 tokens, 4 per arm, do not fit one call; with
-#                GFPO_E2E_EOS_OFFSET set, e.g. to the first call's, the calibration is skipped)
+#                (two steps: whole Qwen2-0.5B steps at 1024 tokens, 4 per arm, do not fit one call; not yet run
+#                on a GPU: predicted 4-5 min each at 20-30 ms per decode step; GFPO_E2E_ROUNDS=2 if they run
+#                long; with GFPO_E2E_EOS_OFFSET set, e.g. to the first call's, the calibration is skipped)
 #   profile      bench/profile_fused_loss.py (torch.profiler top ops)         -> profile.txt
 #   tune         bench/tune.py (tile size, row block/warps, chunk budget)     -> tune.txt
 #   merge        (here, after the calls) one STEM.json from the STEM-{group,loss,train}.json, then its .md and .png;
@@ -246,7 +248,7 @@ for step in "${STEPS[@]}"; do
     bench-group) step_bench_group ;;
     bench-loss) step_bench_loss ;;
     bench-train) step_bench_train ;;
-    bench-e2e) step_bench_e2e 1 grpo-G8 gfpo-G16-k8 ;;
+    bench-e2e) step_bench_e2e 1 grpo-G8 gfpo-G16-k8 gfpo-G16-k8/without-micro-batch-crop ;;
     bench-e2e-more) step_bench_e2e 2 gfpo-G16-k8-no-savings gfpo-G16-k8-token-efficiency ;;
     profile) step_profile ;;
     tune) step_tune ;;
