@@ -12,9 +12,9 @@ GFPO skips rows of advantage 0):
 - grpo-G8: TRL's own GRPOTrainer, 8 completions per prompt.
 - gfpo-G16-k8-no-savings: GFPOTrainer, 16 sampled, the 8 shortest kept, with every saving of this package off:
   use_gfpo_kernels=False (TRL's loss; the reference filter), skip_zero_gradient_rows=False,
-  gfpo_stop_dropped_generations=False, and the trained rows padded back to the generated width (GFPOTrainer crops
-  them to the longest kept completion, which no option turns off; TRL's former GFPOTrainer trained at the full
-  width). The deferred old-policy/reference passes on the kept rows only (no option either) save nothing here: with
+  gfpo_stop_dropped_generations=False, and the trained rows at the generated width (GFPOTrainer crops them to the
+  longest kept completion, and each micro-batch to its own, which no option turns off; TRL's former GFPOTrainer
+  trained at the full width). The deferred old-policy/reference passes on the kept rows only (no option either) save nothing here: with
   beta=0 and steps_per_generation = gradient_accumulation_steps (TRL's defaults) no such pass runs in any arm.
 - gfpo-G16-k8: GFPOTrainer's defaults (length filter) with use_gfpo_kernels=True.
 - gfpo-G16-k8-token-efficiency: the same with group_filter="token_efficiency" (the early-stop rule does not apply).
@@ -103,6 +103,7 @@ def make_trainer(arm: str, size_name: str, model, tokenizer, output_dir: str, **
                               processing_class=tokenizer)
         if spec.get("full_width"):
             _train_at_generated_width(trainer)
+            _without_micro_batch_crop(trainer)
     if variant:
         VARIANTS[variant](trainer)
     trainer.remove_callback(PrinterCallback)
