@@ -14,8 +14,9 @@ GFPO skips rows of advantage 0):
   use_gfpo_kernels=False (TRL's loss; the reference filter), skip_zero_gradient_rows=False,
   gfpo_stop_dropped_generations=False, and the trained rows at the generated width (GFPOTrainer crops them to the
   longest kept completion, and each micro-batch to its own, which no option turns off; TRL's former GFPOTrainer
-  trained at the full width). The deferred old-policy/reference passes on the kept rows only (no option either) save nothing here: with
-  beta=0 and steps_per_generation = gradient_accumulation_steps (TRL's defaults) no such pass runs in any arm.
+  trained at the full width). The deferred old-policy/reference passes on the kept rows only (no option either)
+  save nothing here: with beta=0 and steps_per_generation = gradient_accumulation_steps (TRL's defaults) no such pass
+  runs in any arm.
 - gfpo-G16-k8: GFPOTrainer's defaults (length filter) with use_gfpo_kernels=True.
 - gfpo-G16-k8-token-efficiency: the same with group_filter="token_efficiency" (the early-stop rule does not apply).
 
@@ -475,8 +476,8 @@ def markdown(data: dict) -> str:
               "tokens generated, rows x decode steps computed by generate, rows through the training forward (real "
               "ones), tokens through it (rows x (prompt + completion width)), scored tokens, executed loss GFLOP "
               "(LM-head GEMMs, bench/test_bench_linear_grpo.executed_flops), rows of the no-grad passes.", "",
-              "| arm | decode steps | tokens gen | row-steps | rows trained (real) | train tokens | scored | loss GFLOP "
-              "| pass rows |", "|---|---|---|---|---|---|---|---|---|"]
+              "| arm | decode steps | tokens gen | row-steps | rows trained (real) | train tokens | scored "
+              "| loss GFLOP | pass rows |", "|---|---|---|---|---|---|---|---|---|"]
     for arm, b in arm_of.items():
         e = b["extra_info"]
         lines.append(f"| {arm} | {e['decode_steps']:.0f} | {e['tokens_generated']:.0f} | {e['generated_row_steps']:.0f}"
@@ -510,12 +511,14 @@ def markdown(data: dict) -> str:
         lines += ratios
     variants = [(arm.partition("/")[0], arm) for arm in arm_of if "/" in arm and arm.partition("/")[0] in arm_of]
     if variants:
-        lines += ["", "Savings measured against a variant that undoes them (bench/e2e_driver.py VARIANTS), same run:", ""]
+        lines += ["", "Savings measured against a variant that undoes them (bench/e2e_driver.py VARIANTS), same run:",
+                  ""]
     for base, variant in variants:
-        a, b = arm_of[base], arm_of[variant]
-        lines.append(f"- {base} / {variant}: step time {a['stats']['median'] / b['stats']['median']:.2f}x, "
-                     f"loss and backward {a['extra_info']['loss_backward_s'] / b['extra_info']['loss_backward_s']:.2f}x, "
-                     f"train tokens {a['extra_info']['train_tokens'] / b['extra_info']['train_tokens']:.2f}x")
+        a, b = arm_of[base]["extra_info"], arm_of[variant]["extra_info"]
+        step = arm_of[base]["stats"]["median"] / arm_of[variant]["stats"]["median"]
+        lines.append(f"- {base} / {variant}: step time {step:.2f}x, loss and backward "
+                     f"{a['loss_backward_s'] / b['loss_backward_s']:.2f}x, train tokens "
+                     f"{a['train_tokens'] / b['train_tokens']:.2f}x")
     return "\n".join(lines) + "\n"
 
 

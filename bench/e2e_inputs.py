@@ -121,7 +121,8 @@ def _unit_hash(prompt: str, ids) -> float:
 
 def success_reward(prompts, completions, completion_ids, success_rate, **kwargs) -> list[float]:
     """0/1: 1 when the hash of (prompt, completion token ids) is below the prompt's success rate."""
-    return [float(_unit_hash(p, ids) < rate) for p, ids, rate in zip(prompts, completion_ids, success_rate, strict=True)]
+    return [float(_unit_hash(prompt, ids) < rate)
+            for prompt, ids, rate in zip(prompts, completion_ids, success_rate, strict=True)]
 
 
 def generation_kwargs(size: Size, tokenizer) -> dict:
@@ -158,9 +159,9 @@ def _generate(model, tokenizer, prompts: list[str], max_new_tokens: int, process
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     kwargs = {} if bias is None else {"sequence_bias": {(tokenizer.eos_token_id,): bias}}
     with torch.no_grad():
-        out = model.generate(**encoded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                             logits_processor=LogitsProcessorList(processors or []), pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id, **kwargs)
+        out = model.generate(**encoded, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList(processors or []),
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs)
     return out[:, encoded.input_ids.shape[1] :]
 
 

@@ -218,14 +218,17 @@ step_merge() {  # here, over the files the device calls brought back into OUTDIR
   local parts e2e stem
   parts=($(ls "$OUTDIR"/*-group.json "$OUTDIR"/*-loss.json "$OUTDIR"/*-train.json 2>/dev/null))
   e2e=($(ls "$OUTDIR"/*-e2e-[0-9].json 2>/dev/null))
-  [ ${#parts[@]} -gt 0 ] || [ ${#e2e[@]} -gt 0 ] || { echo "no STEM-{group,loss,train,e2e-N}.json in $OUTDIR"; return 1; }
+  if [ ${#parts[@]} -eq 0 ] && [ ${#e2e[@]} -eq 0 ]; then
+    echo "no STEM-{group,loss,train,e2e-N}.json in $OUTDIR"; return 1
+  fi
   if [ ${#parts[@]} -gt 0 ]; then
     stem=$(basename "${parts[0]}" .json); stem=${stem%-*}
     merge_json "$OUTDIR/$stem.json" "${parts[@]}" && "$PY" bench/report.py "$OUTDIR/$stem.json" || return 1
   fi
   if [ ${#e2e[@]} -gt 0 ]; then
     stem=$(basename "${e2e[0]}" .json); stem=${stem%-e2e-*}
-    merge_json "$OUTDIR/$stem-e2e.json" "${e2e[@]}" && "$PY" bench/e2e_driver.py report "$OUTDIR/$stem-e2e.json" >/dev/null
+    merge_json "$OUTDIR/$stem-e2e.json" "${e2e[@]}" &&
+      "$PY" bench/e2e_driver.py report "$OUTDIR/$stem-e2e.json" >/dev/null
   fi
 }
 

@@ -286,12 +286,12 @@ CROP_CASES = [
 
 
 @pytest.mark.parametrize("case", CROP_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_micro_batch_cropped_to_its_longest_completion_trains_the_same(model_dir, tokenizer, tmp_path, case,  # noqa: F811
-                                                                      monkeypatch):
+def test_micro_batch_cropped_to_its_longest_completion_trains_the_same(model_dir, tokenizer, tmp_path,  # noqa: F811
+                                                                      case, monkeypatch):
     """compute_loss drops the padding columns past the micro-batch's longest completion (TRL pads every micro-batch to
     the generation batch's longest): the loss and every gradient are those of the full-width micro-batch."""
-    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=16, skip_zero_gradient_rows=False,
-                           **case)
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=16,
+                           skip_zero_gradient_rows=False, **case)
     output, _ = scored_batch(trainer)
     T = output["completion_ids"].size(1)
     # a micro-batch of completions at most 3 tokens long, in a batch generated T wide
@@ -299,7 +299,12 @@ def test_micro_batch_cropped_to_its_longest_completion_trains_the_same(model_dir
     output["completion_ids"][:, 3:] = tokenizer.pad_token_id
     widths = []
     forward = trainer.model.forward
-    monkeypatch.setattr(trainer.model, "forward", lambda *a, **k: widths.append(k["input_ids"].size(1)) or forward(*a, **k))
+
+    def recording_forward(*args, **kwargs):
+        widths.append(kwargs["input_ids"].size(1))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.model, "forward", recording_forward)
 
     def loss_and_grads():
         trainer.model.zero_grad()
