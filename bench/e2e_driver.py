@@ -26,7 +26,10 @@ generation (`_generate`: prompts to decoded completions), rewards and selection 
 scores and selects), old/reference passes (no-grad log-prob passes), batch preparation (the rest of
 `_prepare_inputs`: padding, TRL's advantages and metrics, GFPO's row selection, TRL's shuffle and split), loss and
 backward (`training_step` less `_prepare_inputs`), optimizer (gradient clipping, the optimizer and scheduler steps,
-zero_grad), other (data loading and logging between steps).
+zero_grad), other (data loading and logging between steps). Peak memory: on CUDA the most memory allocated during the
+step (max_memory_allocated, reset at its start); on a CPU the process's peak resident set during the step (VmHWM,
+reset through /proc/self/clear_refs), which counts the whole process: Python, torch, and in an interleaved run every
+arm's model and optimizer state.
 """
 
 from __future__ import annotations
