@@ -1,6 +1,7 @@
 """Shared benchmark helpers. Imported by bench/conftest.py before gfpo_kernels: on CPU, Triton kernels can
 only run under the interpreter (TRITON_INTERPRET=1 must be set before triton.jit decorates them)."""
 
+import importlib.metadata
 import os
 import platform
 
@@ -16,6 +17,17 @@ def device_name() -> str:
     if ON_GPU:
         return torch.cuda.get_device_name()
     return f"cpu-{platform.machine()}-{os.cpu_count()}cores"
+
+
+def machine_versions() -> dict:
+    """Versions of the packages a benchmark's figures depend on."""
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for dist in ("gfpo", "triton", "trl", "transformers", "liger-kernel", "pytest-benchmark"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return versions
 
 
 def sync() -> None:

@@ -1,25 +1,17 @@
 """Benchmark setup: full sizes on CUDA, small ones on CPU (where CI runs the suites with
 --benchmark-disable as a smoke test). Records device and versions in the JSON of every run."""
 
-import importlib.metadata
-
 import pytest
 import torch
 
-from bench_utils import device_name, sync
+from bench_utils import device_name, machine_versions, sync
 
-import gfpo_kernels  # noqa: E402  (after bench_utils has set TRITON_INTERPRET)
+import gfpo_kernels  # noqa: E402, F401  (after bench_utils has set TRITON_INTERPRET)
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "gfpo": gfpo_kernels.__version__}
-    for dist in ("triton", "trl", "transformers", "liger-kernel", "pytest-benchmark"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = None
     machine_info["device"] = device_name()
-    machine_info["versions"] = versions
+    machine_info["versions"] = machine_versions()
     machine_info["torch_threads"] = torch.get_num_threads()
 
 

@@ -5,7 +5,8 @@
 #
 #   bash bench/gpu_run.sh OUTDIR [--fast] [STEP...]
 #
-# STEPs (default: all, in this order): setup tests bench-group bench-loss bench-train profile tune
+# STEPs (default: all, in this order): setup tests bench-group bench-loss bench-train bench-e2e bench-e2e-more profile
+# tune
 #   setup        install .whl/ into /tmp/site, build the extension with CUDA, print the environment (env.txt)
 #   tests        pytest tests/ on CUDA (gpu-marked tests included)          -> tests.log
 #   bench-group  pytest bench/test_bench_group_ops.py                         -> STEM-group.{json,md,png}
@@ -14,9 +15,17 @@
 #                and bench/predicted_vs_measured.py (the cost model beside it)  -> STEM-model.md
 #   bench-train  pytest bench/test_bench_train_step.py test_bench_early_stop test_bench_skip_zero_rows
 #                                                                             -> STEM-train.{json,md,png}
+#   bench-e2e    bench/e2e_inputs.py: the EOS offset calibrated on the device   -> e2e-calibration.txt
+#                then pytest bench/test_bench_e2e.py, arms grpo-G8, gfpo-G16-k8 and
+#                gfpo-G16-k8/without-micro-batch-crop (the crop's saving)    -> STEM-e2e-1.json
+#   bench-e2e-more  the same, arms gfpo-G16-k8-no-savings, -token-efficiency  -> STEM-e2e-2.json
+#                (two steps: whole Qwen2-0.5B steps at 1024 tokens, 4 per arm, do not fit one call; not yet run
+#                on a GPU: predicted 4-5 min each at 20-30 ms per decode step; GFPO_E2E_ROUNDS=2 if they run
+#                long; with GFPO_E2E_EOS_OFFSET set, e.g. to the first call's, the calibration is skipped)
 #   profile      bench/profile_fused_loss.py (torch.profiler top ops)         -> profile.txt
 #   tune         bench/tune.py (tile size, row block/warps, chunk budget)     -> tune.txt
-#   merge        (here, after the calls) one STEM.json from the STEM-*.json, then its .md and .png
+#   merge        (here, after the calls) one STEM.json from the STEM-{group,loss,train}.json, then its .md and .png;
+#                one STEM-e2e.json from the STEM-e2e-*.json, then its .md (bench/e2e_driver.py report)
 # STEM = <date>-<gpu>-<commit>; every file lands directly in OUTDIR. The device returns at most 8 files and one
 # bench step writes 4-5: run it as `bash bench/gpu_run.sh /tmp/o STEP...; tar czf $OUT/o.tgz -C /tmp/o .` (with
 # carry [".whl"] and GFPO_COMMIT=<sha>: .git does not travel) and unpack the files here before `merge`.
@@ -32,11 +41,11 @@ STEPS=()
 for arg in "$@"; do
   case $arg in
     --fast) FAST=1 ;;
-    setup|tests|bench-group|bench-loss|bench-train|profile|tune|merge) STEPS+=("$arg") ;;
+    setup|tests|bench-group|bench-loss|bench-train|bench-e2e|bench-e2e-more|profile|tune|merge) STEPS+=("$arg") ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(setup tests bench-group bench-loss bench-train profile tune)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(setup tests bench-group bench-loss bench-train bench-e2e bench-e2e-more profile tune)
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 ON_CPU=${GFPO_GPU_RUN_ON_CPU:-0}
@@ -171,29 +180,56 @@ step_bench_train() {
   bench_step train "${files[@]}"
 }
 
+step_bench_e2e() {  # part, arms...: the EOS offset calibrated here unless given, then the arms' steps
+  local part=$1; shift
+  local size=qwen2-0.5b json="$OUTDIR/$STEM-e2e-$part.json" rounds=()
+  if [ "$ON_CPU" = 1 ]; then size=cpu-small; rounds=(GFPO_E2E_ROUNDS=1); fi
+  if [ -z "${GFPO_E2E_EOS_OFFSET:-}" ]; then
+    run_step e2e-calibration "$PY" bench/e2e_inputs.py "$size" || return 1
+    mv "$OUTDIR/e2e-calibration.log" "$OUTDIR/e2e-calibration.txt"
+    local offset
+    offset=$(sed -n 's/^GFPO_E2E_EOS_OFFSET=//p' "$OUTDIR/e2e-calibration.txt")
+    [ -n "$offset" ] || { echo "the calibration gave no offset"; return 1; }
+    export GFPO_E2E_EOS_OFFSET=$offset
+  fi
+  echo "=== EOS offset $GFPO_E2E_EOS_OFFSET"
+  run_step "bench-e2e-$part" env GFPO_E2E_SIZE="$size" GFPO_E2E_ARMS="$*" "${rounds[@]}" \
+    "$PY" -m pytest -q bench/test_bench_e2e.py -p no:cacheprovider -s --benchmark-json "$json" || true
+  [ -s "$json" ] && "$PY" bench/e2e_driver.py report "$json" >/dev/null
+}
+
 fast_flag() { { [ "$FAST" = 1 ] || [ "$ON_CPU" = 1 ]; } && echo --fast; }
 step_profile() { run_step profile "$PY" bench/profile_fused_loss.py $(fast_flag); }
 step_tune() { run_step tune "$PY" bench/tune.py $(fast_flag); }
 
-step_merge() {  # here, over the files the device calls brought back into OUTDIR
-  local parts stem
-  parts=($(ls "$OUTDIR"/*-group.json "$OUTDIR"/*-loss.json "$OUTDIR"/*-train.json 2>/dev/null))
-  [ ${#parts[@]} -gt 0 ] || { echo "no STEM-{group,loss,train}.json in $OUTDIR"; return 1; }
-  stem=$(basename "${parts[0]}" .json); stem=${stem%-*}
-  "$PY" - "$OUTDIR/$stem.json" "${parts[@]}" <<'EOF'
+merge_json() {  # out, parts...: the parts' benchmarks in one pytest-benchmark JSON (the first part's header)
+  "$PY" - "$@" <<'EOF'
 import json, sys
 out, parts = sys.argv[1], sys.argv[2:]
-merged = None
-for p in parts:
-    data = json.load(open(p))
-    if merged is None:
-        merged = data
-    else:
-        merged["benchmarks"] += data["benchmarks"]
+merged = json.load(open(parts[0]))
+for p in parts[1:]:
+    merged["benchmarks"] += json.load(open(p))["benchmarks"]
 json.dump(merged, open(out, "w"), indent=2)
 print("merged", len(merged["benchmarks"]), "cases into", out)
 EOF
-  "$PY" bench/report.py "$OUTDIR/$stem.json"
+}
+
+step_merge() {  # here, over the files the device calls brought back into OUTDIR
+  local parts e2e stem
+  parts=($(ls "$OUTDIR"/*-group.json "$OUTDIR"/*-loss.json "$OUTDIR"/*-train.json 2>/dev/null))
+  e2e=($(ls "$OUTDIR"/*-e2e-[0-9].json 2>/dev/null))
+  if [ ${#parts[@]} -eq 0 ] && [ ${#e2e[@]} -eq 0 ]; then
+    echo "no STEM-{group,loss,train,e2e-N}.json in $OUTDIR"; return 1
+  fi
+  if [ ${#parts[@]} -gt 0 ]; then
+    stem=$(basename "${parts[0]}" .json); stem=${stem%-*}
+    merge_json "$OUTDIR/$stem.json" "${parts[@]}" && "$PY" bench/report.py "$OUTDIR/$stem.json" || return 1
+  fi
+  if [ ${#e2e[@]} -gt 0 ]; then
+    stem=$(basename "${e2e[0]}" .json); stem=${stem%-e2e-*}
+    merge_json "$OUTDIR/$stem-e2e.json" "${e2e[@]}" &&
+      "$PY" bench/e2e_driver.py report "$OUTDIR/$stem-e2e.json" >/dev/null
+  fi
 }
 
 # A device call after a pause may land on a bare machine (no /tmp/site, no CUDA build), and a warm one may hold
@@ -215,6 +251,8 @@ for step in "${STEPS[@]}"; do
     bench-group) step_bench_group ;;
     bench-loss) step_bench_loss ;;
     bench-train) step_bench_train ;;
+    bench-e2e) step_bench_e2e 1 grpo-G8 gfpo-G16-k8 gfpo-G16-k8/without-micro-batch-crop ;;
+    bench-e2e-more) step_bench_e2e 2 gfpo-G16-k8-no-savings gfpo-G16-k8-token-efficiency ;;
     profile) step_profile ;;
     tune) step_tune ;;
     merge) step_merge ;;

@@ -58,10 +58,26 @@ MULTIMODAL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_
 # (0 when there is none); kl, the clip ratios and vespo's weight where the loss has them
 TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                       "cispo_clip_ratio", "vespo/phi_seq_mean")
+# the metrics GRPOTrainer logs once per generation batch over its completions (_generate: the lengths;
+# _generate_and_score_completions: the rewards, with "rewards/{name}/mean" and "/std" per reward function); with the
+# length filter GFPO recomputes them over the kept rows (selection.log_trl_metrics_of_kept_rows)
+COMPLETION_METRICS = ("completions/mean_length", "completions/min_length", "completions/max_length",
+                      "completions/clipped_ratio", "completions/mean_terminated_length",
+                      "completions/min_terminated_length", "completions/max_terminated_length")
+REWARD_METRICS = ("reward", "reward_std", "frac_reward_zero_std")
+
+
+def batch_metric_names(trainer) -> list[str]:
+    """The metrics GRPOTrainer logs once per generation batch over its completions (COMPLETION_METRICS,
+    REWARD_METRICS and the per-function reward metrics)."""
+    per_function = [f"rewards/{name}/{stat}" for name in trainer.reward_func_names for stat in ("mean", "std")]
+    return [*COMPLETION_METRICS, *REWARD_METRICS, *per_function]
+
+
 # GRPOTrainer attributes GFPO reads
 _ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "beta", "ref_model", "temperature", "loss_type",
                "eos_token_ids", "use_vllm", "use_transformers_continuous_batching", "tools", "pad_to_multiple_of",
-               "_get_output_dir")
+               "_get_output_dir", "reward_func_names", "_metrics")
 
 
 class TRLSurfaceError(RuntimeError):

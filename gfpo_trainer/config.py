@@ -43,9 +43,10 @@ class GFPOConfig(GRPOConfig):
         gfpo_stop_dropped_generations (`bool`, *optional*, defaults to `True`):
             With `group_filter="length"`: once k completions of a group have ended, stop generating the group's
             other completions, which the filter is certain to drop. The kept rows, their rewards, advantages and
-            the loss are unchanged; generation ends sooner. Not applied with adaptive difficulty (whose difficulty
-            reads every completion's reward), nor, with a warning logged once, with vLLM, continuous batching,
-            tool calling or beam search.
+            the loss are unchanged; generation ends sooner. With the length filter TRL's `reward`, `reward_std`,
+            `frac_reward_zero_std`, `rewards/*` and `completions/*` metrics describe the kept rows, rule on or off.
+            Not applied with adaptive difficulty (whose difficulty reads every completion's reward), nor, with a
+            warning logged once, with vLLM, continuous batching, tool calling or beam search.
         skip_zero_gradient_rows (`bool`, *optional*, defaults to `True`):
             Rows whose advantage is exactly 0 (groups of equal rewards, unscorable rows) contribute exactly zero
             gradient when `beta == 0`, there is no entropy bonus, `top_entropy_quantile == 1` and no MoE auxiliary

@@ -144,6 +144,16 @@ PROGRESS_FIGURES = (
 )
 
 
+def sampled_completion_length(log: dict) -> float:
+    """The mean length of every completion a step generated (cut short ones as generated). With the length filter
+    TRL's completions/mean_length describes the kept rows only; GFPO logs the kept and dropped means."""
+    if "gfpo/kept_fraction" not in log:
+        return log["completions/mean_length"]
+    kept = log["gfpo/kept_fraction"]
+    dropped = log.get("gfpo/dropped_completion_length", log.get("gfpo/dropped_completion_length_truncated"))
+    return kept * log["gfpo/kept_completion_length"] + (1 - kept) * dropped
+
+
 def _progress_callback(name: str, total_steps: int, tokens_per_step: int):
     """A TrainerCallback drawing one compact tqdm bar for a run, in place of TRL's metrics dict at every step."""
     from transformers import TrainerCallback
@@ -158,8 +168,7 @@ def _progress_callback(name: str, total_steps: int, tokens_per_step: int):
             logs = logs or {}
             if "reward" not in logs:  # the end-of-training summary: keep the last step's figures
                 return
-            if "completions/mean_length" in logs:
-                self.tokens += logs["completions/mean_length"] * tokens_per_step
+            self.tokens += sampled_completion_length(logs) * tokens_per_step
             figures, shown = {}, set()
             for label, key, fmt in PROGRESS_FIGURES:
                 if key in logs and label not in shown:  # the first metric of a label that the run logs
@@ -221,7 +230,7 @@ def run_rl(name, start_dir, tokenizer, train_pairs, settings: DemoSettings, outp
     wall = time.perf_counter() - start
     trainer.save_model()  # the runs train with save_strategy="no": this is each run's one model on disk
     history = [h for h in trainer.state.log_history if "reward" in h]
-    generated = sum(h["completions/mean_length"] * args.per_device_train_batch_size for h in history)
+    generated = sum(sampled_completion_length(h) * args.per_device_train_batch_size for h in history)
     return {"trainer": trainer, "history": history, "wall_time": wall, "tokens_per_second": generated / wall}
 
 
@@ -236,8 +245,9 @@ def _moving_average(values: list[float], window: int = 10) -> list[float]:
 def _plot(runs: dict, path: str) -> None:
     """Reward and length per step of the completions each run trained on (moving averages over 10 steps): GRPO's
     are all it sampled, GFPO's the kept ones. GFPO's dropped completions are left out: with the early-stop rule
-    they are cut short before they answer, so their length and reward say nothing about the policy. GFPO's mean
-    over every sampled completion is drawn faint and dotted, marked as including those cut short."""
+    they are cut short before they answer, so their length and reward say nothing about the policy. Where TRL's
+    metrics cover every sampled completion (filters other than length, whose metrics describe the kept rows), GFPO's
+    mean over them is drawn faint and dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,9 +262,8 @@ def _plot(runs: dict, path: str) -> None:
             "reward", "completions/mean_length")
         line = ax_reward.plot(steps, _moving_average([h[reward_key] for h in history]), label=name)[0]
         ax_length.plot(steps, _moving_average([h[length_key] for h in history]), color=line.get_color())
-        if gfpo:
-            label = f"{name}, all sampled (incl. cut short)" if "gfpo/stopped_early_fraction" in history[0] else \
-                f"{name}, all sampled"
+        if gfpo and run["trainer"].args.group_filter != "length":  # TRL's metrics: every sampled completion
+            label = f"{name}, all sampled"
             for ax, key in ((ax_reward, "reward"), (ax_length, "completions/mean_length")):
                 ax.plot(steps, _moving_average([h[key] for h in history]), color=line.get_color(), linestyle=":",
                         alpha=0.5, label=label if ax is ax_reward else None)

@@ -140,22 +140,36 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
             # leaves another state: the next generation would sample differently than with the skip off.
             # restore_shuffle_rng puts back the state the unskipped batch's shuffle leaves.
             trainer._gfpo_rng_after_shuffle = rng_state_after_shuffle(unskipped_share)
-    # Drop the padding columns past the longest trained completion: less work in the loss, and the batch no
-    # longer depends on how long the dropped completions ran (see gfpo_stop_dropped_generations). The width keeps
-    # TRL's pad_to_multiple_of (Neuron and torch.compile compile once per shape), and at least 2 columns: TRL's
-    # metrics (and the fused path's) read a (B, 1) tensor as one value per sequence (sequence-level sampling), so
-    # a width of 1 would count the padding rows' entropy and clip ratios as real ones. A batch generated 1 token wide
-    # (max_completion_length=1, or the early-stop rule ending every group at its first token) gets a padding column.
-    T = output["completion_ids"].size(1)
-    width = max(2, int(output["completion_mask"].sum(dim=1).max()))
+    # less work in the old/reference passes and the loss, and the batch no longer depends on how long the dropped
+    # completions ran (see gfpo_stop_dropped_generations); compute_loss crops each micro-batch further
+    output.update(crop_to_longest_completion(trainer, output))
+    return n_real
+
+
+def crop_to_longest_completion(trainer, batch: dict) -> dict:
+    """`batch` (a dict of rows, TRL's layout) with the padding columns past its longest completion dropped from every
+    right-padded row tensor (completion_ids, completion_mask, old/ref log-probs, ...): a causal model computes the same
+    values for the tokens before them, and every loss and metric counts masked positions out, so only the work on
+    padding goes. The width keeps TRL's pad_to_multiple_of (Neuron and torch.compile compile once per shape), and at
+    least 2 columns: TRL's metrics (and the fused path's) read a (B, 1) tensor as one value per sequence
+    (sequence-level sampling), so a width of 1 would count the padding rows' entropy and clip ratios as real ones; a
+    batch generated 1 token wide (max_completion_length=1, or the early-stop rule ending every group at its first
+    token) gets a padding column. Prompts keep their width: with absolute position embeddings their left padding
+    sets the positions. Returns a new dict (the tensors it does not crop are shared)."""
+    T = batch["completion_ids"].size(1)
+    width = max(2, int(batch["completion_mask"].sum(dim=1).max()))
     if trainer.pad_to_multiple_of:
         width = -(-width // trainer.pad_to_multiple_of) * trainer.pad_to_multiple_of
     width = min(max(T, 2), width)
-    for key in row_keys:
-        pad_value, pad_left = row_padding(trainer, key)
-        if not pad_left and output[key].dim() > 1 and output[key].size(1) == T:
-            output[key] = pad_to_width(output[key][:, :width], width, pad_value, pad_left=False)
-    return n_real
+    cropped = dict(batch)
+    if width == T:
+        return cropped
+    for key, value in batch.items():
+        if key in ROW_KEYS and isinstance(value, torch.Tensor) and value.dim() > 1 and value.size(1) == T:
+            pad_value, pad_left = row_padding(trainer, key)
+            if not pad_left:
+                cropped[key] = pad_to_width(value[:, :width], width, pad_value, pad_left=False)
+    return cropped
 
 
 def _share_per_process(num_rows: int, P: int, spg: int) -> int:

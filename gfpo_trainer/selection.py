@@ -12,11 +12,12 @@ import logging
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
+from trl.trainer.utils import nanstd
 
 import gfpo_kernels
 from gfpo_kernels import reference as gfpo_reference
 
-from ._compat import TRLSurfaceError
+from ._compat import TRLSurfaceError, batch_metric_names
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,11 @@ def select(trainer, rewards_per_func, completions, completion_ids_list, model_to
     infinite = torch.isinf(rewards)
     rewards[infinite] = torch.nan
     counts = [len(ids) for ids in completion_ids_list] if model_token_counts is None else model_token_counts
-    local_lengths = torch.tensor(counts, device=device, dtype=torch.float32)
-    lengths = trainer.accelerator.gather(local_lengths)
+    # TRL's test of a clipped completion: it does not end in EOS or padding
+    ends = {*trainer.eos_token_ids, trainer._tokenizer.pad_token_id}
+    truncated = [float(ids[-1] not in ends) for ids in completion_ids_list]
+    local = torch.tensor([counts, truncated], device=device, dtype=torch.float32).T  # (rows, 2): one gather
+    lengths, truncated = trainer.accelerator.gather(local.contiguous()).unbind(dim=1)
     if lengths.numel() != rewards.numel():
         raise TRLSurfaceError(
             f"GRPOTrainer._calculate_rewards returned {rewards.numel()} rows, the batch holds {lengths.numel()}"
@@ -64,8 +68,8 @@ def select(trainer, rewards_per_func, completions, completion_ids_list, model_to
             logger.warning("gfpo: a reward was infinite; its group gets advantage 0 (as in TRL), so it trains nothing")
             trainer._gfpo_warned_infinite_reward = True
         advantages = advantages.masked_fill(infinite.view(-1, G).any(dim=1).repeat_interleave(G), 0.0)
-    return {"keep": keep, "advantages": advantages, "lengths": lengths, "rewards": rewards, "k": k,
-            "quartile": quartile}
+    return {"keep": keep, "advantages": advantages, "lengths": lengths, "truncated": truncated.bool(),
+            "rewards": rewards, "rewards_per_func": rewards_per_func, "k": k, "quartile": quartile}
 
 
 def _token_efficiency_rank(rewards: torch.Tensor, lengths: torch.Tensor, G: int) -> torch.Tensor:
@@ -144,17 +148,10 @@ def _check_scores(scores, num_groups: int, G: int) -> torch.Tensor:
     return scores
 
 
-def _nanstd(values: torch.Tensor, dim=None) -> torch.Tensor:
-    """Unbiased std ignoring NaN (TRL's nanstd): NaN with fewer than 2 values."""
-    count = (~torch.isnan(values)).sum(dim=dim) if dim is not None else (~torch.isnan(values)).sum()
-    mean = torch.nanmean(values, dim=dim, keepdim=dim is not None)
-    variance = torch.nansum((values - mean) ** 2, dim=dim) / (count - 1)
-    return variance.sqrt()
-
-
 def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.Tensor | None) -> None:
     """GFPO's selection metrics: kept fraction, kept vs dropped lengths, the rewards of the kept rows (TRL's reward
-    metrics cover every completion), the per-quartile k when adaptive."""
+    metrics cover every completion, but with the length filter: log_trl_metrics_of_kept_rows), the per-quartile k
+    when adaptive."""
     metrics = trainer._metrics["train"]
     lengths = selection["lengths"]
     metrics["gfpo/kept_fraction"].append(keep.float().mean().item())
@@ -169,11 +166,11 @@ def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.T
         metrics["gfpo/stopped_early_fraction"].append(stopped.float().mean().item())
     # as TRL's reward, reward_std and frac_reward_zero_std, over the kept rows: the statistics the advantages used
     kept_rewards = torch.where(keep, selection["rewards"].float(), torch.nan)
-    group_std = _nanstd(kept_rewards.view(-1, trainer.num_generations), dim=1)
+    group_std = nanstd(kept_rewards.view(-1, trainer.num_generations), dim=1)
     zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
     kept_per_group = keep.view(-1, trainer.num_generations).sum(dim=1)
     metrics["gfpo/kept_reward_mean"].append(torch.nanmean(kept_rewards).item())
-    metrics["gfpo/kept_reward_std"].append(_nanstd(kept_rewards).item())
+    metrics["gfpo/kept_reward_std"].append(nanstd(kept_rewards).item())
     metrics["gfpo/kept_frac_reward_zero_std"].append(
         ((zero_std * kept_per_group).sum() / kept_per_group.sum().clamp(min=1)).item()
     )
@@ -183,3 +180,53 @@ def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.T
             metrics[f"gfpo/k_quartile_{q}"].append(float(k_q))
             metrics[f"gfpo/groups_quartile_{q}"].append((quartile == q).float().mean().item())
         metrics["gfpo/mean_k"].append(k.float().mean().item())
+
+
+def logged_metric_counts(trainer) -> dict[str, int]:
+    """How many values each of TRL's per-batch metrics holds (before TRL logs a batch)."""
+    metrics = trainer._metrics["train"]
+    return {name: len(metrics.get(name, ())) for name in batch_metric_names(trainer)}
+
+
+def log_trl_metrics_of_kept_rows(trainer, selection: dict, keep: torch.Tensor, counts_before: dict[str, int]) -> None:
+    """With the length filter, TRL's per-batch reward and completion metrics (batch_metric_names) describe the kept
+    rows: the early-stop rule cuts the other completions short, so over every completion they would report the
+    lengths and rewards of cut text (and no truncation where there was some), and differ with the rule on and off.
+    The kept rows all ended on their own (or ran to max_completion_length) and are the same completions with the rule
+    on or off. The values are computed as GRPOTrainer computes them, and replace the ones it logged for this batch."""
+    device = keep.device
+    lengths, truncated = selection["lengths"][keep], selection["truncated"][keep]
+    terminated = lengths[~truncated]
+    if terminated.numel() == 0:  # TRL logs 0 when no completion ended
+        terminated = torch.zeros(1, device=device)
+    values = {
+        "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.float().mean(),
+        "completions/mean_terminated_length": terminated.mean(), "completions/min_terminated_length": terminated.min(),
+        "completions/max_terminated_length": terminated.max(),
+    }
+    per_func = selection["rewards_per_func"]
+    for i, name in enumerate(trainer.reward_func_names):
+        values[f"rewards/{name}/mean"] = torch.nanmean(per_func[keep, i])
+        values[f"rewards/{name}/std"] = nanstd(per_func[keep, i])
+    # TRL's summed reward (an unscorable row, every function None, is NaN; infinite rewards stay as they are)
+    rewards = (per_func * trainer.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    kept_rewards = torch.where(keep, rewards, torch.nan)
+    values["reward"], values["reward_std"] = torch.nanmean(kept_rewards), nanstd(kept_rewards)
+    # frac_reward_zero_std: the share of rows whose advantage was scaled by a zero std (the group's, or the batch's
+    # with scale_rewards="batch")
+    G = trainer.num_generations
+    if trainer.scale_rewards == "batch":
+        std = nanstd(kept_rewards).expand(int(keep.sum()))
+    else:
+        std = nanstd(kept_rewards.view(-1, G), dim=1).repeat_interleave(G)[keep]
+    values["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean()
+    metrics = trainer._metrics["train"]
+    names = batch_metric_names(trainer)
+    for name, value in zip(names, torch.stack([values[name].float() for name in names]).tolist()):  # one host read
+        logged = metrics.get(name, [])
+        if len(logged) != counts_before.get(name, 0) + 1:
+            raise TRLSurfaceError(f"GRPOTrainer logged the metric {name!r} {len(logged) - counts_before.get(name, 0)} "
+                                  "times for one generation batch; GFPO replaces its one value per batch")
+        logged[-1] = value

@@ -17,7 +17,8 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
    steps_per_generation (TRL's split_tensor_dict would drop a remainder; its loss gathers per-sequence metrics
    across processes and hangs on unequal sizes). Missing rows are copies of a kept row with an all-zero
    completion mask and advantage 0; every row is weighed as in an evenly divided batch (rows.py).
-4. `compute_loss` (overridden): TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
+4. `compute_loss` (overridden): the micro-batch cropped to its longest completion (TRL pads every micro-batch to
+   the generation batch's longest), then TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
    model's LM head.
 5. `_generate` (wrapped): reads the tool masks, so the length filters count the model's tokens only.
 6. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
@@ -42,9 +43,10 @@ from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
 from .rows import (
-    no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss, zero_gradient_skip_applies
+    crop_to_longest_completion, no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss,
+    zero_gradient_skip_applies
 )
-from .selection import log_selection, select
+from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
 
 logger = logging.getLogger(__name__)
@@ -237,6 +239,7 @@ class GFPOTrainer(GRPOTrainer):
         skip_zero = self.model.training and zero_gradient_skip_applies(self)
         self._gfpo_selection, self._deferred, self._stopped_rows, self._tool_mask = None, [], None, None
         self._deferring = (filtering or skip_zero) and self._can_defer()
+        metric_counts = logged_metric_counts(self) if filtering else None  # before TRL logs this batch
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
@@ -246,10 +249,12 @@ class GFPOTrainer(GRPOTrainer):
         if filtering and self._gfpo_selection is None:
             raise TRLSurfaceError("GRPOTrainer._generate_and_score_completions did not call _calculate_rewards")
         selection, self._gfpo_selection = self._gfpo_selection, None
-        return self._filter_output(output, selection, skip_zero)
+        return self._filter_output(output, selection, skip_zero, metric_counts)
 
-    def _filter_output(self, output: dict, selection: dict | None, skip_zero: bool) -> dict:
-        """The batch of the rows to train (selection None: no filter, every row with TRL's advantages)."""
+    def _filter_output(self, output: dict, selection: dict | None, skip_zero: bool,
+                       metric_counts: dict | None = None) -> dict:
+        """The batch of the rows to train (selection None: no filter, every row with TRL's advantages).
+        `metric_counts`: how many values TRL's per-batch metrics held before this batch (with a selection)."""
         n_local = output["prompt_ids"].size(0)
         deferred = {}
         for key, value in list(output.items()):
@@ -280,6 +285,8 @@ class GFPOTrainer(GRPOTrainer):
             if (stopped & keep).any():  # the rule's promise; a failure here is a bug, never a silent wrong batch
                 raise RuntimeError("gfpo: a completion stopped early by gfpo_stop_dropped_generations was kept")
         log_selection(self, selection, keep, stopped)
+        if self.args.group_filter == "length":  # whether or not the early-stop rule is on: the same rows either way
+            log_trl_metrics_of_kept_rows(self, selection, keep, metric_counts)
         # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (TRL logged its own
         # GRPO advantages of every row there: the last keep.numel() entries)
         logged = self._logs["advantages"]
@@ -319,6 +326,8 @@ class GFPOTrainer(GRPOTrainer):
         restore_shuffle_rng(self)  # after skipped rows, later draws as with the skip off (see rows.py)
         if return_outputs:
             raise ValueError("The GFPOTrainer does not support returning outputs")
+        # TRL pads every micro-batch to the generation batch's longest completion: this one's padding does no work
+        inputs = crop_to_longest_completion(self, inputs)
         with no_metrics_from_padding_only(self, inputs):
             if self.args.use_gfpo_kernels:
                 loss, aux_term = fused_compute_loss(self, model, inputs)

@@ -11,6 +11,7 @@ from datasets import Dataset
 
 from gfpo_test_utils import end_worker_process
 from gfpo_trainer import GFPOConfig, GFPOTrainer
+from gfpo_trainer._compat import batch_metric_names
 from gfpo_trainer.tiny import make_tokenizer
 
 PROMPTS = ["1+2=", "3*4=", "5-1=", "9+9=", "2*3=", "7-4="]
@@ -70,6 +71,7 @@ def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False, ski
                   advantages=output["advantages"][real].tolist(), all_ids=seen["ids"], all_rewards=seen["rewards"],
                   logp_rows=trainer.gfpo_logp_rows_seen, ref_logps=output["ref_per_token_logps"].tolist() if "ref_per_token_logps" in output else None,
                   stopped_early=metrics.get("gfpo/stopped_early_fraction", [None])[-1],
+                  trl_metrics={name: metrics[name][-1] for name in batch_metric_names(trainer)},
                   filter_scores=filter_calls[:1])
     trainer._calculate_rewards = original
     trainer.train()  # TRL's loss gathers per-sequence metrics: unequal batch sizes would hang here

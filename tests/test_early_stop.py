@@ -9,6 +9,7 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
+from gfpo_trainer._compat import batch_metric_names  # noqa: E402
 from gfpo_trainer.demo import DemoSettings, correctness_reward, warm_up  # noqa: E402
 from gfpo_trainer.early_stop import StopDroppedCompletions  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
@@ -108,3 +109,36 @@ def test_rule_is_off_for_other_filters_and_when_disabled(warm_model_dir, tmp_pat
     trainer, *_ = _run(model_dir, tokenizer, tmp_path, stop=False, k=4)
     assert "gfpo/stopped_early_fraction" not in trainer._metrics["train"]
     assert "gfpo/dropped_completion_length" in trainer._metrics["train"]
+
+
+def _logged_metrics(model_dir, tokenizer, tmp_path, stop):
+    """4 training steps at learning rate 0 (the policy never changes) with a digit-counting reward, as a user
+    would watch them: the logged history."""
+
+    def digits(completions, **kwargs):
+        return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+    args = GFPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, num_generations=16,
+                      num_remains_in_group=4, group_filter="length", max_completion_length=16, learning_rate=0.0,
+                      max_steps=4, logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+                      seed=0, gfpo_stop_dropped_generations=stop, disable_tqdm=True)
+    prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)]
+    trainer = GFPOTrainer(model=model_dir, reward_funcs=digits, args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "reward" in h], batch_metric_names(trainer)
+
+
+def test_watched_metrics_are_the_same_with_the_rule_on_and_off(warm_model_dir, tmp_path):
+    """TRL's reward and completion metrics never describe completions the rule cut short: with the length filter
+    they describe the kept rows, the same completions with the rule on and off (before, `reward` logged
+    0.75/0.56/0.62/0.69 with the rule on against 1.38/1.25/1.62/0.88 off here, and clipped_ratio 0 against 0.06)."""
+    model_dir, tokenizer = warm_model_dir
+    on, names = _logged_metrics(model_dir, tokenizer, tmp_path / "on", stop=True)
+    off, _ = _logged_metrics(model_dir, tokenizer, tmp_path / "off", stop=False)
+    assert len(on) == len(off) == 4
+    assert "completions/clipped_ratio" in names and "rewards/digits/mean" in names
+    for step_on, step_off in zip(on, off):
+        assert {name: step_on[name] for name in names} == {name: step_off[name] for name in names}
+        assert step_on["reward"] == step_on["gfpo/kept_reward_mean"]  # the kept rows
+    assert max(step["gfpo/stopped_early_fraction"] for step in on) > 0  # the rule did cut completions short

@@ -276,3 +276,49 @@ def test_liger_kernel_trains_what_the_reference_path_trains(model_dir, tokenizer
         assert grads.keys() == want_grads.keys()
         for name in want_grads:
             torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
+
+
+CROP_CASES = [
+    dict(loss_type="grpo"), dict(loss_type="dapo", use_gfpo_kernels=True),
+    dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),  # (B, 1) ratios, the ref log-probs
+    dict(loss_type="bnpo", pad_to_multiple_of=4),
+]
+
+
+@pytest.mark.parametrize("case", CROP_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_micro_batch_cropped_to_its_longest_completion_trains_the_same(model_dir, tokenizer, tmp_path,  # noqa: F811
+                                                                      case, monkeypatch):
+    """compute_loss drops the padding columns past the micro-batch's longest completion (TRL pads every micro-batch to
+    the generation batch's longest): the loss and every gradient are those of the full-width micro-batch."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=16,
+                           skip_zero_gradient_rows=False, **case)
+    output, _ = scored_batch(trainer)
+    T = output["completion_ids"].size(1)
+    # a micro-batch of completions at most 3 tokens long, in a batch generated T wide
+    output["completion_mask"][:, 3:] = 0
+    output["completion_ids"][:, 3:] = tokenizer.pad_token_id
+    widths = []
+    forward = trainer.model.forward
+
+    def recording_forward(*args, **kwargs):
+        widths.append(kwargs["input_ids"].size(1))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.model, "forward", recording_forward)
+
+    def loss_and_grads():
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, output)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
+
+    cropped_loss, cropped_grads = loss_and_grads()
+    with monkeypatch.context() as patch:
+        patch.setattr("gfpo_trainer.trainer.crop_to_longest_completion", lambda trainer, batch: dict(batch))
+        full_loss, full_grads = loss_and_grads()
+    prompt_width = output["prompt_ids"].size(1)
+    width = 4 if case.get("pad_to_multiple_of") else 3
+    assert T > width and widths == [prompt_width + width, prompt_width + T]
+    torch.testing.assert_close(cropped_loss, full_loss, rtol=1e-5, atol=1e-7)
+    for cropped, full in zip(cropped_grads, full_grads):
+        torch.testing.assert_close(cropped, full, rtol=1e-4, atol=1e-7)

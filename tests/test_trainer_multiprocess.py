@@ -70,6 +70,13 @@ def test_early_stop_changes_nothing_across_processes(tmp_path, warm_model_dir):
             assert a[key] == b[key], key
     assert max(r["stopped_early"] for r in on) > 0
     assert sum(map(len, on[0]["all_ids"])) < sum(map(len, off[0]["all_ids"]))
+    # TRL's reward and completion metrics describe the global kept rows, the same on both processes, rule on or off
+    assert on[0]["trl_metrics"] == on[1]["trl_metrics"] == off[0]["trl_metrics"] == off[1]["trl_metrics"]
+    lengths = torch.tensor([len(x) for x in off[0]["all_ids"]], dtype=torch.float32)
+    keep = ref.group_topk_mask(lengths, 8, 3, largest=False)
+    kept_rewards = torch.tensor(off[0]["all_rewards"])[keep]
+    assert on[0]["trl_metrics"]["reward"] == pytest.approx(kept_rewards.mean().item(), rel=1e-5)
+    assert on[0]["trl_metrics"]["completions/mean_length"] == pytest.approx(lengths[keep].mean().item())
 
 
 def test_non_deterministic_filter_func_gives_one_selection(tmp_path, warm_model_dir):

@@ -125,10 +125,56 @@ def test_kept_reward_metrics_and_completions_table(model_dir, tokenizer, tmp_pat
     group_std = rewards.double().where(keep, torch.nan).view(2, 8)
     zero = [torch.isclose(r[~torch.isnan(r)].std(), torch.tensor(0.0, dtype=torch.float64)).item() for r in group_std]
     assert metrics["gfpo/kept_frac_reward_zero_std"] == [pytest.approx(sum(zero) / 2)]
+    # with the length filter TRL's per-batch reward and completion metrics describe the kept rows too (the early-stop
+    # rule cuts the others short), computed as TRL computes them
+    assert metrics["reward"] == [pytest.approx(kept.mean().item(), rel=1e-5)]
+    assert metrics["reward_std"] == [pytest.approx(kept.std().item(), rel=1e-5)]
+    assert metrics["frac_reward_zero_std"] == [pytest.approx(sum(zero) / 2)]
+    assert metrics["rewards/digit_reward/mean"] == metrics["reward"]
+    assert metrics["rewards/digit_reward/std"] == metrics["reward_std"]
+    ends = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    truncated = torch.tensor([ids[-1] not in ends for ids in seen["ids"]])[keep]
+    terminated = lengths[keep][~truncated] if (~truncated).any() else torch.zeros(1)
+    assert truncated.any() and (~truncated).any()  # both kinds among the kept rows (a random-weight model)
+    assert metrics["completions/mean_length"] == [pytest.approx(lengths[keep].mean().item())]
+    assert metrics["completions/min_length"] == [lengths[keep].min().item()]
+    assert metrics["completions/max_length"] == [lengths[keep].max().item()]
+    assert metrics["completions/clipped_ratio"] == [pytest.approx(truncated.float().mean().item())]
+    assert metrics["completions/mean_terminated_length"] == [pytest.approx(terminated.mean().item())]
+    assert metrics["completions/min_terminated_length"] == [terminated.min().item()]
+    assert metrics["completions/max_terminated_length"] == [terminated.max().item()]
     # the completions table: GFPO's advantages, 0 for dropped rows
     want = ref.group_advantages(rewards, 8, keep=keep)
     assert list(trainer._logs["advantages"]) == pytest.approx(want.tolist(), abs=1e-6)
     assert all(a == 0 for a, kept in zip(trainer._logs["advantages"], keep) if not kept)
+
+
+def test_trl_metrics_cover_every_completion_with_other_filters(model_dir, tokenizer, tmp_path):  # noqa: F811
+    """Only the length filter (whose early-stop rule cuts completions short) moves TRL's metrics to the kept rows."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=16,
+                           group_filter="token_efficiency")
+    _, seen = scored_batch(trainer)
+    rewards = seen["rewards"].sum(dim=1)
+    lengths = torch.tensor([float(len(ids)) for ids in seen["ids"]])
+    metrics = trainer._metrics["train"]
+    assert metrics["reward"] == [pytest.approx(rewards.mean().item(), rel=1e-5)]
+    assert metrics["completions/mean_length"] == [pytest.approx(lengths.mean().item())]
+    assert metrics["gfpo/kept_reward_mean"] != metrics["reward"]
+
+
+def test_trl_logging_a_batch_metric_twice_is_a_surface_error(model_dir, tokenizer, tmp_path):  # noqa: F811
+    """GFPO replaces the one value per batch TRL logs; if TRL ever logs another number of them, it says so."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path)
+    generate = trainer._generate
+
+    def generate_logging_twice(prompts):
+        result = generate(prompts)
+        trainer._metrics["train"]["completions/mean_length"].append(0.0)
+        return result
+
+    trainer._generate = generate_logging_twice
+    with pytest.raises(TRLSurfaceError, match="'completions/mean_length' 2 times"):
+        scored_batch(trainer)
 
 
 def test_length_filters_count_model_tokens_only(model_dir, tokenizer, tmp_path):  # noqa: F811

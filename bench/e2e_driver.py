@@ -1,0 +1,550 @@
+"""Whole training steps of TRL's GRPOTrainer and of GFPOTrainer, one optimizer step at a time, with the split of each
+step and the counts that do not depend on the device (issue 26). bench/test_bench_e2e.py times them with
+pytest-benchmark; this module's command line runs the arms interleaved (step 1 of every arm, then step 2, ...),
+which a machine shared with other jobs needs for a fair comparison, and writes the results file and its table.
+
+    python bench/e2e_driver.py run [--size cpu-small] [--rounds 7] [--arms A B ...] --json OUT.json
+    python bench/e2e_driver.py report OUT.json          # OUT.md from a JSON of `run` or of pytest-benchmark
+
+Arms (bench/e2e_inputs.py gives them the same model, prompts, reward and seed; every arm trains on the same number
+of prompts per step, and every optimizer step accumulates over `prompts_per_step` micro-batches of 8 rows, before
+GFPO skips rows of advantage 0):
+- grpo-G8: TRL's own GRPOTrainer, 8 completions per prompt.
+- gfpo-G16-k8-no-savings: GFPOTrainer, 16 sampled, the 8 shortest kept, with every saving of this package off:
+  use_gfpo_kernels=False (TRL's loss; the reference filter), skip_zero_gradient_rows=False,
+  gfpo_stop_dropped_generations=False, and the trained rows at the generated width (GFPOTrainer crops them to the
+  longest kept completion, and each micro-batch to its own, which no option turns off; TRL's former GFPOTrainer
+  trained at the full width). The deferred old-policy/reference passes on the kept rows only (no option either)
+  save nothing here: with beta=0 and steps_per_generation = gradient_accumulation_steps (TRL's defaults) no such pass
+  runs in any arm.
+- gfpo-G16-k8: GFPOTrainer's defaults (length filter) with use_gfpo_kernels=True.
+- gfpo-G16-k8-token-efficiency: the same with group_filter="token_efficiency" (the early-stop rule does not apply).
+
+Instrumentation wraps the trainer's methods on the instance (timing with a device sync at each boundary, counting
+from their arguments and results) and a callback ends each step; nothing that runs is changed. The split of a step:
+generation (`_generate`: prompts to decoded completions), rewards and selection (`_calculate_rewards`, where GFPO
+scores and selects), old/reference passes (no-grad log-prob passes), batch preparation (the rest of
+`_prepare_inputs`: padding, TRL's advantages and metrics, GFPO's row selection, TRL's shuffle and split), loss and
+backward (`training_step` less `_prepare_inputs`), optimizer (gradient clipping, the optimizer and scheduler steps,
+zero_grad), other (data loading and logging between steps). Peak memory: on CUDA the most memory allocated during the
+step (max_memory_allocated, reset at its start); on a CPU the process's peak resident set during the step (VmHWM,
+reset through /proc/self/clear_refs), which counts the whole process: Python, torch, and in an interleaved run every
+arm's model and optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback, set_seed
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from gfpo_trainer import GFPOConfig, GFPOTrainer
+from gfpo_trainer._compat import ROW_KEYS
+from gfpo_trainer.rows import REAL_ROW_KEY, pad_to_width, row_padding
+from gfpo_trainer.tiny import make_tokenizer
+
+from bench_utils import ON_GPU, device_name, machine_versions, sync
+from e2e_inputs import SIZES, eos_offset, generation_kwargs, length_stats, make_model, make_prompts, success_reward
+from test_bench_linear_grpo import executed_flops
+
+# On a CPU shared with other jobs, two intra-op threads made each op of these small models wait for a descheduled
+# OpenMP thread (a 64x128 linear took 8 ms; a step 15-25 s against 0.8-1.0 s with one thread)
+CPU_THREADS = 1
+ARMS = {
+    "grpo-G8": dict(trainer="grpo", num_generations=8),
+    "gfpo-G16-k8-no-savings": dict(trainer="gfpo", num_generations=16, group_filter="length", use_gfpo_kernels=False,
+                                   skip_zero_gradient_rows=False, gfpo_stop_dropped_generations=False,
+                                   full_width=True),
+    "gfpo-G16-k8": dict(trainer="gfpo", num_generations=16, group_filter="length", use_gfpo_kernels=True),
+    "gfpo-G16-k8-token-efficiency": dict(trainer="gfpo", num_generations=16, group_filter="token_efficiency",
+                                         use_gfpo_kernels=True),
+}
+GFPO_METRICS = ("gfpo/kept_frac_reward_zero_std", "gfpo/skipped_zero_gradient_fraction", "gfpo/stopped_early_fraction")
+PHASES = ("generation", "rewards_selection", "passes", "batch_prep", "loss_backward", "optimizer", "other")
+COUNTS = ("decode_steps", "tokens_generated", "rows_generated", "generated_row_steps", "rows_trained",
+          "real_rows_trained", "train_tokens", "scored_tokens", "loss_gflop", "pass_rows")
+
+
+def make_trainer(arm: str, size_name: str, model, tokenizer, output_dir: str, **overrides):
+    """The arm's trainer on `model` (every arm: the size's prompts, reward, EOS offset and seed 0). `arm` is a name of
+    ARMS, or "NAME/VARIANT" with a variant of VARIANTS."""
+    size = SIZES[size_name]
+    name, _, variant = arm.partition("/")
+    spec = {**ARMS[name], **overrides}
+    G = spec["num_generations"]
+    common = dict(
+        output_dir=output_dir, num_generations=G, max_completion_length=size.max_completion_length,
+        # one group generated per micro-batch: every micro-batch trains 8 rows (G=16 keeps 8 of a group's worth)
+        per_device_train_batch_size=G, gradient_accumulation_steps=size.prompts_per_step,
+        # every timed step starts from the same weights; the optimizer step still runs in full
+        learning_rate=0.0, max_steps=10**6, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, use_cpu=not ON_GPU, bf16=ON_GPU, seed=0,
+        generation_kwargs=generation_kwargs(size, tokenizer),
+    )
+    dataset = Dataset.from_list(make_prompts(size))
+    if spec["trainer"] == "grpo":
+        trainer = GRPOTrainer(model=model, reward_funcs=success_reward, args=GRPOConfig(**common),
+                              train_dataset=dataset, processing_class=tokenizer)
+    else:
+        gfpo = {key: spec[key] for key in ("group_filter", "use_gfpo_kernels", "skip_zero_gradient_rows",
+                                           "gfpo_stop_dropped_generations") if key in spec}
+        args = GFPOConfig(**common, num_remains_in_group=8, **gfpo)
+        trainer = GFPOTrainer(model=model, reward_funcs=success_reward, args=args, train_dataset=dataset,
+                              processing_class=tokenizer)
+        if spec.get("full_width"):
+            _train_at_generated_width(trainer)
+            _without_micro_batch_crop(trainer)
+    if variant:
+        VARIANTS[variant](trainer)
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    return trainer
+
+
+def _train_at_generated_width(trainer) -> None:
+    """Pads the trained rows back to the width of the generated batch (GFPOTrainer crops them to the longest kept
+    completion): the batch as a GFPO without this package's savings trains it."""
+    filter_output = trainer._filter_output
+
+    def at_generated_width(output, *args, **kwargs):
+        width = output["completion_ids"].size(1)
+        output = filter_output(output, *args, **kwargs)
+        for key in [k for k in output if k in ROW_KEYS and isinstance(output[k], torch.Tensor)]:
+            pad_value, pad_left = row_padding(trainer, key)
+            if not pad_left and output[key].dim() > 1:
+                output[key] = pad_to_width(output[key], width, pad_value, pad_left)
+        return output
+
+    trainer._filter_output = at_generated_width
+
+
+def _without_micro_batch_crop(trainer) -> None:
+    """Each micro-batch at the width of the generation batch's trained rows, as before compute_loss cropped it to its
+    own longest completion (gfpo_trainer.rows.crop_to_longest_completion)."""
+    import gfpo_trainer.trainer as module
+
+    compute_loss = trainer.compute_loss
+
+    def uncropped(*args, **kwargs):  # the arms step in turn, so the module's function is this arm's while it runs
+        crop = module.crop_to_longest_completion
+        module.crop_to_longest_completion = lambda trainer, batch: dict(batch)
+        try:
+            return compute_loss(*args, **kwargs)
+        finally:
+            module.crop_to_longest_completion = crop
+
+    trainer.compute_loss = uncropped
+
+
+# Variants of an arm, "ARM/VARIANT": the arm with one saving undone, to measure that saving in the same run
+VARIANTS = {"without-micro-batch-crop": _without_micro_batch_crop}
+
+
+def _resident_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_memory() -> None:
+    if ON_GPU:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        try:  # Linux: "5" resets the peak resident set size (VmHWM)
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def _peak_memory_mib() -> float:
+    """CUDA: max_memory_allocated; CPU: the process's peak resident set size (VmHWM, reset at each step)."""
+    return torch.cuda.max_memory_allocated() / 2**20 if ON_GPU else _resident_kib("VmHWM") / 1024
+
+
+class StepDriver(TrainerCallback):
+    """Runs `trainer.train()` in a thread of its own, one optimizer step per `step()` call, recording for each step
+    its wall time, its split (PHASES), its counts (COUNTS) and its peak memory. Each driver keeps its own random
+    state (restored before and saved after each of its steps, the first step starting from the seed), so arms
+    stepped in turn draw what they would draw alone."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.records: list[dict] = []
+        self.lengths: list[list[int]] = []  # per step, every completion's length
+        self.zero_std_groups: list[float] = []  # per step, the fraction of groups with all-equal rewards
+        self._go, self._done, self._ready = threading.Semaphore(0), threading.Semaphore(0), threading.Semaphore(0)
+        self._stop = False
+        self._error: BaseException | None = None
+        self._rng = None
+        self._record: dict = {}
+        self._loss_impl = "gfpo" if getattr(trainer.args, "use_gfpo_kernels", False) else "trl"
+        config = trainer.model.config
+        self._head = (config.hidden_size, config.vocab_size)
+        trainer.add_callback(self)
+        self._instrument()
+        self._thread = threading.Thread(target=self._train, daemon=True)
+        self._thread.start()
+        self._ready.acquire()  # train()'s setup is done (it waits for the first step)
+        self._raise()
+
+    # ---------------------------------------------------------------- the training thread
+    def _train(self):
+        try:
+            self.trainer.train()
+        except BaseException as error:  # noqa: BLE001  (handed to the main thread)
+            self._error = error
+        finally:
+            self._ready.release()
+            self._done.release()
+
+    def _wait(self, control):
+        if not self._stop:
+            self._go.acquire()
+        if self._stop:
+            control.should_training_stop = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._ready.release()
+        self._wait(control)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        sync()
+        end = time.perf_counter()
+        record = self._record
+        record["time"] = end - record.pop("start")
+        record["optimizer"] = end - record.pop("last_backward_end")
+        record["peak_memory_mib"] = _peak_memory_mib()
+        metrics = self.trainer._metrics["train"]  # this step's, before the step's log clears them
+        record.update({key: metrics[key][-1] for key in GFPO_METRICS if metrics.get(key)})
+        self.records.append(record)
+        self._done.release()
+        self._wait(control)
+
+    # ---------------------------------------------------------------- the main thread
+    def _raise(self):
+        if self._error is not None:
+            raise RuntimeError(f"training thread failed: {self._error!r}") from self._error
+
+    def step(self) -> dict:
+        """Runs one optimizer step and returns its record."""
+        if self._rng is None:
+            set_seed(self.trainer.args.seed)
+        else:
+            _set_rng_state(self._rng)
+        self._record = {phase: 0.0 for phase in PHASES} | {count: 0 for count in COUNTS} | {"prepare": 0.0,
+                                                                                             "training_step": 0.0}
+        _reset_peak_memory()
+        sync()
+        self._record["start"] = time.perf_counter()
+        self._go.release()
+        self._done.acquire()
+        self._raise()
+        self._rng = _rng_state()
+        return self.records[-1]
+
+    def close(self):
+        self._stop = True
+        self._go.release()
+        self._thread.join()
+
+    # ---------------------------------------------------------------- instrumentation
+    def _timed(self, name: str, phase: str | None, when=None, after=None):
+        original = getattr(self.trainer, name)
+
+        def timed(*args, **kwargs):
+            if when is not None and not when(*args, **kwargs):
+                return original(*args, **kwargs)
+            sync()
+            start = time.perf_counter()
+            result = original(*args, **kwargs)
+            sync()
+            end = time.perf_counter()
+            if phase is not None:
+                self._record[phase] += end - start
+            if after is not None:
+                after(result, args, kwargs, end)
+            return result
+
+        setattr(self.trainer, name, timed)
+
+    def _instrument(self):
+        trainer = self.trainer
+        no_grad = lambda *args, **kwargs: not torch.is_grad_enabled()  # noqa: E731  (the old/reference passes)
+        self._timed("_generate", "generation", after=self._count_generation)
+        self._timed("_calculate_rewards", "rewards_selection", after=self._count_rewards)
+        self._timed("_get_per_token_logps_and_entropies", "passes", when=no_grad, after=self._count_pass)
+        if isinstance(trainer, GFPOTrainer):
+            self._timed("_deferred_logps", "passes", after=self._count_deferred_pass)
+        self._timed("_prepare_inputs", "prepare")
+        self._timed("training_step", "training_step", after=self._end_backward)
+        compute_loss = trainer.compute_loss
+
+        def counted_compute_loss(model, inputs, *args, **kwargs):
+            self._count_trained(inputs)
+            return compute_loss(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = counted_compute_loss
+        trainer.model.register_forward_pre_hook(self._count_forward, with_kwargs=True)
+
+    def _count_forward(self, module, args, kwargs):
+        if torch.is_grad_enabled() and module.training:  # the policy's training forward (generate and passes: no grad)
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            self._record["rows_trained"] += input_ids.size(0)
+            self._record["train_tokens"] += input_ids.numel()
+
+    def _count_generation(self, result, args, kwargs, end):
+        completion_ids = result[1]
+        lengths = [len(ids) for ids in completion_ids]
+        record = self._record
+        record["decode_steps"] += max(lengths)
+        record["tokens_generated"] += sum(lengths)
+        record["rows_generated"] += len(lengths)
+        record["generated_row_steps"] += len(lengths) * max(lengths)
+        self.lengths.append(lengths)
+
+    def _count_rewards(self, rewards_per_func, args, kwargs, end):
+        G = self.trainer.num_generations
+        rewards = rewards_per_func.nansum(dim=1).view(-1, G)
+        self.zero_std_groups.append(float((rewards == rewards[:, :1]).all(dim=1).float().mean()))
+
+    def _count_pass(self, result, args, kwargs, end):
+        if isinstance(self.trainer, GFPOTrainer) and self.trainer._deferring:
+            return  # a placeholder; the pass runs later on the kept rows (_deferred_logps)
+        self._record["pass_rows"] += args[1].size(0)
+
+    def _count_deferred_pass(self, result, args, kwargs, end):
+        model, batch_size, output, n_real = args
+        lockstep = self.trainer._forwards_in_lockstep()  # then every row runs, padding included
+        self._record["pass_rows"] += output["completion_ids"].size(0) if lockstep else n_real
+
+    def _count_trained(self, inputs):
+        record = self._record
+        rows, width = inputs["completion_ids"].shape
+        scored = int(inputs["completion_mask"].sum())
+        record["real_rows_trained"] += int(inputs[REAL_ROW_KEY].sum()) if REAL_ROW_KEY in inputs else rows
+        record["scored_tokens"] += scored
+        H, V = self._head
+        record["loss_gflop"] += executed_flops(self._loss_impl, True, scored, rows * width, H, V) / 1e9
+
+    def _end_backward(self, result, args, kwargs, end):
+        self._record["last_backward_end"] = end
+
+
+def finish_record(record: dict) -> dict:
+    """Derived phases of a step record: batch preparation and loss + backward from the nested timings."""
+    record = dict(record)
+    prepare, training_step = record.pop("prepare"), record.pop("training_step")
+    record["batch_prep"] = prepare - record["generation"] - record["rewards_selection"] - record["passes"]
+    record["loss_backward"] = training_step - prepare
+    record["other"] = record["time"] - sum(record[p] for p in PHASES if p != "other")
+    return record
+
+
+def _rng_state():
+    state = {"torch": torch.get_rng_state(), "python": __import__("random").getstate()}
+    if ON_GPU:
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state) -> None:
+    torch.set_rng_state(state["torch"])
+    __import__("random").setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def summary(driver: StepDriver, warmup: int, max_completion_length: int) -> dict:
+    """extra_info of an arm: the medians over its timed steps of every phase and count, its largest peak memory,
+    and the length and reward statistics of every step (warm-up included)."""
+    records = [finish_record(r) for r in driver.records[warmup:]]
+    info = {f"{phase}_s": statistics.median(r[phase] for r in records) for phase in PHASES}
+    info |= {count: statistics.median(r[count] for r in records) for count in COUNTS}
+    info["peak_memory_mib"] = max(r["peak_memory_mib"] for r in records)
+    info["step_times_s"] = [r["time"] for r in records]
+    info["lengths"] = length_stats([n for step in driver.lengths for n in step], max_completion_length)
+    info["zero_std_group_fraction"] = statistics.mean(driver.zero_std_groups)
+    for key in GFPO_METRICS:
+        values = [r[key] for r in driver.records if key in r]
+        if values:
+            info[key] = statistics.mean(values)
+    return info
+
+
+# -------------------------------------------------------------------- interleaved runs and the results file
+def run_interleaved(size_name: str, arms: list[str], rounds: int, warmup: int, overrides: dict | None = None) -> dict:
+    """Every arm's trainer built on a copy of one model, then `warmup + rounds` steps of each, in turn."""
+    size = SIZES[size_name]
+    if not ON_GPU:
+        torch.set_num_threads(CPU_THREADS)
+    tokenizer = make_tokenizer()
+    template = make_model(size, tokenizer, device="cuda" if ON_GPU else "cpu")
+    drivers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in arms:
+            extra = (overrides or {}).get(arm, {})
+            trainer = make_trainer(arm, size_name, copy.deepcopy(template), tokenizer, f"{tmp}/{arm}", **extra)
+            drivers[arm] = StepDriver(trainer)
+        try:
+            for i in range(warmup + rounds):
+                for arm, driver in drivers.items():
+                    record = finish_record(driver.step())
+                    print(f"step {i} {arm}: {record['time']:.3f} s  " + " ".join(
+                        f"{p}={record[p]:.3f}" for p in PHASES) + f"  decode={record['decode_steps']} "
+                        f"train_tokens={record['train_tokens']}", flush=True)
+        finally:
+            for driver in drivers.values():
+                driver.close()
+    return {arm: summary(driver, warmup, size.max_completion_length) for arm, driver in drivers.items()}
+
+
+def benchmark_json(size_name: str, results: dict, warmup: int) -> dict:
+    """The results in pytest-benchmark's JSON layout (bench/report.py reads it)."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
+    benchmarks = []
+    for arm, info in results.items():
+        times = info["step_times_s"]
+        benchmarks.append({
+            "name": f"test_e2e_step[{arm}]", "group": f"e2e step {size_name}", "params": {"arm": arm},
+            "stats": {"median": statistics.median(times), "mean": statistics.mean(times), "min": min(times),
+                      "max": max(times), "stddev": statistics.stdev(times) if len(times) > 1 else 0.0,
+                      "rounds": len(times), "data": times},
+            "extra_info": info | {"size": size_name, "eos_offset": eos_offset(SIZES[size_name]),
+                                  "warmup_rounds": warmup, "interleaved": True},
+        })
+    return {
+        "machine_info": {"device": device_name(), "versions": machine_versions(),
+                         "torch_threads": torch.get_num_threads()},
+        "commit_info": {"id": commit, "dirty": dirty},
+        "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "benchmarks": benchmarks,
+    }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def markdown(data: dict) -> str:
+    """The per-arm table (median step time, its split, the counts, peak memory) and the ratios of the issue."""
+    info, commit = data.get("machine_info", {}), data.get("commit_info", {})
+    cases = [b for b in data["benchmarks"] if b["name"].startswith("test_e2e_step")]
+    arm_of = {b["params"]["arm"]: b for b in cases}
+    lines = [
+        f"# End-to-end training step: {info.get('device', '?')}", "",
+        f"- date: {data.get('datetime', '?')}",
+        f"- commit: {commit.get('id', '?')[:12]}{' (dirty)' if commit.get('dirty') else ''}",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in (info.get('versions') or {}).items())}",
+        f"- size: {cases[0]['extra_info'].get('size')}, EOS offset {cases[0]['extra_info'].get('eos_offset')}; "
+        f"{'arms interleaved' if cases[0]['extra_info'].get('interleaved') else 'arms one after another'}, "
+        f"{cases[0]['stats']['rounds']} timed steps each after {cases[0]['extra_info'].get('warmup_rounds')} warm-up",
+        "", "Times in ms (median over the timed steps; min-max in brackets). Split: gen = generation, rew = rewards "
+        "and selection, pass = old/reference log-prob passes, prep = batch preparation, loss = loss and backward, "
+        "opt = optimizer, other = the rest (bench/e2e_driver.py).", "",
+        "| arm | step | min-max | gen | rew | pass | prep | loss | opt | other | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, b in arm_of.items():
+        e = b["extra_info"]
+        lines.append(f"| {arm} | {_ms(b['stats']['median'])} | {_ms(b['stats']['min'])}-{_ms(b['stats']['max'])} | "
+                     + " | ".join(_ms(e[f"{p}_s"]) for p in PHASES) + f" | {e['peak_memory_mib']:.0f} |")
+    lines += ["", "Counts per step (median over the timed steps; device-independent): decode steps, completion "
+              "tokens generated, rows x decode steps computed by generate, rows through the training forward (real "
+              "ones), tokens through it (rows x (prompt + completion width)), scored tokens, executed loss GFLOP "
+              "(LM-head GEMMs, bench/test_bench_linear_grpo.executed_flops), rows of the no-grad passes.", "",
+              "| arm | decode steps | tokens gen | row-steps | rows trained (real) | train tokens | scored "
+              "| loss GFLOP | pass rows |", "|---|---|---|---|---|---|---|---|---|"]
+    for arm, b in arm_of.items():
+        e = b["extra_info"]
+        lines.append(f"| {arm} | {e['decode_steps']:.0f} | {e['tokens_generated']:.0f} | {e['generated_row_steps']:.0f}"
+                     f" | {e['rows_trained']:.0f} ({e['real_rows_trained']:.0f}) | {e['train_tokens']:.0f} | "
+                     f"{e['scored_tokens']:.0f} | {e['loss_gflop']:.3g} | {e['pass_rows']:.0f} |")
+    lines += ["", "Completion lengths (every completion of every step; with the early-stop rule on, the stopped ones "
+              "are cut short) and rewards:", "",
+              "| arm | p10 | p25 | p50 | p75 | p90 | p99 | truncated | groups all-equal | kept all-equal | skipped "
+              "| stopped early |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, b in arm_of.items():
+        e = b["extra_info"]
+        q = e["lengths"]
+        opt = lambda key: f"{e[key]:.0%}" if key in e else "-"  # noqa: E731
+        lines.append(f"| {arm} | " + " | ".join(f"{q[f'p{p}']:.0f}" for p in (10, 25, 50, 75, 90, 99))
+                     + f" | {q['truncated']:.1%} | {e['zero_std_group_fraction']:.0%} | "
+                     f"{opt('gfpo/kept_frac_reward_zero_std')} | {opt('gfpo/skipped_zero_gradient_fraction')} | "
+                     f"{opt('gfpo/stopped_early_fraction')} |")
+    ratios = []
+    for num, den in (("gfpo-G16-k8", "grpo-G8"), ("gfpo-G16-k8", "gfpo-G16-k8-no-savings"),
+                     ("gfpo-G16-k8-token-efficiency", "grpo-G8"),
+                     ("gfpo-G16-k8-token-efficiency", "gfpo-G16-k8-no-savings")):
+        if num in arm_of and den in arm_of:
+            a, b = arm_of[num], arm_of[den]
+            ratios.append(f"- {num} / {den}: step time {a['stats']['median'] / b['stats']['median']:.2f}x, "
+                          f"decode steps {a['extra_info']['decode_steps'] / b['extra_info']['decode_steps']:.2f}x, "
+                          f"generated row-steps "
+                          f"{a['extra_info']['generated_row_steps'] / b['extra_info']['generated_row_steps']:.2f}x, "
+                          f"train tokens {a['extra_info']['train_tokens'] / b['extra_info']['train_tokens']:.2f}x")
+    if ratios:
+        lines += ["", "Ratios (the issue's goals: gfpo-G16-k8 / grpo-G8 <= 1, gfpo-G16-k8 / no-savings <= 0.5):", ""]
+        lines += ratios
+    variants = [(arm.partition("/")[0], arm) for arm in arm_of if "/" in arm and arm.partition("/")[0] in arm_of]
+    if variants:
+        lines += ["", "Savings measured against a variant that undoes them (bench/e2e_driver.py VARIANTS), same run:",
+                  ""]
+    for base, variant in variants:
+        a, b = arm_of[base]["extra_info"], arm_of[variant]["extra_info"]
+        step = arm_of[base]["stats"]["median"] / arm_of[variant]["stats"]["median"]
+        lines.append(f"- {base} / {variant}: step time {step:.2f}x, loss and backward "
+                     f"{a['loss_backward_s'] / b['loss_backward_s']:.2f}x, train tokens "
+                     f"{a['train_tokens'] / b['train_tokens']:.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="interleaved steps of the arms; writes JSON and its .md")
+    run.add_argument("--size", default="qwen2-0.5b" if ON_GPU else "cpu-small", choices=list(SIZES))
+    run.add_argument("--arms", nargs="+", default=list(ARMS), help=f"of {list(ARMS)}, or ARM/VARIANT with a variant "
+                     f"of {list(VARIANTS)}")
+    run.add_argument("--rounds", type=int, default=7)
+    run.add_argument("--warmup", type=int, default=1)
+    run.add_argument("--json", type=Path, required=True)
+    report = sub.add_parser("report", help="the .md of a results JSON")
+    report.add_argument("json", type=Path)
+    options = parser.parse_args(argv)
+    if options.command == "run":
+        results = run_interleaved(options.size, options.arms, options.rounds, options.warmup)
+        options.json.write_text(json.dumps(benchmark_json(options.size, results, options.warmup), indent=1))
+    data = json.loads(options.json.read_text())
+    options.json.with_suffix(".md").write_text(markdown(data))
+    print(markdown(data))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
