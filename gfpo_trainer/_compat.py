@@ -54,6 +54,10 @@ ROW_KEYS = {
 # loss path does not pass them, so a batch that carries one is refused there
 MULTIMODAL_INPUT_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                          "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# multimodal batch keys with one column per token of the prompt and the completion, (B, P + T): GRPOTrainer appends T
+# zero columns for the completion to the processor's token types (a model that reads them, e.g. Qwen2-VL's M-RoPE,
+# needs them as wide as its input ids)
+PROMPT_COMPLETION_KEYS = ("token_type_ids", "mm_token_type_ids")
 # the loss metrics GRPOTrainer._compute_loss logs as means over the scored tokens (or the sequences) of every process
 # (0 when there is none); kl, the clip ratios and vespo's weight where the loss has them
 TOKEN_MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",

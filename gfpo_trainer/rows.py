@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ._compat import ROW_KEYS, TOKEN_MEAN_METRICS
+from ._compat import PROMPT_COMPLETION_KEYS, ROW_KEYS, TOKEN_MEAN_METRICS, TRLSurfaceError
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,8 @@ def crop_to_longest_completion(trainer, batch: dict) -> dict:
     (sequence-level sampling), so a width of 1 would count the padding rows' entropy and clip ratios as real ones; a
     batch generated 1 token wide (max_completion_length=1, or the early-stop rule ending every group at its first
     token) gets a padding column. Prompts keep their width: with absolute position embeddings their left padding
-    sets the positions. Returns a new dict (the tensors it does not crop are shared)."""
+    sets the positions. The multimodal token types spanning prompt and completion (PROMPT_COMPLETION_KEYS) lose the
+    same completion columns. Returns a new dict (the tensors it does not crop are shared)."""
     T = batch["completion_ids"].size(1)
     width = max(2, int(batch["completion_mask"].sum(dim=1).max()))
     if trainer.pad_to_multiple_of:
@@ -169,6 +170,12 @@ def crop_to_longest_completion(trainer, batch: dict) -> dict:
             pad_value, pad_left = row_padding(trainer, key)
             if not pad_left:
                 cropped[key] = pad_to_width(value[:, :width], width, pad_value, pad_left=False)
+        elif key in PROMPT_COMPLETION_KEYS and isinstance(value, torch.Tensor):
+            P = batch["prompt_ids"].size(1)  # the completion's columns are the last T (0 there: text tokens)
+            if value.dim() != 2 or value.size(1) != P + T:
+                raise TRLSurfaceError(f"the batch's {key!r} has shape {tuple(value.shape)}, not (rows, prompt + "
+                                      f"completion width) = (rows, {P + T})")
+            cropped[key] = pad_to_width(value[:, : P + width], P + width, 0, pad_left=False)
     return cropped
 
 

@@ -9,10 +9,11 @@ import torch
 
 pytest.importorskip("trl")
 
+from datasets import Dataset  # noqa: E402
 from test_trainer import PROMPTS, make_trainer, model_dir, scored_batch, tokenizer  # noqa: E402,F401
 from transformers import TrainerCallback  # noqa: E402
 
-from gfpo_trainer import rows  # noqa: E402
+from gfpo_trainer import GFPOConfig, GFPOTrainer, rows  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model  # noqa: E402
 
 
@@ -319,6 +320,59 @@ def test_micro_batch_cropped_to_its_longest_completion_trains_the_same(model_dir
     prompt_width = output["prompt_ids"].size(1)
     width = 4 if case.get("pad_to_multiple_of") else 3
     assert T > width and widths == [prompt_width + width, prompt_width + T]
+    torch.testing.assert_close(cropped_loss, full_loss, rtol=1e-5, atol=1e-7)
+    for cropped, full in zip(cropped_grads, full_grads):
+        torch.testing.assert_close(cropped, full, rtol=1e-4, atol=1e-7)
+
+
+def test_multimodal_micro_batch_cropped_with_its_token_types(tmp_path, tokenizer, monkeypatch):  # noqa: F811
+    """A vision-language batch (GFPOTrainer without a filter trains TRL's GRPO on it): mm_token_type_ids spans prompt
+    and completion, and Qwen2-VL's M-RoPE reads it beside the input ids, so the micro-batch crop must drop the same
+    completion columns from it (it did not: IndexError in get_rope_index). Loss and gradients as at full width."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    image, vision_start = len(tokenizer), len(tokenizer) + 2  # token ids past the text tokenizer's
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer) + 3, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2, spatial_merge_size=2,
+                           temporal_patch_size=2, in_channels=3, mlp_ratio=2),
+        image_token_id=image, video_token_id=image + 1, vision_start_token_id=vision_start,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    args = GFPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=8, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+                      skip_zero_gradient_rows=False)
+    trainer = GFPOTrainer(model=Qwen2VLForConditionalGeneration(config), args=args, processing_class=tokenizer,
+                          reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                          train_dataset=Dataset.from_list([{"prompt": "1+2="}]))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    B, P, T, longest = 4, 6, 8, 3
+    prompt_ids = torch.randint(11, len(tokenizer), (B, P))
+    prompt_ids[:, 1], prompt_ids[:, 2] = vision_start, image  # one image of 2x2 patches: one token after merging
+    completion_mask = (torch.arange(T) < torch.tensor([[longest], [2], [1], [longest]])).long()
+    completion_ids = torch.randint(11, len(tokenizer), (B, T)).masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    token_types = torch.zeros(B, P + T, dtype=torch.long)
+    token_types[:, 2] = 1
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=torch.ones(B, P, dtype=torch.long), completion_ids=completion_ids,
+                  completion_mask=completion_mask, advantages=torch.tensor([1.0, -0.5, 0.25, -2.0]),
+                  num_items_in_batch=completion_mask.sum(), pixel_values=torch.randn(4 * B, 3 * 2 * 2 * 2),
+                  image_grid_thw=torch.tensor([[1, 2, 2]] * B), num_images=[1] * B, mm_token_type_ids=token_types)
+    assert rows.crop_to_longest_completion(trainer, inputs)["mm_token_type_ids"].shape == (B, P + longest)
+
+    def loss_and_grads():
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    cropped_loss, cropped_grads = loss_and_grads()
+    with monkeypatch.context() as patch:
+        patch.setattr("gfpo_trainer.trainer.crop_to_longest_completion", lambda trainer, batch: dict(batch))
+        full_loss, full_grads = loss_and_grads()
+    assert full_loss != 0 and len(cropped_grads) == len(full_grads) > 0
     torch.testing.assert_close(cropped_loss, full_loss, rtol=1e-5, atol=1e-7)
     for cropped, full in zip(cropped_grads, full_grads):
         torch.testing.assert_close(cropped, full, rtol=1e-4, atol=1e-7)
