@@ -205,10 +205,18 @@ def main(argv=None) -> int:
     train.add_argument("--config", required=True, help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
                        "and optionally dataset_split (default train)")
     options = parser.parse_args(argv)
+    try:  # the commands need the trainer extra, which `pip install --no-build-isolation .` alone does not bring
+        if options.command == "demo":
+            from .demo import DemoSettings, run_demo
+        else:
+            from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)
+    except ModuleNotFoundError as error:
+        missing = error.name.partition(".")[0] if error.name else str(error)  # the package, not its submodule
+        print(f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, "
+              'pip install tdigest && pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
+        return 2
 
     if options.command == "demo":
-        from .demo import DemoSettings, run_demo
-
         settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
         run_demo(settings, output_dir=options.output_dir, use_kernels=not options.no_kernels, verbose=options.verbose)
         return 0

@@ -318,3 +318,16 @@ def test_help_imports_no_training_stack(argv):
     done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("command, missing", [(["demo", "--smoke"], "tqdm"), (["train", "--config", "run.yaml"], "trl")])
+def test_commands_without_the_trainer_extra_say_what_to_install(command, missing):
+    """`pip install --no-build-isolation .` installs the kernels' dependencies only: a command then names the missing
+    module and the install command in one line, exit status 2, instead of a ModuleNotFoundError traceback."""
+    probe = (f"import sys; sys.modules[{missing!r}] = None  # import {missing} now raises ModuleNotFoundError\n"
+             "from gfpo_trainer.cli import main\nsys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, pip install "
+        'tdigest && pip install --no-build-isolation ".[trainer]" (docs/install.md)'], done.stderr
