@@ -232,6 +232,18 @@ TOKEN_LOCAL_CONFIGS = [c for c in CONFIGS if c.get("importance_sampling_level", 
 ]
 
 
+def _closed_form_and_autograd(logps, mask, adv, opts, **kwargs):
+    """The loss gradient at the scored tokens two ways: token_loss_gradient (the closed form) and autograd through
+    grpo_loss_from_logps; also the closed form's inputs and the tokens' flat positions."""
+    x = logps.clone().requires_grad_()
+    loss, _ = grpo_loss_from_logps(x, mask, adv, opts, **kwargs)
+    (want,) = torch.autograd.grad(loss, x)
+    positions = torch.nonzero(mask.reshape(-1) != 0).squeeze(1)
+    inputs = token_grad_inputs(mask, positions, adv, opts, **kwargs)
+    got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
+    return got, want.reshape(-1)[positions], inputs, positions
+
+
 @pytest.mark.parametrize("config", TOKEN_LOCAL_CONFIGS,
                          ids=[",".join(f"{k}={v}" for k, v in c.items()) for c in TOKEN_LOCAL_CONFIGS])
 @pytest.mark.parametrize("with_old", [True, False])
@@ -250,13 +262,8 @@ def test_closed_form_loss_gradient_is_autograds(config, with_old, ratio_shape):
     num_items = torch.tensor(23.0) if ratio_shape == "(B,1)" else None
     kwargs = dict(old_logps=old if with_old else None, ref_logps=ref if opts.beta != 0.0 else None,
                   vllm_is_ratio=ratio, num_items_in_batch=num_items)
-    x = logps.clone().requires_grad_()
-    loss, _ = grpo_loss_from_logps(x, mask, adv, opts, **kwargs)
-    (want,) = torch.autograd.grad(loss, x)
-    positions = torch.nonzero(mask.reshape(-1) != 0).squeeze(1)
-    inputs = token_grad_inputs(mask, positions, adv, opts, **kwargs)
-    got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
-    torch.testing.assert_close(got, want.reshape(-1)[positions], rtol=1e-5, atol=1e-7)
+    got, want, inputs, positions = _closed_form_and_autograd(logps, mask, adv, opts, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
     # a stage's rows alone give the same values (what the fused loss asks, stage by stage)
     lo, hi = 3, 7
     part = token_loss_gradient(logps.reshape(-1)[positions[lo:hi]], inputs.rows(lo, hi), opts)
@@ -277,13 +284,7 @@ def test_closed_form_weight_is_the_reductions_gradient(loss_type):
     mask = (torch.arange(T) < torch.tensor([13, 11, 9, 7, 6, 5, 3]).unsqueeze(1)).float()
     adv = torch.ones(B)
     for num_items in (None, 41.0):
-        x = logps.clone().requires_grad_()
-        loss, _ = grpo_loss_from_logps(x, mask, adv, opts, num_items_in_batch=num_items)
-        (want,) = torch.autograd.grad(loss, x)
-        positions = torch.nonzero(mask.reshape(-1)).squeeze(1)
-        inputs = token_grad_inputs(mask, positions, adv, opts, num_items_in_batch=num_items)
-        got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
-        want = want.reshape(-1)[positions]
+        got, want, _, _ = _closed_form_and_autograd(logps, mask, adv, opts, num_items_in_batch=num_items)
         assert torch.equal(got, want), (num_items, (got - want).abs().max())
 
 
@@ -292,15 +293,10 @@ def test_closed_form_follows_autograd_at_ties():
     the closed form does too (equal halves, so the full gradient); at a ratio above delta the first side passes
     nothing. Old log-probs equal to the policy's make every ratio exactly 1."""
     logps, mask, old, ref, adv, _ = (x.float() for x in _case(5))
-    positions = torch.nonzero(mask.reshape(-1) != 0).squeeze(1)
     for opts, old_logps in ((GRPOLossOptions(loss_type="dapo"), logps.clone()),
                             (GRPOLossOptions(loss_type="bnpo", delta=1.0, epsilon_high=0.5), logps - 0.2)):
-        x = logps.clone().requires_grad_()
-        loss, _ = grpo_loss_from_logps(x, mask, adv, opts, old_logps=old_logps)
-        (want,) = torch.autograd.grad(loss, x)
-        inputs = token_grad_inputs(mask, positions, adv, opts, old_logps=old_logps)
-        got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
-        torch.testing.assert_close(got, want.reshape(-1)[positions], rtol=1e-6, atol=0)
+        got, want, _, _ = _closed_form_and_autograd(logps, mask, adv, opts, old_logps=old_logps)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -367,13 +363,7 @@ def test_closed_form_follows_autograd_at_non_finite_ratios(config):
     old[1, :4] = torch.tensor([-100.0, float("-inf"), float("nan"), float("inf")])
     old[2, :4] = torch.tensor([-100.0, float("-inf"), float("nan"), float("inf")])
     kwargs = dict(old_logps=old, ref_logps=ref if opts.beta != 0.0 else None)
-    x = logps.clone().requires_grad_()
-    loss, _ = grpo_loss_from_logps(x, mask, adv, opts, **kwargs)
-    (want,) = torch.autograd.grad(loss, x)
-    positions = torch.nonzero(mask.reshape(-1) != 0).squeeze(1)
-    inputs = token_grad_inputs(mask, positions, adv, opts, **kwargs)
-    got = token_loss_gradient(logps.reshape(-1)[positions], inputs, opts)
-    want = want.reshape(-1)[positions]
+    got, want, _, _ = _closed_form_and_autograd(logps, mask, adv, opts, **kwargs)
     finite = torch.isfinite(want)
     assert not finite.all()
     assert torch.equal(torch.isfinite(got), finite)
