@@ -85,7 +85,7 @@ def batch_metric_names(trainer) -> list[str]:
 
 # GRPOTrainer attributes GFPO reads
 _ATTRIBUTES = ("num_generations", "reward_weights", "scale_rewards", "beta", "ref_model", "temperature", "loss_type",
-               "eos_token_ids", "use_vllm", "use_transformers_continuous_batching", "tools", "pad_to_multiple_of",
+               "eos_token_ids", "use_vllm", "vllm_mode", "use_transformers_continuous_batching", "tools", "pad_to_multiple_of",
                "_get_output_dir", "reward_func_names", "_metrics")
 
 
@@ -131,6 +131,35 @@ def is_supported_vllm(vllm: str, trl_version: str) -> bool:
         return False
     low, high = (Version(bound) for bound in bounds)
     return low <= Version(Version(vllm).base_version) <= high
+
+
+def check_vllm_version() -> None:
+    """With use_vllm=True: vLLM is installed, in the range of the installed TRL. Otherwise an ImportError of one line
+    naming the version found and the versions supported."""
+    found = vllm_version()
+    bounds = supported_vllm(trl.__version__)
+    supported = (f"vllm {bounds[0]} to {bounds[1]} (trl {trl.__version__}'s range)" if bounds
+                 else f"the vllm of a supported trl ({_supported()})")
+    if found is None:
+        raise ImportError(f"use_vllm=True needs {supported}, and vLLM is not installed: pip install 'gfpo[vllm]' "
+                          "(on a CPU-only machine: docs/vllm.md)")
+    if not is_supported_vllm(found, trl.__version__):
+        raise ImportError(f"use_vllm=True: vllm {found} is installed, GFPOTrainer supports {supported}: pip install "
+                          f"'gfpo[vllm]' installs one")
+
+
+def check_vllm_generation(trainer) -> None:
+    """The colocated vLLM engine GFPO's seeded, stopping generation drives (use_vllm=True, vllm_mode="colocate",
+    group_filter="length"): TRL's VLLMGeneration attributes it reads, then the vLLM engine surfaces."""
+    from .vllm_stop import check_vllm_surfaces
+
+    generation = getattr(trainer, "vllm_generation", None)
+    for name in ("llm", "tensor_parallel_size") + (("tp_group",) if getattr(generation, "tensor_parallel_size", 1) > 1
+                                                   else ()):
+        if not hasattr(generation, name):
+            raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer.vllm_generation no longer has {name!r}, which "
+                                  f"GFPO's vLLM generation reads; {_supported()}")
+    check_vllm_surfaces(generation.llm)
 
 
 def _accepts(method, expected: list[str]) -> bool:

