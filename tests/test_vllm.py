@@ -28,8 +28,8 @@ from gfpo_kernels import reference as ref  # noqa: E402
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
-from gfpo_trainer.demo import DemoSettings, correctness_reward, warm_up  # noqa: E402
-from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
+from gfpo_trainer.demo import correctness_reward  # noqa: E402
+from gfpo_trainer.tiny import make_tokenizer  # noqa: E402
 from gfpo_trainer.vllm_cpu import keep_linear_weights  # noqa: E402
 from gfpo_trainer.vllm_stop import VLLMGroupGeneration, VLLMSurfaceError, check_vllm_surfaces, request_seeds  # noqa: E402
 
@@ -50,17 +50,8 @@ def cpu_engine_keeps_weights():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Qwen2 (hidden 64, one head: head dim 64) warmed up on the demo task, so completions end at varied
-    lengths (3 to 20 tokens) and the rule has work to do."""
-    tokenizer = make_tokenizer()
-    model = make_tiny_model(tokenizer, hidden_size=64, num_heads=1)
-    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)],
-            DemoSettings(warmup_steps=80, hidden_size=64, max_operand=10), "cpu")
-    path = tmp_path_factory.mktemp("warm-vllm")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+def model_dir(vllm_model_dir):
+    return vllm_model_dir
 
 
 def make_config(tmp_path, **overrides):
