@@ -26,7 +26,7 @@ if [ "$(cat "$VENV/.gfpo-stamp" 2>/dev/null)" != "$stamp" ]; then
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
   echo "$stamp" >"$VENV/.gfpo-stamp"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1
 "$PY" -c "import vllm, trl, transformers, torch; print('vLLM CPU engine check: vllm', vllm.__version__, 'trl', \
 trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py "$@"
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm*.py "$@"
