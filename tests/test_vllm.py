@@ -367,3 +367,35 @@ def test_trl_not_calling_the_engine_is_an_error(model_dir, tmp_path, monkeypatch
     monkeypatch.setattr(trainer.vllm_generation, "generate", generate_elsewhere)
     with pytest.raises(TRLSurfaceError, match="did not call LLM.generate of its colocated vLLM engine"):
         scored_batch(trainer)
+
+
+def test_two_processes_with_groups_straddling_them(model_dir, tmp_path):
+    """Two processes (torchrun, gloo), each with its own colocated engine (TRL's external launcher), 3 groups of 8
+    over 2 x 12 rows: group 1 straddles them. Each process counts only its own rows of a group (conservative): a
+    straddling group's rows stop only where the process's own rows show K finished. With the rule on and off, the
+    same completions where none was stopped, and the same kept rows: the reference top-K of the lengths."""
+    import json
+
+    from gfpo_test_utils import launch_cpu_workers
+
+    launch_cpu_workers("mp_vllm_worker.py", 2, str(tmp_path), model_dir, timeout=600,
+                       VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    off, on = ranks[0]["off"], ranks[0]["on"]
+    assert ranks[1]["on"]["all_ids"] == on["all_ids"]  # both processes saw the same global batch
+    assert not any(off["all_stopped"]) and any(on["all_stopped"])
+    ids_off, ids_on, stopped = off["all_ids"], on["all_ids"], on["all_stopped"]
+    for i in range(24):
+        if stopped[i]:
+            assert ids_off[i][: len(ids_on[i])] == ids_on[i] and len(ids_on[i]) < len(ids_off[i])
+            local = range(12 * (i // 12), 12 * (i // 12) + 12)  # the process's own rows of the row's group
+            finished = sorted(len(ids_on[j]) for j in local if j // 8 == i // 8 and not stopped[j])
+            assert len(finished) >= 3 and len(ids_on[i]) > finished[2]
+        else:
+            assert ids_on[i] == ids_off[i]
+    lengths = torch.tensor([len(x) for x in ids_off], dtype=torch.float32)
+    keep = ref.group_topk_mask(lengths, 8, 3, largest=False)
+    want = [ids_off[i] for i in keep.nonzero().squeeze(1).tolist()]
+    for run in ("off", "on"):
+        assert sorted(ranks[0][run]["rows"] + ranks[1][run]["rows"]) == sorted(want), run
+    assert ranks[0]["on"]["train_steps"] == ranks[1]["on"]["train_steps"] == 1
