@@ -278,7 +278,9 @@ pytest_step() {  # name, pytest arguments...: -v, so a run cut at its budget has
     extra+=(--collect-only -q)  # the selection is checked; running it is CI's job on a CPU
   else
     extra+=(-v)
-    [ "$ON_CPU" = 1 ] || extra+=(--timeout=120)  # pytest-timeout is on the GPU image: one hung test, not the step
+    # one hung test, not the whole step (pytest-timeout is listed on the GPU image; without it --timeout would stop
+    # pytest at once)
+    [ "$ON_CPU" = 1 ] || ! "$PY" -c 'import pytest_timeout' 2>/dev/null || extra+=(--timeout=120)
   fi
   run_step "$name" "$PY" -m pytest "$@" "${extra[@]}"
 }
@@ -345,13 +347,14 @@ step_bench_train() {
 }
 
 step_bench_e2e() {  # part, timed rounds, arms...: the EOS offset calibrated here unless given, then the arms' steps
-  local part=$1 rounds=${GFPO_E2E_ROUNDS:-$2}; shift 2
+  local part=$1 rounds=$2; shift 2
   local size=qwen2-0.5b json="$OUTDIR/$STEM-e2e-$part.json"
   [ "$ON_CPU" = 1 ] && size=cpu-small rounds=1
+  rounds=${GFPO_E2E_ROUNDS:-$rounds}
   if [ -z "${GFPO_E2E_EOS_OFFSET:-}" ]; then
     # 128 steps of 4 samples a prompt, as the committed offset was found on a CPU; no second generation to measure
     # the lengths (the arms without early stop report them): 1024 steps would cost a minute here
-    run_step e2e-calibration "$PY" bench/e2e_inputs.py "$size" --steps 128 --no-measure || return 1
+    run_step e2e-calibration "$PY" bench/e2e_inputs.py "$size" --steps 128 --no-measure || return  # its status
     local offset=OFFSET
     if [ "$DRY" = 0 ]; then
       mv "$OUTDIR/e2e-calibration.log" "$OUTDIR/e2e-calibration.txt"
