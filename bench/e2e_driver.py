@@ -4,6 +4,7 @@ pytest-benchmark; this module's command line runs the arms interleaved (step 1 o
 which a machine shared with other jobs needs for a fair comparison, and writes the results file and its table.
 
     python bench/e2e_driver.py run [--size cpu-small] [--rounds 7] [--arms A B ...] --json OUT.json
+                                                        # OUT.json and OUT.md rewritten after every timed step
     python bench/e2e_driver.py report OUT.json          # OUT.md from a JSON of `run` or of pytest-benchmark
 
 Arms (bench/e2e_inputs.py gives them the same model, prompts, reward and seed; every arm trains on the same number
@@ -37,7 +38,9 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -397,8 +400,10 @@ def summary(driver: StepDriver, warmup: int, max_completion_length: int) -> dict
 
 
 # -------------------------------------------------------------------- interleaved runs and the results file
-def run_interleaved(size_name: str, arms: list[str], rounds: int, warmup: int, overrides: dict | None = None) -> dict:
-    """Every arm's trainer built on a copy of one model, then `warmup + rounds` steps of each, in turn."""
+def run_interleaved(size_name: str, arms: list[str], rounds: int, warmup: int, overrides: dict | None = None,
+                    on_step=None) -> dict:
+    """Every arm's trainer built on a copy of one model, then `warmup + rounds` steps of each, in turn. After every
+    timed step, `on_step` (if given) gets the results so far: the summary of each arm with a timed step."""
     size = SIZES[size_name]
     if not ON_GPU:
         torch.set_num_threads(CPU_THREADS)
@@ -417,17 +422,30 @@ def run_interleaved(size_name: str, arms: list[str], rounds: int, warmup: int, o
                     print(f"step {i} {arm}: {record['time']:.3f} s  " + " ".join(
                         f"{p}={record[p]:.3f}" for p in PHASES) + f"  decode={record['decode_steps']} "
                         f"train_tokens={record['train_tokens']}", flush=True)
+                    if on_step is not None and i >= warmup:
+                        on_step({name: summary(d, warmup, size.max_completion_length)
+                                  for name, d in drivers.items() if len(d.records) > warmup})
         finally:
             for driver in drivers.values():
                 driver.close()
     return {arm: summary(driver, warmup, size.max_completion_length) for arm, driver in drivers.items()}
 
 
-def benchmark_json(size_name: str, results: dict, warmup: int) -> dict:
-    """The results in pytest-benchmark's JSON layout (bench/report.py reads it)."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+@functools.cache
+def _commit_info() -> tuple[str, bool]:
+    """(commit, dirty) of the checkout; where git cannot tell (a GPU machine gets the tree without .git), the commit
+    that bench/gpu_run.sh was given in GFPO_COMMIT."""
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    if git.returncode != 0:
+        return os.environ.get("GFPO_COMMIT", ""), False
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
+    return git.stdout.strip(), dirty
+
+
+def benchmark_json(size_name: str, results: dict, warmup: int) -> dict:
+    """The results in pytest-benchmark's JSON layout (bench/report.py reads it)."""
+    commit, dirty = _commit_info()
     benchmarks = []
     for arm, info in results.items():
         times = info["step_times_s"]
@@ -525,6 +543,13 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """A copy taken at any moment (bench/gpu_run.sh archives its folder while a step runs) holds a whole file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -539,8 +564,12 @@ def main(argv=None) -> None:
     report.add_argument("json", type=Path)
     options = parser.parse_args(argv)
     if options.command == "run":
-        results = run_interleaved(options.size, options.arms, options.rounds, options.warmup)
-        options.json.write_text(json.dumps(benchmark_json(options.size, results, options.warmup), indent=1))
+        def write(results):  # after every timed step: a run stopped at a time limit keeps the steps it finished
+            _write_atomically(options.json, json.dumps(benchmark_json(options.size, results, options.warmup),
+                                                       indent=1))
+            _write_atomically(options.json.with_suffix(".md"), markdown(json.loads(options.json.read_text())))
+
+        write(run_interleaved(options.size, options.arms, options.rounds, options.warmup, on_step=write))
     data = json.loads(options.json.read_text())
     options.json.with_suffix(".md").write_text(markdown(data))
     print(markdown(data))

@@ -6,7 +6,7 @@
 # (+accumulation-tree, pyudorandom). accumulation-tree and pyudorandom are published as sdists only: we build
 # their cp312 wheels here with a local python3.12; if none is here, the sdists travel and bench/gpu_run.sh
 # builds it there (the image has Cython and setuptools).
-#   bash scripts/gpu_wheels.sh          # then check: ls -la .whl; du -sh .whl
+#   bash scripts/gpu_wheels.sh          # ends with the size of what a device call sends (at most 64 MiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=.whl
@@ -49,3 +49,10 @@ for w in "$DEST"/*.whl; do
   unzip -p "$w" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'extra ==' || true
 done
 du -sh "$DEST"
+
+# What a device call sends (docs/performance.md, "Running on a GPU"): this checkout's tracked and untracked-not-ignored
+# files, and the carried .whl/; the device tool refuses more than 64 MiB.
+tree=$( (git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null || true) | awk '{s += $1} END {print s + 0}')
+wheels=$(cat "$DEST"/* | wc -c)
+echo "travels: tree $tree + $DEST $wheels = $((tree + wheels)) bytes (limit $((64 << 20)))"
+[ $((tree + wheels)) -le $((64 << 20)) ] || { echo "over the device tool's 64 MiB: carry less" >&2; exit 1; }
