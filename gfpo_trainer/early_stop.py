@@ -23,7 +23,10 @@ from transformers import LogitsProcessor
 class StopDroppedCompletions(LogitsProcessor):
     """A logits processor for `generate`: forces EOS on the running rows of every group in which `k` rows have
     already ended. Rows are the local rows of one generation call, `first_row` the global index of row 0, and
-    rows `[g * group_size, (g + 1) * group_size)` (global) form group g."""
+    rows `[g * group_size, (g + 1) * group_size)` (global) form group g.
+
+    It must see every decoding step (it keeps which rows have ended from the last token of each), and it never reads
+    a value back to the host: a step costs a few small kernels and one pass over the scores, no synchronisation."""
 
     def __init__(self, eos_token_ids: list[int], group_size: int, k: int, first_row: int = 0):
         self.eos = torch.tensor(eos_token_ids)
@@ -33,23 +36,32 @@ class StopDroppedCompletions(LogitsProcessor):
         self.prompt_length: int | None = None
         self.stopped: torch.Tensor | None = None  # rows this processor ended early
 
+    def _start(self, input_ids: torch.LongTensor) -> None:
+        rows, device = input_ids.shape[0], input_ids.device
+        self.prompt_length = self._seen_length = input_ids.shape[1]
+        self.stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        self._ended = torch.zeros(rows, dtype=torch.bool, device=device)
+        self._eos = self.eos.to(device)
+        first_group = self.first_row // self.group_size
+        self._group = (self.first_row + torch.arange(rows, device=device)) // self.group_size - first_group
+        self._num_groups = (self.first_row + rows - 1) // self.group_size - first_group + 1  # host arithmetic
+
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:
-            self.prompt_length = input_ids.shape[1]
-            self.stopped = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        generated = input_ids[:, self.prompt_length :]
-        if generated.shape[1] == 0:
+            self._start(input_ids)
+        if input_ids.shape[1] == self.prompt_length:
             return scores
-        eos = self.eos.to(input_ids.device)
-        finished = torch.isin(generated, eos).any(dim=1)
-        rows = self.first_row + torch.arange(input_ids.shape[0], device=input_ids.device)
-        group = rows // self.group_size - self.first_row // self.group_size
-        ended = torch.zeros(int(group.max()) + 1, dtype=torch.long, device=input_ids.device)
-        ended.index_add_(0, group, finished.long())
-        stop = ~finished & (ended[group] >= self.k)
-        if stop.any():
-            scores = scores.clone()
-            scores[stop] = -float("inf")
-            scores[stop, eos[0]] = 0.0
-            self.stopped |= stop
+        if input_ids.shape[1] != self._seen_length + 1:
+            raise RuntimeError(f"StopDroppedCompletions saw {input_ids.shape[1] - self._seen_length} new tokens at "
+                               "once; it must be called at every decoding step")
+        self._seen_length = input_ids.shape[1]
+        self._ended |= torch.isin(input_ids[:, -1], self._eos)
+        ended = torch.zeros(self._num_groups, dtype=torch.long, device=input_ids.device)
+        ended.index_add_(0, self._group, self._ended.long())
+        stop = ~self._ended & (ended[self._group] >= self.k)
+        self.stopped |= stop
+        # a stopped row's only choice is the first EOS token (written without asking whether any row stops)
+        scores = scores.masked_fill(stop.unsqueeze(1), -float("inf"))
+        eos = self._eos[:1]
+        scores[:, eos] = torch.where(stop.unsqueeze(1), 0.0, scores[:, eos])
         return scores

@@ -31,6 +31,27 @@ def test_processor_forces_eos_once_k_rows_of_a_group_ended():
     assert torch.equal(out[~stopped], scores[~stopped])
 
 
+def test_processor_reads_nothing_back_to_the_host(monkeypatch):
+    """No .item(), bool() or int() of a tensor in a decoding step: on a GPU each would wait for the step's kernels.
+    Ended rows are tracked from each step's last token (not a scan of everything generated)."""
+    stopper = StopDroppedCompletions([EOS, 2], group_size=4, k=2, first_row=0)
+    prompt = torch.full((8, 2), 5)
+    stopper(prompt, torch.zeros(8, 6))
+    steps = [torch.tensor([[EOS], [3], [3], [4], [2], [3], [3], [3]]),  # rows 0 and 4 end (4 on the second EOS id)
+             torch.tensor([[0], [3], [EOS], [4], [0], [EOS], [3], [3]])]  # rows 2 and 5 end: groups 0 and 1 reach k
+    for name in ("item", "__bool__", "__int__", "__index__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, **k: pytest.fail("a host read in a decoding step"))
+    generated = prompt
+    for step in steps:
+        generated = torch.cat([generated, step], dim=1)
+        out = stopper(generated, torch.zeros(8, 6))
+    monkeypatch.undo()
+    assert stopper.stopped.tolist() == [False, True, False, True, False, False, True, True]
+    assert out[1].argmax().item() == EOS and torch.isinf(out[1, 2:]).all() and torch.equal(out[0], torch.zeros(6))
+    with pytest.raises(RuntimeError, match="saw 2 new tokens at once; it must be called at every decoding step"):
+        stopper(torch.cat([generated, torch.zeros(8, 2, dtype=torch.long)], dim=1), torch.zeros(8, 6))
+
+
 def test_processor_counts_only_this_process_rows_of_a_straddling_group():
     """Rows 6..9 globally on this process (first_row=6, group_size=4): rows 6, 7 close group 1, 8, 9 open group 2."""
     stopper = StopDroppedCompletions([EOS], group_size=4, k=2, first_row=6)
