@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 
 import torch
 from transformers import LogitsProcessorList
@@ -306,15 +307,24 @@ class GFPOTrainer(GRPOTrainer):
         self._gfpo_selection, self._deferred, self._stopped_rows, self._tool_mask = None, [], None, None
         self._deferring = (filtering or skip_zero) and self._can_defer()
         metric_counts = logged_metric_counts(self) if filtering else None  # before TRL logs this batch
+        # the completions table's advantages: TRL logs its GRPO advantages of every row into this deque; with a filter
+        # they are replaced by GFPO's, so TRL writes this batch's into an empty one first (to count them)
+        logged_advantages = self._logs["advantages"]
+        if filtering:
+            self._logs["advantages"] = deque()  # unbounded: every entry TRL writes is counted
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._deferring = False
+            trl_advantages, self._logs["advantages"] = self._logs["advantages"], logged_advantages
         if not (filtering or skip_zero):
             return output
         if filtering and self._gfpo_selection is None:
             raise TRLSurfaceError("GRPOTrainer._generate_and_score_completions did not call _calculate_rewards")
         selection, self._gfpo_selection = self._gfpo_selection, None
+        if filtering and len(trl_advantages) != selection["keep"].numel():
+            raise TRLSurfaceError(f"GRPOTrainer logged {len(trl_advantages)} advantages for a generation batch of "
+                                  f"{selection['keep'].numel()} completions; GFPO replaces them by its own")
         return self._filter_output(output, selection, skip_zero, metric_counts)
 
     def _filter_output(self, output: dict, selection: dict | None, skip_zero: bool,
@@ -353,12 +363,9 @@ class GFPOTrainer(GRPOTrainer):
         log_selection(self, selection, keep, stopped)
         if self.args.group_filter == "length":  # whether or not the early-stop rule is on: the same rows either way
             log_trl_metrics_of_kept_rows(self, selection, keep, metric_counts)
-        # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (TRL logged its own
-        # GRPO advantages of every row there: the last keep.numel() entries)
-        logged = self._logs["advantages"]
-        for _ in range(min(keep.numel(), len(logged))):
-            logged.pop()
-        logged.extend(selection["advantages"].tolist())
+        # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (in place of TRL's GRPO
+        # advantages of every row, which _generate_and_score_completions counted and set aside)
+        self._logs["advantages"].extend(selection["advantages"].tolist())
         return output
 
     def _forwards_in_lockstep(self) -> bool:

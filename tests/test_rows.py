@@ -146,6 +146,25 @@ def test_skipping_zero_gradient_rows_changes_no_parameter(model_dir, tokenizer, 
     assert sum(rows_on) < sum(rows_off)  # fewer rows went through the training forward
 
 
+def test_skipped_rows_refuse_to_replay_draws_trl_no_longer_makes(model_dir, tokenizer, tmp_path, monkeypatch):  # noqa: F811
+    """Replaying the unskipped batch's shuffle assumes TRL's only CPU draw between a generation batch and its loss is
+    one torch.randperm over its rows. A TRL that draws anything else there fails loudly, instead of silently
+    repeating or skipping random numbers."""
+    from trl.trainer import grpo_trainer
+
+    from gfpo_trainer._compat import TRLSurfaceError
+
+    shuffle = grpo_trainer.shuffle_sequence_dict
+
+    def shuffle_and_draw(batch):
+        torch.rand(1)  # a draw the replay does not know of
+        return shuffle(batch)
+
+    monkeypatch.setattr(grpo_trainer, "shuffle_sequence_dict", shuffle_and_draw)
+    with pytest.raises(TRLSurfaceError, match="no longer one torch.randperm over the batch's rows"):
+        _train(model_dir, tokenizer, tmp_path, True, loss_type="grpo")
+
+
 @pytest.mark.parametrize("case", [dict(loss_type="bnpo"), dict(loss_type="grpo", beta=0.04),
                                   dict(loss_type="grpo", steps_per_generation=4),
                                   # a generation batch of 3 micro-batches straddles optimizer steps of 4

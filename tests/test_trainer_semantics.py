@@ -177,6 +177,22 @@ def test_trl_logging_a_batch_metric_twice_is_a_surface_error(model_dir, tokenize
         scored_batch(trainer)
 
 
+def test_trl_logging_another_number_of_advantages_is_a_surface_error(model_dir, tokenizer, tmp_path):  # noqa: F811
+    """The completions table's advantages: GFPO replaces the ones TRL logs for the batch, one a completion; if TRL
+    logs another number, replacing them would misalign the table, and GFPO says so."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path)
+    generate = trainer._generate
+
+    def generate_logging_an_extra_advantage(prompts):
+        result = generate(prompts)
+        trainer._logs["advantages"].append(0.5)
+        return result
+
+    trainer._generate = generate_logging_an_extra_advantage
+    with pytest.raises(TRLSurfaceError, match="logged 9 advantages for a generation batch of 8 completions"):
+        scored_batch(trainer)
+
+
 def test_length_filters_count_model_tokens_only(model_dir, tokenizer, tmp_path):  # noqa: F811
     """With tool calling, tool-output tokens (tool_mask 0) are not the model's length."""
     trainer = make_trainer(model_dir, tokenizer, tmp_path)
