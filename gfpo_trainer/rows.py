@@ -140,7 +140,8 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
             # leaves another state: the next generation would sample differently than with the skip off.
             # restore_shuffle_rng puts back the state the unskipped batch's shuffle leaves, once it has checked that
             # TRL drew exactly the one permutation of `share` rows (a TRL that draws otherwise is an error there).
-            trainer._gfpo_rng_after_shuffle = (rng_state_after_shuffle(share), rng_state_after_shuffle(unskipped_share))
+            trainer._gfpo_rng_after_shuffle = (torch.get_rng_state(), rng_state_after_shuffle(share),
+                                               rng_state_after_shuffle(unskipped_share))
     # less work in the old/reference passes and the loss, and the batch no longer depends on how long the dropped
     # completions ran (see gfpo_stop_dropped_generations); compute_loss crops each micro-batch further
     output.update(crop_to_longest_completion(trainer, output))
@@ -199,20 +200,24 @@ def restore_shuffle_rng(trainer) -> None:
     """Called before the loss of a batch: after a batch with skipped rows, the CPU random state becomes the one an
     unskipped batch's shuffle leaves, so every later draw is what it would be with the skip off. The state found must
     be the one TRL's shuffle of the trained rows leaves (one torch.randperm of their number, from the state the batch
-    was handed over in): anything else means TRL draws otherwise now, and replaying would silently repeat or skip
-    random numbers."""
+    was handed over in), or that state itself (the loss called on the batch directly, outside TRL's training step:
+    nothing was drawn, nothing to replay). Anything else means TRL draws otherwise now, and replaying would silently
+    repeat or skip random numbers."""
     states = getattr(trainer, "_gfpo_rng_after_shuffle", None)
     if states is None:
         return
     trainer._gfpo_rng_after_shuffle = None
-    expected, unskipped = states
-    if not torch.equal(torch.get_rng_state(), expected):
+    handed_over, expected, unskipped = states
+    current = torch.get_rng_state()
+    if torch.equal(current, expected):  # (first: a permutation of 0 or 1 rows may draw nothing)
+        torch.set_rng_state(unskipped)
+        return
+    if not torch.equal(current, handed_over):
         raise TRLSurfaceError(
             "GRPOTrainer's CPU random draws between a generation batch and its first loss are no longer one "
             "torch.randperm over the batch's rows (trl.trainer.utils.shuffle_sequence_dict), which "
             "skip_zero_gradient_rows replays to keep later draws as without skipping; set skip_zero_gradient_rows=False"
         )
-    torch.set_rng_state(unskipped)
 
 
 def row_padding(trainer, key: str) -> tuple:

@@ -138,6 +138,10 @@ class VLLMGroupGeneration:
             for i, prompt in enumerate(prompts):
                 params = sampling_params.clone()
                 params.output_kind = RequestOutputKind.DELTA  # each step's new tokens: the running lengths
+                if not params.stop:
+                    # TRL reads token ids only (it decodes them itself); the text of every step would be detokenized
+                    # and concatenated for nothing. Stop strings need it.
+                    params.detokenize = False
                 if self.seeds is not None:
                     params.seed = int(self.seeds[i])
                 engine.add_request(request_ids[i], prompt, params)
@@ -147,13 +151,13 @@ class VLLMGroupGeneration:
             raise
 
         outputs: list = [None] * n
-        finished = [False] * n
         self.stopped = [False] * n
         group_of = [(self.first_row + i) // self.group_size for i in range(n)]
-        rows_of_group: dict[int, list[int]] = {}
+        running: dict[int, set[int]] = {}  # group -> its rows still generating
         for i, group in enumerate(group_of):
-            rows_of_group.setdefault(group, []).append(i)
-        finished_lengths: dict[int, list[int]] = {group: [] for group in rows_of_group}
+            running.setdefault(group, set()).add(i)
+        finished_lengths: dict[int, list[int]] = {group: [] for group in running}
+        limits: dict[int, int] = {}  # group -> its k-th shortest finished length, once k have finished
         try:
             while engine.has_unfinished_requests():
                 step_outputs = engine.step()
@@ -168,12 +172,15 @@ class VLLMGroupGeneration:
                     else:
                         outputs[i].add(output, aggregate=True)
                     if output.finished:
-                        finished[i] = True
-                        finished_lengths[group_of[i]].append(len(outputs[i].outputs[0].token_ids))
-                if self.stop:
-                    self._abort_dropped(request_ids, outputs, finished, rows_of_group, finished_lengths)
+                        group = group_of[i]
+                        running[group].discard(i)
+                        finished_lengths[group].append(len(outputs[i].outputs[0].token_ids))
+                        if len(finished_lengths[group]) >= self.k:
+                            limits[group] = sorted(finished_lengths[group])[self.k - 1]
+                if self.stop and limits:
+                    self._abort_dropped(request_ids, outputs, running, limits)
         except BaseException:
-            engine.abort_request([request_ids[i] for i in range(n) if not finished[i] and not self.stopped[i]])
+            engine.abort_request([request_ids[i] for rows in running.values() for i in rows])
             raise
         for i, output in enumerate(outputs):
             if output is None:  # cannot happen: the rule aborts a request only once it holds more than L >= 1 tokens
@@ -184,19 +191,16 @@ class VLLMGroupGeneration:
         self.generated_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
         return outputs
 
-    def _abort_dropped(self, request_ids, outputs, finished, rows_of_group, finished_lengths) -> None:
+    def _abort_dropped(self, request_ids, outputs, running, limits) -> None:
         """Aborts, in one call, every running request that holds more tokens than the k-th shortest finished
         completion of its group."""
         to_abort = []
-        for group, lengths in finished_lengths.items():
-            if len(lengths) < self.k:
-                continue
-            limit = sorted(lengths)[self.k - 1]
-            for i in rows_of_group[group]:
-                if finished[i] or self.stopped[i] or outputs[i] is None:
-                    continue
-                if len(outputs[i].outputs[0].token_ids) > limit:
-                    self.stopped[i] = True
-                    to_abort.append(request_ids[i])
+        for group, limit in limits.items():
+            rows = running[group]
+            cut = [i for i in rows if outputs[i] is not None and len(outputs[i].outputs[0].token_ids) > limit]
+            for i in cut:
+                rows.discard(i)
+                self.stopped[i] = True
+                to_abort.append(request_ids[i])
         if to_abort:
             self.engine.abort_request(to_abort)
