@@ -12,11 +12,12 @@ import gfpo_kernels
 from gfpo_kernels import fused_linear_grpo as flg
 from gfpo_kernels import reference as ref
 from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
+from gfpo_kernels.loss_types import LOSS_SPECS
 
 from gfpo_test_utils import DEVICE, LOSS_BACKENDS, peak_memory, record_on_device, record_plans
 
 B, T, H, V = 3, 6, 16, 40
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(LOSS_SPECS)
 
 
 def force_plan(monkeypatch, stage_rows, chunk_rows):
@@ -797,6 +798,27 @@ def test_log_prob_pass_loss_gradient_at_non_finite_ratios(backend, config):
     assert not finite.all()
     assert torch.equal(torch.isfinite(g_rows), finite)
     torch.testing.assert_close(g_rows[finite], want[finite], rtol=1e-5, atol=1e-7)
+
+
+def test_an_unknown_loss_type_at_the_log_prob_pass_is_an_error(backend):
+    """A loss type without a row in loss_types.LOSS_SPECS that reaches the log-prob pass's loss gradient (options made
+    around GRPOLossOptions' own check) is a ValueError naming it, in the Triton dispatch and in the torch closed
+    form alike, never another type's branch (before: the Triton kernel took the clipped branch, the torch twin
+    vespo's)."""
+    options = GRPOLossOptions(loss_type="dapo")
+    object.__setattr__(options, "loss_type", "made_up")
+    p = _problem(97)
+    positions = torch.nonzero(p["mask"].reshape(-1) != 0).squeeze(1)
+    n = positions.numel()
+    inputs = flg.token_grad_inputs(p["mask"], positions, p["adv"], GRPOLossOptions(loss_type="dapo"),
+                                   old_logps=p["old"])
+    logits = torch.randn(n, V, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logps, entropy = torch.zeros(B * T, device=DEVICE), torch.zeros(B * T, device=DEVICE)
+    lse, g_rows = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
+    with pytest.raises(ValueError, match=r"loss_type must be one of .* got loss_type='made_up'"):
+        flg._backend_ops(backend)[0](logits, p["target"].reshape(-1)[positions], 1.0, None, logps=logps,
+                                     entropy=entropy, lse=lse, positions=positions, g=g_rows, g_inputs=inputs,
+                                     options=options)
 
 
 SKIP_CONFIGS = [
