@@ -2,7 +2,8 @@
 bench/test_bench_linear_grpo.py times as "trl"): per call, the executed GEMM FLOPs, the HBM bytes (trips over the
 logits, the fp32 weight-gradient accumulator's reads and writes), the kernel launches and host time per phase (per
 stage of the projection loop, per chunk of the gradient GEMMs), the peak extra memory, and a time from stated device
-constants. It needs no GPU: it reads a plan, not a device.
+constants. It needs no GPU: it reads a plan (chunk_plan.plan_chunks, the function the loss plans with), not a
+device.
 
 How it works. A builder writes one call as the host issues it, op by op, with the allocations and frees between
 them. `simulate` then runs two clocks: the host issues each op after the previous one (its host cost), the device
@@ -31,8 +32,9 @@ again: bench/predicted_vs_measured.py prints the model's numbers beside a result
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
+
+from .chunk_plan import DEFAULT_LIMITS, Budget, CallShape, PlanLimits, plan_chunks
 
 GiB = 2**30
 
@@ -399,28 +401,24 @@ def cec7c50_plan(n: int, V: int, operand_bytes: int = 2, budget: int = 4 << 30) 
                     backward_cast="torch")
 
 
+def call_shape(n: int, positions: int, H: int, V: int, *, operand_bytes: int = 2, zero_rows: int = 0,
+               weight_grad: bool = True) -> CallShape:
+    """The planner's view of a call with parameters in the operand dtype, gradients for hidden and, unless not
+    `weight_grad` (a frozen head), weight; `zero_rows` of the n scored tokens have a loss gradient of exactly 0."""
+    return CallShape(n=n, positions=positions, V=V, H=H, operand_elem_bytes=operand_bytes,
+                     hidden_elem_bytes=operand_bytes, grad_h_elem_bytes=operand_bytes, weight_elem_bytes=operand_bytes,
+                     weight_direct=True, weight_copy=False, need_h=True, need_w=weight_grad, n_zero=zero_rows)
+
+
 def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 75 * GiB,
-                 operand_bytes: int = 2, zero_rows: int = 0, weight_grad: bool = True) -> LossPlan:
-    """The plan gfpo_kernels.fused_linear_grpo makes for these shapes (parameters in the operand dtype, token-level
-    importance sampling, gradients for hidden and, unless not `weight_grad` (a frozen head), weight) on a CUDA device
-    with `free_bytes` free; `zero_rows` of the n scored tokens have a loss gradient of exactly 0 (zero advantage, no
-    KL)."""
-    from . import fused_linear_grpo as flg
-
-    footprint = flg._Footprint(n=n, positions=positions, V=V, H=H, operand_size=operand_bytes,
-                               hidden_size=operand_bytes, grad_h_size=operand_bytes, weight_size=operand_bytes,
-                               weight_direct=True, weight_copy=False, need_h=True, need_w=weight_grad,
-                               n_zero=zero_rows)
-    saved = dict(flg._BUDGET_BYTES)
-    flg._BUDGET_BYTES["cuda"] = int(free_bytes * flg._CUDA_BUDGET_SHARE)
-    try:
-        import torch
-
-        plan = flg._chunk_plan(footprint, torch.device("cuda"))
-    finally:
-        flg._BUDGET_BYTES.clear()
-        flg._BUDGET_BYTES.update(saved)
-    layout = tuple(tuple(hi - lo for lo, hi in plan.stages_of(start, end)) for start, end in plan.chunks)
+                 operand_bytes: int = 2, zero_rows: int = 0, weight_grad: bool = True,
+                 limits: PlanLimits = DEFAULT_LIMITS) -> LossPlan:
+    """The plan the fused loss makes for these shapes (call_shape; token-level importance sampling) on a CUDA device
+    with `free_bytes` free: gfpo_kernels.chunk_plan.plan_chunks within that device's budget, with `limits`."""
+    shape = call_shape(n, positions, H, V, operand_bytes=operand_bytes, zero_rows=zero_rows, weight_grad=weight_grad)
+    budget = Budget(int(free_bytes * limits.cuda_budget_share), follows_free_memory=True)
+    plan = plan_chunks(shape, budget, limits)
+    layout = tuple(tuple(hi - lo for lo, hi in stages) for stages in plan.chunk_stages)
     return LossPlan(stage_rows=plan.stage_rows, chunk_rows=plan.chunk_rows, layout=layout, grad_h_fp32=False,
                     grad_w_direct=weight_grad and len(plan.chunks) == 1, weight_grad=weight_grad,
                     free_stage_early=True, statistics_only=tuple(hi - lo for lo, hi in plan.statistics_only),

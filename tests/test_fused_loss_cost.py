@@ -6,6 +6,7 @@ in fused_loss_cost.H100); the benchmark cases below were not used to set any of 
 which that run measured) and TRL 1.16's chunked fused head, at both masks, forward and forward+backward.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,8 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import gfpo_kernels
-from gfpo_kernels import fused_linear_grpo as flg
+from gfpo_kernels import linear_grpo_executor as executor
 from gfpo_kernels import fused_loss_cost as cost
+from gfpo_kernels.chunk_plan import Budget, fixed_planner, plan_chunks, planning
 
 RUN = Path(__file__).parents[1] / "bench" / "results" / "2026-11-23-h100-cec7c50.json"
 GROUP = "linear_grpo {passes} {mask} N16384-H4096-V151936 bfloat16"
@@ -109,7 +111,7 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward, bias=False):
     not."""
     mode = _Launches()
     plan = cost.LossPlan(stage_rows=1, chunk_rows=1)
-    torch_ops = flg._backend_ops("torch")
+    torch_ops = executor.row_passes("torch")
 
     def launching(fn, launches):
         def run(*args, **kwargs):
@@ -118,11 +120,9 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward, bias=False):
                 return fn(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(flg, "_backend_ops", lambda backend: (
-        launching(torch_ops[0], plan.logprob_launches), launching(torch_ops[1], 1), launching(torch_ops[2], 1),
-        launching(torch_ops[3], 1)))
-    monkeypatch.setattr(flg, "_chunk_plan", lambda footprint, device: flg._Plan.fixed(
-        footprint.n - footprint.n_zero, stage_rows, chunk_rows, footprint.n_zero))
+    monkeypatch.setattr(executor, "row_passes", lambda backend: executor.RowPasses(
+        launching(torch_ops.stage_statistics, plan.logprob_launches), launching(torch_ops.grad_logits, 1),
+        launching(torch_ops.scale_into, 1), launching(torch_ops.scale_in_place, 1)))
     g = torch.Generator().manual_seed(0)
     B, T, H, V = 2, 16, 8, 50
     hidden = torch.randn(B, T, H, generator=g).requires_grad_(backward)
@@ -131,7 +131,7 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward, bias=False):
     target = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T)
     mask[:, -4:] = 0  # 24 scored tokens
-    with gfpo_kernels.use_backend("torch"), mode:
+    with gfpo_kernels.use_backend("torch"), planning(fixed_planner(stage_rows, chunk_rows)), mode:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, torch.randn(B, generator=g),
                                                       bias=b, loss_type="dapo", epsilon_high=0.28)
         if backward:
@@ -178,8 +178,8 @@ PEAK_CASES += [(4000, 3900, False), (4335, 2601, False), (14309, 12000, False)]
 
 @pytest.mark.parametrize("n, zero, weight_grad", PEAK_CASES)
 def test_planner_and_model_count_the_same_peak(n, zero, weight_grad):
-    """The peak the budget counted for the plan it made (fused_linear_grpo._chunk_plan's plan.peak_bytes, from
-    _Footprint) and the model's simulated allocations under that plan (which predict the benchmark's peak) agree at
+    """The peak the budget counted for the plan it made (gfpo_kernels.chunk_plan.plan_chunks's plan.peak_bytes, from
+    CallShape) and the model's simulated allocations under that plan (which predict the benchmark's peak) agree at
     the goal shape, zero-advantage tokens (no gradient work) and a frozen LM head among them: one mechanism counted
     twice, so a change to either that the other misses fails here."""
     shape = cost.GOAL_SHAPE
@@ -187,10 +187,8 @@ def test_planner_and_model_count_the_same_peak(n, zero, weight_grad):
     assert cost.fused_loss(plan, n, backward=True, **shape).peak_bytes == pytest.approx(plan.planned_peak_bytes,
                                                                                         rel=0.01)
     # a call without gradients: the same stages, its own count
-    footprint = flg._Footprint(n=n, positions=shape["positions"], V=shape["V"], H=shape["H"], operand_size=2,
-                               hidden_size=2, grad_h_size=2, weight_size=2, weight_direct=True, weight_copy=False,
-                               need_h=False, need_w=False, n_zero=zero)
-    forward_only = flg._chunk_plan(footprint, torch.device("cuda"))
+    no_gradients = dataclasses.replace(cost.call_shape(n, **shape, zero_rows=zero), need_h=False, need_w=False)
+    forward_only = plan_chunks(no_gradients, Budget(int(75 * cost.GiB / 2), follows_free_memory=True))
     assert forward_only.stage_rows == plan.stage_rows
     assert cost.fused_loss(plan, n, backward=False, **shape).peak_bytes == pytest.approx(forward_only.peak_bytes,
                                                                                          rel=0.01)
