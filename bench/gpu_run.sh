@@ -167,7 +167,7 @@ step_bench_loss() {
   [ "$FAST" = 1 ] && sel=(-k "151936")
   bench_step loss bench/test_bench_linear_grpo.py "${sel[@]}"
   # the cost model's predictions beside the measurements (issue 28): where it misses, recalibrate
-  # gfpo_kernels/fused_loss_cost.py from this run
+  # bench/fused_loss_cost.py from this run
   local json="$OUTDIR/$STEM-loss.json"
   [ -s "$json" ] && "$PY" bench/predicted_vs_measured.py "$json" | tee "$OUTDIR/$STEM-model.md"
   return 0

@@ -224,7 +224,7 @@ def _plan_limits(knobs):
 
 def _predicted(knobs, B, T, H, V, n) -> str:
     """The cost model's time and peak for the plan the loss makes with the limits as set, H100 constants."""
-    from gfpo_kernels import fused_loss_cost as cost
+    import fused_loss_cost as cost
 
     plan = cost.current_plan(n, B * T, H, V, limits=_plan_limits(knobs))
     c = cost.fused_loss(plan, n, B * T, H, V, backward=True)

@@ -1,5 +1,5 @@
-"""The cost model (gfpo_kernels.fused_loss_cost) against the one GPU run there is, and its launch counts against the
-code it models.
+"""The cost model (bench/fused_loss_cost.py) against the one GPU run there is, and its launch counts against the
+code it models (ours and TRL's).
 
 The H100 constants come from the run's profile, its plain cuBLAS GEMM and PyTorch's workspace default (each named
 in fused_loss_cost.H100); the benchmark cases below were not used to set any of them: ours (commit cec7c50's plan,
@@ -8,6 +8,7 @@ which that run measured) and TRL 1.16's chunked fused head, at both masks, forwa
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import gfpo_kernels
 from gfpo_kernels import linear_grpo_executor as executor
-from gfpo_kernels import fused_loss_cost as cost
 from gfpo_kernels.chunk_plan import Budget, fixed_planner, plan_chunks, planning
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+
+import fused_loss_cost as cost  # noqa: E402
 
 RUN = Path(__file__).parents[1] / "bench" / "results" / "2026-11-23-h100-cec7c50.json"
 GROUP = "linear_grpo {passes} {mask} N16384-H4096-V151936 bfloat16"
@@ -96,12 +100,14 @@ class _Launches(TorchDispatchMode):
         self.aten = 0
         self.triton = 0
         self.views = 0
+        self.gemms = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.is_view:
             self.views += 1
         elif func.overloadpacket.__name__ not in self.NO_KERNEL:
             self.aten += 1
+            self.gemms += func.overloadpacket.__name__ in ("mm", "addmm", "addmm_")
         return func(*args, **(kwargs or {}))
 
 
@@ -168,6 +174,69 @@ def test_launches_per_stage_and_chunk_are_the_codes(monkeypatch, backward):
     e = _count(monkeypatch, 2, 8, backward, bias=True)
     assert (e[0] - d[0]) / 6 == stage["aten"] + (3 if backward else 1)
     assert (e[1] - d[1]) / 6 == stage["triton"]
+
+
+def _trl_count(monkeypatch, vocab_chunk, backward):
+    """(aten kernels, fold launches, tile GEMMs) of one fp32 call of the benchmark's "trl" path on CPU, its fold
+    kernels run as on a GPU (TRL's Triton path, each launch faked by TRL's torch fold and counted once), with
+    vocabulary tiles of `vocab_chunk` columns."""
+    chunked = pytest.importorskip("trl.kernels.chunked_logprob")
+    import trl.trainer.utils
+
+    from test_bench_linear_grpo import _trl
+
+    mode = _Launches()
+
+    class FakeKernel:
+        def __init__(self, fold):
+            self.fold = fold
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                mode.triton += 1
+                with _disable_current_modes():
+                    return self.fold(*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(chunked, "_use_triton", lambda device: True)
+    monkeypatch.setattr(chunked, "_forward_kernel", FakeKernel(chunked._forward_tile))
+    monkeypatch.setattr(chunked, "_backward_kernel", FakeKernel(chunked._backward_tile))
+    monkeypatch.setattr(trl.trainer.utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", vocab_chunk)
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 2, 16, 8, 50
+    hidden = torch.randn(B, T, H, generator=g).requires_grad_(backward)
+    weight = torch.randn(V, H, generator=g).requires_grad_(backward)
+    target = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[:, -4:] = 0
+    adv = torch.randn(B, generator=g)
+    with mode:
+        loss = _trl(hidden, weight, target, mask, adv)
+        if backward:
+            loss.backward()
+    return mode.aten, mode.triton, mode.gemms
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_trl_kernel_counts_are_measured(monkeypatch, backward):
+    """The model's TRL path (trl_chunked_head): per tile its GEMMs (forward the projection; backward the projection
+    again and the two gradient GEMMs) and one fold kernel; outside the tiles TRL_FIXED_KERNELS aten kernels, as the
+    code dispatches them (one vocabulary tile against four: the difference is the tiles')."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    one = _trl_count(monkeypatch, 4096, backward)
+    four = _trl_count(monkeypatch, 16, backward)  # V=50 in tiles of 16: 4 tiles
+    gemms_per_tile = 4 if backward else 1
+    assert (four[2] - one[2]) / 3 == gemms_per_tile and one[2] == gemms_per_tile
+    assert (four[1] - one[1]) / 3 == (2 if backward else 1) and one[1] == (2 if backward else 1)
+    assert (four[0] - one[0]) / 3 == gemms_per_tile  # nothing else a tile
+    fixed = one[0] - gemms_per_tile
+    want = cost.TRL_FIXED_KERNELS["forward"] + (cost.TRL_FIXED_KERNELS["backward"] if backward else 0)
+    assert fixed == want, fixed
+    # and the model launches as many outside its tiles: TRL_FIXED_KERNELS plus, with gradients, the two casts of
+    # the fp32 accumulators to bf16 that the CPU's fp32 parameters do not need
+    model = cost.trl_chunked_head(4335, backward=backward, **cost.GOAL_SHAPE)
+    outside = sum(launches["aten"] for phase, launches in model.launches.items() if "tile" not in phase)
+    assert outside == want + (2 if backward else 0)
 
 
 PEAK_CASES = [(n, round(share * n), True) for n in cost.BENCH_MASKS.values() for share in (0.0, 0.3, 0.6)]
