@@ -12,6 +12,7 @@ fp32 until backward.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -67,24 +68,45 @@ def project(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     return out
 
 
+# fp32_reductions: the calls inside such a block, per flag, and what to restore when the last one leaves
+_reductions_lock = threading.Lock()
+_reductions_held: dict[str, list] = {}
+
+
 @contextlib.contextmanager
 def fp32_reductions(dtype: torch.dtype, device: torch.device):
     """cuBLAS may add split-K partial products in a half-precision output's dtype, which PyTorch allows by default
     (torch.backends.cuda.matmul.allow_bf16/fp16_reduced_precision_reduction): disallowed around the GEMMs that write
-    a gradient in bf16/fp16, so that every sum is fp32 until its one rounding."""
+    a gradient in bf16/fp16, so that every sum is fp32 until its one rounding.
+
+    The flag is process-wide (PyTorch has no per-call setting). Blocks that overlap, in several threads, share one
+    change: the first to enter turns reduced precision off, the last to leave restores the user's setting, unless
+    the flag was set again meanwhile (that setting is kept). Other threads' half-precision GEMMs that run while a
+    block is open reduce in fp32 too (more exactly, never less)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         yield
         return
     matmul = torch.backends.cuda.matmul
     name = f"allow_{'bf16' if dtype == torch.bfloat16 else 'fp16'}_reduced_precision_reduction"
-    previous = getattr(matmul, name)
-    # torch >= 2.10 keeps a second flag, split-K allowed, which setting a bool turns on: kept as the user set it
-    split_k = getattr(matmul, name + "_split_k", None)
-    setattr(matmul, name, False if split_k is None else (False, split_k))
+    with _reductions_lock:
+        held = _reductions_held.get(name)
+        if held is None:
+            # torch >= 2.10 keeps a second flag, split-K allowed, which setting a bool turns on: kept as the user set
+            # it
+            split_k = getattr(matmul, name + "_split_k", None)
+            held = _reductions_held[name] = [0, getattr(matmul, name), split_k]
+            setattr(matmul, name, False if split_k is None else (False, split_k))
+        held[0] += 1
     try:
         yield
     finally:
-        setattr(matmul, name, previous if split_k is None else (previous, split_k))
+        with _reductions_lock:
+            held[0] -= 1
+            if held[0] == 0:
+                del _reductions_held[name]
+                _, previous, split_k = held
+                if getattr(matmul, name) is False:  # else set again inside the block: that setting stays
+                    setattr(matmul, name, previous if split_k is None else (previous, split_k))
 
 
 def gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:

@@ -604,6 +604,56 @@ def test_chunk_plan_from_the_one_budget():
     assert _cuda_plan(no_grad, budget).stages == roomy.stages
 
 
+@pytest.mark.parametrize("shape", [_qwen_shape(14309), _qwen_shape(4335), _qwen_shape(8000, H=896),
+                                   _qwen_shape(14309, n_zero=6000, need_w=False),
+                                   _qwen_shape(14309, hidden_elem_bytes=4, grad_h_elem_bytes=4, weight_elem_bytes=4,
+                                               weight_copy=True)],
+                         ids=["ragged", "grpo-lengths", "small-head", "frozen-head-zero-rows", "fp32-head"])
+def test_plan_depends_on_free_memory_only_below_the_roomy_budget(shape):
+    """Where the budget follows free memory (CUDA), the stages never depend on it, and the chunks depend on it only
+    below chunk_plan.roomy_budget_bytes: from there up every budget makes the same plan, so the same inputs give the
+    same bits on any device with twice that free (docs/fused-loss.md, "Same inputs, same bits"). Below it, chunks
+    may shrink (the stages stay)."""
+    roomy = chunk_plan.roomy_budget_bytes(shape)
+    plan = _cuda_plan(shape, roomy)
+    assert roomy < 8 << 30  # at Qwen's vocabulary and H=4096: 16 GiB free on the GPU suffice
+    for budget in (roomy + 1, 2 * roomy, 40 << 30, 1 << 40):
+        assert _cuda_plan(shape, budget) == plan and _cuda_plan(shape, budget).peak_bytes == plan.peak_bytes
+    short = _cuda_plan(shape, roomy // 3)
+    assert short.stages == plan.stages
+    if len(plan.chunks) > 1:
+        assert len(short.chunks) > len(plan.chunks)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_gradient_bits_across_chunk_counts(backend, monkeypatch, weight_dtype):
+    """What a busier GPU changes (a short budget: more chunks, plan_chunks): the loss, log-probabilities and entropy
+    keep every bit (the stages stay); the gradients are fp32 sums taken in another order, each rounded once, so they
+    may differ in their last bits: a bf16 weight gradient by at most one unit in the last place (one chunk: one
+    GEMM's fp32 sum written in bf16 on CUDA; several: an fp32 accumulator, cast once), an fp32 one within fp32
+    summation error; the input gradient (each chunk's GEMM sums a row over the whole vocabulary; the GEMM's shape
+    changes with the chunk) likewise. bf16: CUDA's path emulated on the CPU."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter copies argument storages through torch ops")
+    if weight_dtype == torch.bfloat16:
+        _bf16_operands_on_cpu(monkeypatch)
+    p = _problem(101, dtype=weight_dtype, bias=False)
+    runs = []
+    for stage_rows, chunk_rows in ((2, 1 << 20), (2, 4)):  # one chunk, several
+        with force_plan(stage_rows, chunk_rows):
+            runs.append(_run(gfpo_kernels.fused_linear_grpo_loss, p, old_logps=p["old"]))
+    (loss_1, stats_1, grads_1), (loss_n, stats_n, grads_n) = runs
+    assert torch.equal(loss_1, loss_n)
+    assert all(torch.equal(stats_1[name], stats_n[name]) for name in stats_1)
+    for one, several in zip(grads_1, grads_n):
+        assert one.dtype == several.dtype == weight_dtype
+        if weight_dtype == torch.bfloat16:  # one unit in the last place at most (eps * |x| >= ulp(x))
+            ulp = torch.finfo(weight_dtype).eps * one.float().abs()
+            assert torch.all((one.float() - several.float()).abs() <= ulp)
+        else:
+            torch.testing.assert_close(one, several, rtol=1e-5, atol=1e-6 * one.abs().max().item())
+
+
 @pytest.mark.parametrize("call", ["no_grad", "forward+backward", "frozen head, most advantages 0"])
 def test_cpu_call_holds_its_plans_count_within_the_constant_budget(call):
     """Off CUDA the budget is a constant (64 MiB): a stage and the torch twins' temporaries take at most half of it
@@ -1028,6 +1078,51 @@ def test_reduced_precision_reductions_off_around_half_outputs():
             assert matmul.allow_bf16_reduced_precision_reduction_split_k is False
     finally:
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+def test_reduced_precision_reductions_across_threads():
+    """The reduced-precision flag is process-wide: blocks of two threads that overlap (A enters, B enters, A leaves,
+    B leaves) keep it off until the last one leaves, then the user's setting is back; a setting made inside a block
+    is kept. Before, A's exit turned reduced precision back on under B's GEMMs, and B's exit left it off for good."""
+    import threading
+
+    matmul = torch.backends.cuda.matmul
+    name = "allow_bf16_reduced_precision_reduction"
+    saved = getattr(matmul, name)
+    cuda = torch.device("cuda")
+    seen = {}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def thread_a():
+        with gemms.fp32_reductions(torch.bfloat16, cuda):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(5)
+        with gemms.fp32_reductions(torch.bfloat16, cuda):
+            b_in.set()
+            a_out.wait(5)
+            seen["inside B after A left"] = getattr(matmul, name)
+
+    try:
+        setattr(matmul, name, True)
+        threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert seen == {"inside B after A left": False}
+        assert getattr(matmul, name) is True
+        with gemms.fp32_reductions(torch.bfloat16, cuda):  # the user turns it off inside a block: kept
+            setattr(matmul, name, False)
+            with gemms.fp32_reductions(torch.bfloat16, cuda):
+                pass
+            setattr(matmul, name, True)
+        assert getattr(matmul, name) is True
+    finally:
+        setattr(matmul, name, saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
