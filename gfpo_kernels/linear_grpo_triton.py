@@ -1,24 +1,22 @@
-"""Triton row kernels of the fused linear GRPO loss (their torch twins are in fused_linear_grpo.py).
+"""Triton row kernels of the fused linear GRPO loss (their torch twins are in linear_grpo_torch.py).
 
 Both work on one stage of projected logits, fp32 (rows, V), raw (before the model's soft cap, when it has one
 (Gemma 2: z -> cap * tanh(z / cap), applied on the fly as TRL's fused head does), and before the temperature):
 - stage_statistics (logprob_entropy): per row, an online log-sum-exp over the vocabulary with per-lane running
   maxima (no cross-lane reduction inside the loop), giving log p(target), the entropy and the log-partition. A
-  stage holds a few hundred rows (fused_linear_grpo._chunk_plan), too few for one program per row to keep an
-  H100's memory busy, so each row is cut into vocabulary spans (programs (row, span)) and a second kernel folds the
+  stage holds a few hundred rows (chunk_plan.plan_chunks), too few for one program per row to keep a GPU's memory
+  busy, so each row is cut into vocabulary spans (programs (row, span)) and a second kernel folds the
   spans, writes the row's results where the fused loss keeps them, and, for a token-local loss, computes its
   g = d(loss)/d(logp) in closed form (grpo_loss_math.token_loss_gradient, its torch twin).
 - grad_logits: logits -> d(loss)/d(logits) = g_row * (onehot(target) - p) / temperature (times the cap's
   derivative 1 - tanh^2(z / cap)), where g_row = d(loss)/d(log p(target)) of that row; in place, or rounded once
   into a half-precision buffer (the gradient GEMMs' operand), which saves the separate conversion pass: 6 bytes
-  moved per logit instead of 14 (profiled on an H100: the conversion took 4.7% of the fused loss's CUDA time, the
-  kernel 6.8%).
+  moved per logit instead of 14.
 
 And two elementwise kernels for backward:
 - scale_into: an fp32 gradient accumulator times the incoming gradient, rounded once into the parameter's half
   precision dtype. torch.mul(acc, scale, out=bf16) does the same in one pass but with PyTorch's casting
-  elementwise kernel, which is not vectorized (3.3% of the fused loss's CUDA time on the H100 for the (V, H)
-  weight gradient, about half the memory bandwidth).
+  elementwise kernel, which is not vectorized (about half the memory bandwidth; docs/performance.md).
 - scale_in_place: a gradient already in the parameter's dtype times the incoming gradient, in place, skipped on
   the device when that is 1 (the usual loss.backward()): no pass over the (V, H) gradient and no host sync.
 """
