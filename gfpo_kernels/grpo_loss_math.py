@@ -19,6 +19,7 @@ inf x 0 = NaN.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -113,9 +114,9 @@ class GRPOLossOptions:
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 
-    @property
+    @functools.cached_property
     def spec(self):
-        """The loss type's row of loss_types.LOSS_SPECS."""
+        """The loss type's row of loss_types.LOSS_SPECS (looked up once: every pass of a call reads it)."""
         return loss_spec(self.loss_type)
 
     @property
