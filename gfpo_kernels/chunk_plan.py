@@ -244,9 +244,10 @@ def plan_chunks(shape: CallShape, budget: Budget, limits: PlanLimits = DEFAULT_L
 
 
 def roomy_budget_bytes(shape: CallShape, limits: PlanLimits = DEFAULT_LIMITS) -> int:
-    """The least budget (one that follows free memory) from which plan_chunks makes one and the same plan for
-    `shape`: its chunks' buffers then take their cap (limits.buffer_share_of_weight of the weight, at least
-    limits.min_buffer_bytes), not what the budget leaves."""
+    """A budget (one that follows free memory) from which on plan_chunks makes one and the same plan for `shape`:
+    its chunks' buffers then take their cap (limits.buffer_share_of_weight of the weight, at least
+    limits.min_buffer_bytes), not what the budget leaves. For a plan of several chunks it is the least such budget;
+    one chunk may hold at smaller budgets too."""
     # the stages do not depend on such a budget: those of an unbounded one
     stage_rows = plan_chunks(shape, Budget(1 << 62, follows_free_memory=True), limits).stage_rows
     buffer_cap = max(int(limits.buffer_share_of_weight * shape.V * shape.H * shape.operand_elem_bytes),
