@@ -321,8 +321,8 @@ step_bench_loss() {
   bench_step loss bench/test_bench_linear_grpo.py "${sel[@]}"
   local rc=$? json="$OUTDIR/$STEM-loss.json"
   [ -s "$json" ] || return "$rc"
-  # The cost model's predictions beside the measurements (issue 28): where it misses, recalibrate it from this run.
-  # The one line that runs the model (issue 35 moves it into the benchmarks):
+  # The cost model's predictions beside the measurements: where it misses, recalibrate bench/fused_loss_cost.py
+  # from this run. The one line that runs the model:
   run_step model "$PY" bench/predicted_vs_measured.py "$json"
   [ -f "$OUTDIR/model.log" ] && mv "$OUTDIR/model.log" "$OUTDIR/$STEM-model.md"
   return "$rc"

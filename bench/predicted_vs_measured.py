@@ -5,7 +5,7 @@ model again and recalibrates it where it was wrong).
 
 For every linear_grpo case of the results JSON (bench/test_bench_linear_grpo.py: gfpo and trl, forward and
 forward+backward, each mask), the measured median time and peak extra memory beside the model's (H100 constants,
-gfpo_kernels.fused_loss_cost), their ratio, and a flag where the model misses by more than its tolerances (15% in
+bench/fused_loss_cost.py), their ratio, and a flag where the model misses by more than its tolerances (15% in
 time, 3% in memory; tests/test_fused_loss_cost.py holds it to those on the cec7c50 run). The gfpo rows are predicted
 for the plan the loss makes now (--plan current; the default unless the JSON's commit is cec7c50, whose plan the
 model also knows). Each case's scored tokens come from its scored_fraction; the run's first case paid the process's
@@ -21,9 +21,9 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
 
-from gfpo_kernels import fused_loss_cost as cost  # noqa: E402
+import fused_loss_cost as cost  # noqa: E402
 
 GROUP = re.compile(r"linear_grpo (forward\+backward|forward) (\S+) N(\d+)-H(\d+)-V(\d+) (\w+)")
 TIME_TOLERANCE, MEMORY_TOLERANCE = 0.15, 0.03
@@ -75,7 +75,7 @@ def table(data: dict, plan: str) -> str:
         lines.append(f"| {r['case']} | {r['time'] * 1e3:.2f} ms | {r['predicted_time'] * 1e3:.2f} ms | "
                      f"{t_ratio:.3f}{t_flag} | {peak} | {r['predicted_peak']:.2f} GiB | {p_ratio}{p_flag} |")
     lines.append(f"\n{misses} case(s) outside the model's tolerances ({TIME_TOLERANCE:.0%} time, "
-                 f"{MEMORY_TOLERANCE:.0%} memory); constants: {cost.H100.name} (gfpo_kernels/fused_loss_cost.py)")
+                 f"{MEMORY_TOLERANCE:.0%} memory); constants: {cost.H100.name} (bench/fused_loss_cost.py)")
     return "\n".join(lines)
 
 

@@ -1,11 +1,12 @@
 """Sweeps the knobs issue 12 names and prints a table and the best value of each (CUDA only; --fast: fewer
-values). Knobs are module attributes read at call time, set here and restored after each sweep:
+values). Knobs are module attributes read at call time, set here and restored after each sweep, and the fused loss's
+plan limits, passed in through gfpo_kernels.chunk_plan.planning:
 
 - gfpo_kernels.group_ops_triton._TILE_ELEMENTS: elements per program of the group kernel (4096x16, 8192x64);
 - gfpo_kernels.linear_grpo_triton.BLOCK_V (and NUM_WARPS when the module has one): the row kernels' block;
 - gfpo_kernels.linear_grpo_triton._TARGET_PROGRAMS: how finely the log-prob pass cuts a 256-row stage's vocabulary;
-- gfpo_kernels.fused_linear_grpo._STAGE_ROWS and _BUFFER_SHARE_OF_WEIGHT: the fused loss's rows per projection stage
-  and the share of the LM head's size its buffers take (fewer, longer chunks), at the benchmark's inputs (both
+- gfpo_kernels.chunk_plan.PlanLimits.stage_rows and buffer_share_of_weight: the fused loss's rows per projection
+  stage and the share of the LM head's size its buffers take (fewer, longer chunks), at the benchmark's inputs (both
   masks), with each value's peak extra memory and the cost model's predicted time and peak beside its time. Without
   CUDA the predictions alone.
 
@@ -16,7 +17,9 @@ first, so a knob that breaks the result is reported, not timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import types
 
 import torch
 
@@ -204,18 +207,26 @@ def main(argv=None) -> None:
     sys.stdout.flush()
 
 
-# the fused loss's plan constants, each value with the cost model's prediction beside it
+# the fused loss's plan limits (gfpo_kernels.chunk_plan.PlanLimits fields), each value with the cost model's
+# prediction beside it
 LOSS_KNOBS = {
-    "_STAGE_ROWS": ([256, 512, 1024], [128, 256, 384, 512, 768, 1024]),
-    "_BUFFER_SHARE_OF_WEIGHT": ([0.5, 1.0, 2.0], [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]),
+    "stage_rows": ([256, 512, 1024], [128, 256, 384, 512, 768, 1024]),
+    "buffer_share_of_weight": ([0.5, 1.0, 2.0], [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]),
 }
 
 
-def _predicted(flg, B, T, H, V, n) -> str:
-    """The cost model's time and peak for the plan the loss makes now (with the knob as set), H100 constants."""
-    from gfpo_kernels import fused_loss_cost as cost
+def _plan_limits(knobs):
+    """The PlanLimits the knobs (a namespace of its fields, which _sweep sets) say."""
+    from gfpo_kernels.chunk_plan import PlanLimits
 
-    plan = cost.current_plan(n, B * T, H, V)
+    return PlanLimits(**vars(knobs))
+
+
+def _predicted(knobs, B, T, H, V, n) -> str:
+    """The cost model's time and peak for the plan the loss makes with the limits as set, H100 constants."""
+    import fused_loss_cost as cost
+
+    plan = cost.current_plan(n, B * T, H, V, limits=_plan_limits(knobs))
     c = cost.fused_loss(plan, n, B * T, H, V, backward=True)
     return (f"model {c.time_s * 1e3:.1f} ms, {c.peak_bytes / 2**30:.2f} GiB "
             f"({len(plan.chunk_layout(n))} chunks, stages of {plan.stage_rows})")
@@ -225,8 +236,9 @@ def _fused_loss_sweeps(fast: bool) -> None:
     """The fused loss's plan constants at the benchmark's inputs (bench/test_bench_linear_grpo.py, both masks),
     forward+backward: measured time and peak extra memory beside the cost model's prediction. Without CUDA only
     the predictions are printed."""
-    from gfpo_kernels import fused_linear_grpo as flg
+    from gfpo_kernels.chunk_plan import DEFAULT_LIMITS, planning
 
+    knobs = types.SimpleNamespace(**dataclasses.asdict(DEFAULT_LIMITS))
     B, T, H, V = (16, 256, 2048, 151936) if fast else (32, 512, 4096, 151936)
     on_gpu = torch.cuda.is_available()
     for mask_kind in ("ragged-ends", "grpo-lengths"):
@@ -243,8 +255,11 @@ def _fused_loss_sweeps(fast: bool) -> None:
             n = round(n * B * T)  # the benchmark's masks at the goal shape
 
         def make_loss():
+            limits = _plan_limits(knobs)
+
             def fn():
-                loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, adv, **LOSS)
+                with planning(limits=limits):
+                    loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, adv, **LOSS)
                 loss.backward()
                 out = (loss.detach(), hidden.grad.float().norm(), weight.grad.float().norm())
                 hidden.grad = weight.grad = None
@@ -259,18 +274,18 @@ def _fused_loss_sweeps(fast: bool) -> None:
         for knob, (few, many) in LOSS_KNOBS.items():
             title = f"fused loss {knob}, fwd+bwd, {mask_kind} (n={n}), B={B} T={T} H={H} V={V} bf16"
             if on_gpu:
-                _sweep(title, flg, knob, few if fast else many, make_loss, same_loss, peak_memory=True,
-                       predict=lambda: _predicted(flg, B, T, H, V, n))
+                _sweep(title, knobs, knob, few if fast else many, make_loss, same_loss, peak_memory=True,
+                       predict=lambda: _predicted(knobs, B, T, H, V, n))
                 continue
-            default = getattr(flg, knob)
+            default = getattr(knobs, knob)
             print(f"\n## {title} (default {default}): predictions only, no CUDA device")
             try:
                 for value in few if fast else many:
-                    setattr(flg, knob, value)
+                    setattr(knobs, knob, value)
                     print(f"| {value}{' (default)' if value == default else ''} | "
-                          f"{_predicted(flg, B, T, H, V, n)} |")
+                          f"{_predicted(knobs, B, T, H, V, n)} |")
             finally:
-                setattr(flg, knob, default)
+                setattr(knobs, knob, default)
 
 
 if __name__ == "__main__":

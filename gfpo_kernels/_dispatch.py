@@ -4,9 +4,8 @@ Op families and their backends (OP_BACKENDS), in order of preference:
 - "group" (group_topk_mask, group_advantages, gfpo_filter_advantages):
   "cpp" (the C++/CUDA extension gfpo_kernels._C, torch custom ops; default for CPU tensors, and for CUDA tensors
   when built with CUDA and group_size <= 1024), "triton" (CUDA otherwise: groups up to 4096, or no CUDA build),
-  "reference". On an H100 (bench/results/2026-11-23-h100-*) the CUDA op took 48 us a call from Python at 4096x16
-  and 63 us at 8192x64, Triton 104 us and 78 us: Triton's kernel is faster on the device (4.6 vs 7.1 us in a CUDA
-  graph) but its Python launch costs more, and a trainer pays the launch.
+  "reference". The CUDA op before Triton: Triton's kernel can be faster on the device, but its Python launch costs
+  more, and a trainer pays the launch (the measurements: docs/performance.md, GPU).
 - "linear_grpo" (fused_linear_grpo_loss): "triton" (Triton row kernels between cuBLAS GEMMs; default for
   CUDA), "torch" (the same chunked algorithm in torch ops; default elsewhere), "reference".
 Triton runs CPU tensors only under TRITON_INTERPRET=1 (the tests do that).

@@ -3,12 +3,9 @@ with the same message. Every message names the argument and the offending value.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 import torch
-
-from .grpo_loss_math import GRPOLossOptions
 
 SCALES = ("group", "batch", "none")
 
@@ -107,11 +104,10 @@ def check_scale_eps(scale, eps) -> None:
 
 
 def check_linear_grpo_inputs(
-    hidden, weight, target_ids, mask, advantages, *, bias, old_logps, ref_logps, vllm_is_ratio, beta, subset=None
-) -> tuple[int, torch.Tensor | None, int]:
-    """Shapes, dtypes and target ids of fused_linear_grpo_loss (both implementations); returns the number of scored
-    tokens (mask != 0), and subset(live) (a (B, T) bool tensor of scored tokens, or None) with its size, read in the
-    same host transfer."""
+    hidden, weight, target_ids, mask, advantages, *, bias, old_logps, ref_logps, vllm_is_ratio, beta
+) -> None:
+    """Types, shapes, dtypes and devices of a fused_linear_grpo_loss call (both implementations), without reading
+    the device (count_scored reads the target ids)."""
     for x, name in ((hidden, "hidden"), (weight, "weight"), (target_ids, "target_ids"), (mask, "mask"),
                     (advantages, "advantages")):
         if not isinstance(x, torch.Tensor):
@@ -147,17 +143,20 @@ def check_linear_grpo_inputs(
             raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {name} on {x.device}")
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (the reference model's per-token log-probabilities)")
-    # One host transfer for the count of scored tokens and their target range (the fused loss sizes its work by
-    # the count): not the four syncs of any(), a boolean index, min() and max().
-    live = mask != 0
+
+
+def count_scored(live: torch.Tensor, target_ids: torch.Tensor, V: int, subset: torch.Tensor | None = None
+                 ) -> tuple[int, int]:
+    """(scored tokens, tokens of `subset`) of a checked call (`live` = mask != 0; subset: a (B, T) bool tensor of
+    scored tokens, or None: 0), read in one host transfer with the scored target ids' range, which must lie in
+    [0, V): not the four syncs of any(), a boolean index, min() and max(). The fused loss sizes its work by them."""
     live_targets = torch.where(live, target_ids, torch.zeros_like(target_ids)).long()
-    part = None if subset is None else subset(live)
-    read = [live.sum(), live_targets.min(), live_targets.max()] + ([] if part is None else [part.sum()])
-    num_scored, lo, hi, *num_part = torch.stack(read).tolist() if live.numel() else (0, 0, 0, 0)
+    read = [live.sum(), live_targets.min(), live_targets.max()] + ([] if subset is None else [subset.sum()])
+    num_scored, lo, hi, *num_subset = torch.stack(read).tolist() if live.numel() else (0, 0, 0, 0)
     if lo < 0 or hi >= V:
         bad = lo if lo < 0 else hi
         raise ValueError(f"target_ids where mask is set must lie in [0, V={V}), got target id {bad}")
-    return num_scored, part, (num_part[0] if part is not None else 0)
+    return num_scored, (num_subset[0] if subset is not None else 0)
 
 
 def check_num_items_in_batch(n) -> None:
@@ -173,19 +172,3 @@ def check_num_items_in_batch(n) -> None:
     else:
         shown = repr(n)
     raise ValueError(f"num_items_in_batch must be None, a number or a one-element tensor, got {shown}")
-
-
-def linear_grpo_call_options(arguments: dict, subset=None) -> tuple[GRPOLossOptions, int, torch.Tensor | None, int]:
-    """Checks a fused_linear_grpo_loss call (reference or kernel) from its arguments (the function's locals())
-    and returns its loss options, the number of scored tokens, and subset(live, options) (a bool (B, T) tensor of
-    scored tokens, or None) with its size, counted in the same host transfer."""
-    names = {field.name for field in dataclasses.fields(GRPOLossOptions)}
-    options = GRPOLossOptions(**{name: value for name, value in arguments.items() if name in names})
-    a = arguments
-    check_num_items_in_batch(a["num_items_in_batch"])
-    counted = check_linear_grpo_inputs(
-        a["hidden"], a["weight"], a["target_ids"], a["mask"], a["advantages"], bias=a["bias"],
-        old_logps=a["old_logps"], ref_logps=a["ref_logps"], vllm_is_ratio=a["vllm_is_ratio"], beta=options.beta,
-        subset=None if subset is None else lambda live: subset(live, options),
-    )
-    return options, *counted

@@ -1,10 +1,12 @@
 """The GRPO loss as a function of per-token log-probabilities: TRL's `GRPOTrainer._compute_loss` (TRL 1.16)
 for one process, no gradient accumulation, steps_per_generation=1.
 
-It is the one place this formula lives: the reference computes log-probabilities from full logits and calls
-it; the fused kernel computes them tile by tile and calls it too, and takes d(loss)/d(logp) from it by
-autograd, so neither re-derives the gradient by hand. tests/test_grpo_loss_math.py checks it against TRL's
-own `_compute_loss`.
+The loss types' parts come from the table in loss_types (each type's policy term and normaliser); this module puts
+them together. The reference computes log-probabilities from full logits and calls grpo_loss_from_logps; the fused
+loss computes them stage by stage and takes d(loss)/d(logp) in closed form (token_loss_gradient, the Triton log-prob
+pass its twin) for token-local losses, else by autograd through grpo_loss_from_logps. Autograd through
+grpo_loss_from_logps is the closed form's oracle, and tests/test_grpo_loss_math.py checks the loss against TRL's own
+`_compute_loss`.
 
 Masked positions (mask == 0: padding, tool output) take no part in any exp, ratio, clip or KL: the log-ratio, the
 KL's ref - logp and the vLLM ratio are replaced there by their neutral values (0, 0, 1) before any exp, whatever
@@ -17,21 +19,20 @@ inf x 0 = NaN.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import NamedTuple
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+from .loss_types import LOSS_TYPES, TermInputs, loss_spec, vespo_gamma_weights
+
+__all__ = ["IMPORTANCE_SAMPLING_LEVELS", "LOSS_TYPES", "GRPOLossOptions", "TokenGradInputs", "check_loss_kind",
+           "grpo_loss_from_logps", "soft_capped", "token_grad_inputs", "token_loss_gradient", "vespo_gamma_weights",
+           "zero_gradient_tokens"]
+
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-# Loss types whose per-token loss clips the ratio to [1 - epsilon_low, 1 + epsilon_high]
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# Loss types normalised by the token count num_items_in_batch (TRL: that of the whole generation batch)
-TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
-# vespo's log-space clamps (TRL's get_gamma_weights): log(1e-8) below, 20 above
-_VESPO_LOG_MIN = math.log(1e-8)
-_VESPO_LOG_MAX = 20.0
 
 
 def soft_capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -54,8 +55,7 @@ def _finite(value, name: str) -> None:
 
 def check_loss_kind(loss_type, importance_sampling_level) -> None:
     """ValueError naming the value unless loss_type and importance_sampling_level are among TRL's."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got loss_type={loss_type!r}")
+    loss_spec(loss_type)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
                          f"importance_sampling_level={importance_sampling_level!r}")
@@ -114,6 +114,11 @@ class GRPOLossOptions:
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 
+    @functools.cached_property
+    def spec(self):
+        """The loss type's row of loss_types.LOSS_SPECS (looked up once: every pass of a call reads it)."""
+        return loss_spec(self.loss_type)
+
     @property
     def eps_high(self) -> float:
         return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
@@ -126,7 +131,7 @@ class GRPOLossOptions:
         phi depends on the advantage and the vLLM ratio only."""
         if self.importance_sampling_level != "token":
             return False
-        return not (self.loss_type == "vespo" and with_old_logps)
+        return not (self.spec.term.sequence_weight and with_old_logps)
 
 
 def _global_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -134,28 +139,6 @@ def _global_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if x.shape[1] == 1:
         return x.sum() / max(x.shape[0], 1)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-@torch.no_grad()
-def vespo_gamma_weights(adv: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, is_ratio: torch.Tensor | None,
-                        options: GRPOLossOptions) -> torch.Tensor:
-    """vespo's detached weight phi(w) = exp(lambda + k log w - lambda w) (phi(1) = 1) of the sequence ratio w, the
-    product of the token ratios pi/pi_old and of the vLLM ratios, in log space with TRL's clamps; (k, lambda) by
-    the advantage's sign; non-finite phi becomes 0. TRL's `get_gamma_weights` (TRL 1.16). The caller gives
-    `log_ratio` 0 and `is_ratio` 1 at masked positions: TRL sums log(ratio) over every position, and its ratio
-    there is exp(0) = 1 clipped to [C_min, C_max] (so 1, unless C_min > 1 or C_max < 1, where TRL lets masked
-    positions weigh in phi and this function does not). A ratio per sequence ((B, 1)) enters once, as in TRL."""
-    o = options
-    seq_log_ratio = (torch.clamp(log_ratio, -_VESPO_LOG_MAX, _VESPO_LOG_MAX) * mask).sum(-1, keepdim=True)
-    if is_ratio is not None:
-        log_is_ratio = torch.clamp(torch.log(is_ratio), _VESPO_LOG_MIN, _VESPO_LOG_MAX)
-        seq_log_ratio = seq_log_ratio + log_is_ratio.sum(-1, keepdim=True)
-    log_w = torch.clamp(seq_log_ratio, _VESPO_LOG_MIN, _VESPO_LOG_MAX)
-    nonneg = adv >= 0
-    k = torch.where(nonneg, o.vespo_k_pos, o.vespo_k_neg)
-    lam = torch.where(nonneg, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
-    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _masked_is_ratio(vllm_is_ratio: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -208,72 +191,27 @@ def grpo_loss_from_logps(
 
     is_ratio = None if vllm_is_ratio is None else _masked_is_ratio(vllm_is_ratio.to(logps.dtype), live)
 
-    if o.loss_type == "cispo":
-        clamped_ratios = torch.clamp(coef_1, max=o.eps_high).detach()
-        per_token_loss = -clamped_ratios * adv * logps
-    elif o.loss_type in CLIPPED_LOSS_TYPES:
-        coef_2 = torch.clamp(coef_1, 1 - o.epsilon_low, 1 + o.eps_high)
-        if o.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=o.delta)
-        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    elif o.loss_type == "sapo":
-        temperatures = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
-        per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * adv
-    else:  # vespo: the vLLM ratio enters phi, not the per-token loss
-        phi_seq = vespo_gamma_weights(adv, log_ratio, mask, is_ratio, o)
-        per_token_loss = -phi_seq * adv * logps
-
-    if is_ratio is not None and o.loss_type != "vespo":
+    spec = o.spec
+    per_token_loss, term_stats = spec.term.per_token_loss(
+        TermInputs(coef_1, adv, logps, log_ratio, mask, is_ratio), o, with_stats)
+    if is_ratio is not None and spec.term.takes_is_ratio:
         per_token_loss = per_token_loss * is_ratio
     if o.beta != 0.0:
         per_token_loss = per_token_loss + o.beta * per_token_kl
 
-    loss = _reduce(per_token_loss, mask, o, num_items_in_batch)
+    loss = spec.normaliser.reduce(per_token_loss, mask, o, num_items_in_batch)
 
     stats: dict[str, torch.Tensor] = {}
     if with_stats:
         with torch.no_grad():
             # per-token values (B, T), or (B, 1) at sequence level, under "per_token/...": the trainer averages
             # them over every process as TRL does; the scalars are this process's means
-            per_token = {}
-            if o.beta != 0.0:
-                per_token["kl"] = per_token_kl
-            if o.loss_type in CLIPPED_LOSS_TYPES:
-                low = ((coef_1 < 1 - o.epsilon_low) & (adv < 0)).to(logps.dtype)
-                high = ((coef_1 > 1 + o.eps_high) & (adv > 0)).to(logps.dtype)
-                per_token["clip_ratio/low_mean"] = low
-                per_token["clip_ratio/high_mean"] = high
-                per_token["clip_ratio/region_mean"] = torch.maximum(low, high)
-            elif o.loss_type == "cispo":
-                per_token["cispo_clip_ratio"] = ((coef_1 > o.eps_high) & (adv > 0)).to(logps.dtype)
-            elif o.loss_type == "vespo":
-                per_token["vespo/phi_seq_mean"] = phi_seq
+            per_token = {"kl": per_token_kl} if o.beta != 0.0 else {}
+            per_token.update(term_stats)
             for name, value in per_token.items():
                 stats[name] = _global_masked_mean(value, mask)
                 stats["per_token/" + name] = value.detach()
     return loss, stats
-
-
-def _reduce(per_token_loss: torch.Tensor, mask: torch.Tensor, options: GRPOLossOptions,
-            num_items_in_batch: torch.Tensor | float | None = None) -> torch.Tensor:
-    """The loss from the per-token loss ((B, T), or (B, 1) at sequence level) and the mask, by the loss type's
-    normaliser, in TRL's floating-point order: grpo and sapo average each sequence over its tokens, then the
-    sequences; bnpo divides by the batch's token count, dr_grpo by B * max_completion_length, dapo / cispo / vespo
-    by num_items_in_batch (None: the token count), luspo sums each sequence and averages them. The one place the
-    normalisers live: the loss is linear in the per-token loss, so token_grad_inputs takes each token's weight
-    d(loss)/d(per-token loss) from here too."""
-    o = options
-    if o.loss_type in ("grpo", "sapo"):
-        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if o.loss_type == "bnpo":
-        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-    if o.loss_type == "dr_grpo":
-        max_len = o.max_completion_length if o.max_completion_length is not None else mask.shape[1]
-        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len)
-    if o.loss_type in TOKEN_COUNT_LOSS_TYPES:
-        n = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=mask.dtype)
-        return (per_token_loss * mask).sum() / n.to(device=mask.device, dtype=mask.dtype).clamp(min=1.0)
-    return (per_token_loss * mask).sum(-1).mean()  # luspo
 
 
 class TokenGradInputs(NamedTuple):
@@ -311,9 +249,9 @@ def token_grad_inputs(
     num_items_in_batch: torch.Tensor | float | None = None,
 ) -> TokenGradInputs:
     """TokenGradInputs of the scored tokens at flat `positions` (into the (B, T) batch), for a token-local loss:
-    the weights d(loss)/d(per-token loss) of grpo_loss_from_logps's reduction (_reduce, by autograd: exactly the
+    the weights d(loss)/d(per-token loss) of the loss type's normaliser (by autograd through its reduce: exactly the
     derivative the oracle takes), its masked-position rules (a vLLM ratio of a sequence applies to its every token)
-    and vespo's phi. Vectorised over the tokens: a handful of kernels per call."""
+    and a sequence weight (vespo's phi). Vectorised over the tokens: a handful of kernels per call."""
     o = options
     assert o.is_token_local(with_old_logps=old_logps is not None), "the loss is not token-local"
     B, T = mask.shape
@@ -324,7 +262,8 @@ def token_grad_inputs(
     adv_rows = flat(adv if adv.dim() == 2 else adv.unsqueeze(1).expand(B, T))
     with torch.enable_grad():  # the reduction is linear: its gradient at any per-token loss, 0 here
         per_token_loss = torch.zeros_like(mask, requires_grad=True)
-        (weight,) = torch.autograd.grad(_reduce(per_token_loss, mask, o, num_items_in_batch), per_token_loss)
+        (weight,) = torch.autograd.grad(o.spec.normaliser.reduce(per_token_loss, mask, o, num_items_in_batch),
+                                        per_token_loss)
     is_ratio = None
     if vllm_is_ratio is not None:
         ratio = vllm_is_ratio.float()
@@ -332,10 +271,10 @@ def token_grad_inputs(
         # a ratio per sequence applies to every token of it; 1 for a sequence without a scored token (never read)
         is_ratio = flat(ratio.expand(B, T))
     phi = None
-    if o.loss_type == "vespo":  # no old log-probs here: every log-ratio is 0
+    if o.spec.term.sequence_weight:  # no old log-probs here (token-local): every log-ratio is 0
         ratio2d = None if vllm_is_ratio is None else _masked_is_ratio(vllm_is_ratio.float(), live)
         adv2d = adv if adv.dim() == 2 else adv.unsqueeze(1)
-        phi = flat(vespo_gamma_weights(adv2d, torch.zeros_like(mask), mask, ratio2d, o).expand(B, T))
+        phi = flat(o.spec.term.sequence_weights(adv2d, mask, ratio2d, o).expand(B, T))
     return TokenGradInputs(
         adv=adv_rows, weight=flat(weight), old=None if old_logps is None else flat(old_logps),
         ref=None if o.beta == 0.0 else flat(ref_logps), is_ratio=is_ratio, phi=phi,
@@ -351,14 +290,15 @@ def zero_gradient_tokens(live: torch.Tensor, advantages: torch.Tensor, options: 
                          old_logps: torch.Tensor | None = None, vllm_is_ratio: torch.Tensor | None = None
                          ) -> torch.Tensor | None:
     """The scored tokens (`live`, (B, T) bool) whose d(loss)/d(logp) is exactly 0 whatever their log-probability,
-    as token_loss_gradient computes it (None where no token can be: beta != 0, whose KL term depends on logp, or a
-    loss that is not token-local). Every term of a token-local loss without KL is its advantage times a factor, so
-    the token's advantage is 0 and that factor must be finite: its vLLM ratio finite, and its old log-probability
-    (where given) finite, and for the clipped types and sapo, whose factor holds the ratio exp(logp - old), above
-    -87 so that the ratio cannot overflow (inf x 0 is NaN, as in TRL; cispo clamps the ratio; vespo's weight phi is
-    finite). There is no entropy term in this loss."""
+    as token_loss_gradient computes it (None where no token can be: beta != 0, whose KL term depends on logp, a
+    loss that is not token-local, or a policy term that is not the advantage times a factor). For the others the
+    token's advantage is 0 and that factor must be finite: its vLLM ratio finite, and its old log-probability
+    (where given) finite, and, where the factor's derivative holds the ratio exp(logp - old) (PolicyTerm.
+    ratio_in_gradient: the clipped types, sapo), above -87 so that the ratio cannot overflow (inf x 0 is NaN, as in
+    TRL). There is no entropy term in this loss."""
     o = options
-    if o.beta != 0.0 or not o.is_token_local(with_old_logps=old_logps is not None):
+    term = o.spec.term
+    if o.beta != 0.0 or not term.zero_at_zero_advantage or not o.is_token_local(with_old_logps=old_logps is not None):
         return None
     B, T = live.shape
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)
@@ -368,47 +308,27 @@ def zero_gradient_tokens(live: torch.Tensor, advantages: torch.Tensor, options: 
         zero &= torch.isfinite(ratio)
     if old_logps is not None:
         zero &= torch.isfinite(old_logps)
-        if o.loss_type not in ("cispo", "vespo"):
+        if term.ratio_in_gradient:
             zero &= old_logps > _OLD_LOGP_FINITE_RATIO
     return zero
 
 
 def token_loss_gradient(logp: torch.Tensor, inputs: TokenGradInputs, options: GRPOLossOptions) -> torch.Tensor:
     """d(loss)/d(logp) of scored tokens from their log-probabilities, in closed form: the derivative of
-    grpo_loss_from_logps term by term, as autograd takes it (torch.min passes half the gradient to each side of a
-    tie, torch.clamp passes it where its input lies inside the bounds, bounds included). The torch twin of the
-    Triton log-prob pass's loss gradient (linear_grpo_triton); autograd through grpo_loss_from_logps is its oracle
-    (tests/test_grpo_loss_math.py)."""
+    grpo_loss_from_logps term by term, as autograd takes it (the policy term's loss_gradient, then the vLLM ratio,
+    the KL term and the normaliser's weight). The torch twin of the Triton log-prob pass's loss gradient
+    (linear_grpo_triton); autograd through grpo_loss_from_logps is its oracle (tests/test_grpo_loss_math.py)."""
     o = options
-    adv = inputs.adv
+    term = o.spec.term
+    # d(exp(logp - old)) / d(logp) is coef_1 itself, also when old is logp detached (coef_1 = 1)
     coef_1 = torch.ones_like(logp) if inputs.old is None else torch.exp(logp - inputs.old)
-    d_coef_1 = coef_1  # d(exp(logp - old)) / d(logp), also when old is logp detached
-    if o.loss_type == "cispo":
-        d_loss = -torch.clamp(coef_1, max=o.eps_high) * adv
-    elif o.loss_type in CLIPPED_LOSS_TYPES:
-        coef_2 = torch.clamp(coef_1, 1 - o.epsilon_low, 1 + o.eps_high)
-        clipped_1 = coef_1 if o.delta is None else torch.clamp(coef_1, max=o.delta)
-        a, b = clipped_1 * adv, coef_2 * adv
-        share_a = torch.where(a == b, 0.5, 1.0).masked_fill(a > b, 0.0)
-        share_b = torch.where(a == b, 0.5, 1.0).masked_fill(a < b, 0.0)
-        # what reaches coef_1 through each side (a clamp passes it inside its bounds), summed, then times
-        # d(coef_1)/d(logp) as autograd's exp does: an overflowed or NaN ratio that both clamps cut off gives
-        # 0 * inf = NaN there, as in TRL, not 0
-        through_a = share_a * adv if o.delta is None else torch.where(coef_1 <= o.delta, share_a * adv, 0.0)
-        through_b = torch.where((coef_1 >= 1 - o.epsilon_low) & (coef_1 <= 1 + o.eps_high), share_b * adv, 0.0)
-        d_loss = -(through_a + through_b) * d_coef_1
-    elif o.loss_type == "sapo":
-        temperature = torch.where(adv > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
-        s = torch.sigmoid(temperature * (coef_1 - 1))
-        d_loss = -4 * adv * s * (1 - s) * d_coef_1
-    else:  # vespo, phi detached
-        d_loss = -inputs.phi * adv
-    if inputs.is_ratio is not None and o.loss_type != "vespo":
+    d_loss = term.loss_gradient(coef_1, inputs.adv, inputs.phi, o)
+    if inputs.is_ratio is not None and term.takes_is_ratio:
         d_loss = d_loss * inputs.is_ratio
     if o.beta != 0.0:
         e = torch.exp(inputs.ref - logp)
         d_kl = 1 - e  # d(exp(ref - logp) - (ref - logp) - 1) / d(logp)
         if o.use_bias_correction_kl:
-            d_kl = d_kl * coef_1 + (e - (inputs.ref - logp) - 1) * d_coef_1
+            d_kl = d_kl * coef_1 + (e - (inputs.ref - logp) - 1) * coef_1
         d_loss = d_loss + o.beta * d_kl
     return inputs.weight * d_loss

@@ -1,24 +1,22 @@
-"""Triton row kernels of the fused linear GRPO loss (their torch twins are in fused_linear_grpo.py).
+"""Triton row kernels of the fused linear GRPO loss (their torch twins are in linear_grpo_torch.py).
 
 Both work on one stage of projected logits, fp32 (rows, V), raw (before the model's soft cap, when it has one
 (Gemma 2: z -> cap * tanh(z / cap), applied on the fly as TRL's fused head does), and before the temperature):
 - stage_statistics (logprob_entropy): per row, an online log-sum-exp over the vocabulary with per-lane running
   maxima (no cross-lane reduction inside the loop), giving log p(target), the entropy and the log-partition. A
-  stage holds a few hundred rows (fused_linear_grpo._chunk_plan), too few for one program per row to keep an
-  H100's memory busy, so each row is cut into vocabulary spans (programs (row, span)) and a second kernel folds the
+  stage holds a few hundred rows (chunk_plan.plan_chunks), too few for one program per row to keep a GPU's memory
+  busy, so each row is cut into vocabulary spans (programs (row, span)) and a second kernel folds the
   spans, writes the row's results where the fused loss keeps them, and, for a token-local loss, computes its
   g = d(loss)/d(logp) in closed form (grpo_loss_math.token_loss_gradient, its torch twin).
 - grad_logits: logits -> d(loss)/d(logits) = g_row * (onehot(target) - p) / temperature (times the cap's
   derivative 1 - tanh^2(z / cap)), where g_row = d(loss)/d(log p(target)) of that row; in place, or rounded once
   into a half-precision buffer (the gradient GEMMs' operand), which saves the separate conversion pass: 6 bytes
-  moved per logit instead of 14 (profiled on an H100: the conversion took 4.7% of the fused loss's CUDA time, the
-  kernel 6.8%).
+  moved per logit instead of 14.
 
 And two elementwise kernels for backward:
 - scale_into: an fp32 gradient accumulator times the incoming gradient, rounded once into the parameter's half
   precision dtype. torch.mul(acc, scale, out=bf16) does the same in one pass but with PyTorch's casting
-  elementwise kernel, which is not vectorized (3.3% of the fused loss's CUDA time on the H100 for the (V, H)
-  weight gradient, about half the memory bandwidth).
+  elementwise kernel, which is not vectorized (about half the memory bandwidth; docs/performance.md).
 - scale_in_place: a gradient already in the parameter's dtype times the incoming gradient, in place, skipped on
   the device when that is 1 (the usual loss.backward()): no pass over the (V, H) gradient and no host sync.
 """
@@ -93,18 +91,20 @@ def _logsumexp_partial_kernel(
     tl.store(d_ptr + out, total_d)
 
 
-# the loss types' closed-form gradients in the log-prob pass (grpo_loss_math.token_loss_gradient)
-NO_GRAD, CLIPPED, CISPO, SAPO, VESPO = 0, 1, 2, 3, 4
+# LOSS of the log-prob pass without a loss gradient; with one, LOSS is the policy term's triton_branch
+# (loss_types.PolicyTerm: 1 clipped, 2 cispo, 3 sapo, 4 vespo), each a branch of _token_loss_gradient
+NO_GRAD = 0
 
 
 @triton.jit
 def _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, clip_low, clip_high, delta, tau_pos, tau_neg, beta,
                          LOSS: tl.constexpr, HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_RATIO: tl.constexpr,
                          HAS_KL: tl.constexpr, BIAS_KL: tl.constexpr):
-    """d(loss)/d(logp) of one token: grpo_loss_math.token_loss_gradient, term by term (see there). clip_low /
-    clip_high: the ratio's clamp bounds, 1 - epsilon_low and 1 + epsilon_high (cispo: epsilon_high), computed on the
-    host and rounded once to fp32 as torch.clamp rounds its bounds (1.0 + eps in fp32 here would round twice and may
-    be an ulp off); the clamps pass NaN through, as torch's do."""
+    """d(loss)/d(logp) of one token: grpo_loss_math.token_loss_gradient, term by term (the policy term's
+    loss_gradient in loss_types, then the vLLM ratio where the term takes it (HAS_RATIO), the KL term, the
+    normaliser's weight). clip_low / clip_high: the term's clip_bounds, computed on the host and rounded once to
+    fp32 as torch.clamp rounds its bounds (1.0 + eps in fp32 here would round twice and may be an ulp off); the
+    clamps pass NaN through, as torch's do."""
     if HAS_OLD:
         coef_1 = tl.exp(logp - old)
     else:
@@ -132,9 +132,11 @@ def _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, clip_low, clip
         tau = tl.where(adv > 0, tau_pos, tau_neg)
         s = tl.sigmoid(tau * (coef_1 - 1))
         d_loss = -4 * adv * s * (1 - s) * coef_1
-    else:  # vespo: -phi * adv * logp, phi detached
+    elif LOSS == 4:  # vespo: -phi * adv * logp, phi detached
         d_loss = -phi * adv
-    if HAS_RATIO and LOSS != 4:
+    else:
+        tl.static_assert(False, "no branch for this policy term (loss_types.PolicyTerm.triton_branch)")
+    if HAS_RATIO:
         d_loss = d_loss * ratio
     if HAS_KL:  # beta * (exp(ref - logp) - (ref - logp) - 1) (* coef_1)
         e = tl.exp(ref - logp)
@@ -152,7 +154,7 @@ def _logprob_entropy_combine_kernel(
     inv_t, softcap, SPLITS, clip_low, clip_high, delta, tau_pos, tau_neg, beta,
     BLOCK_S: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCATTER: tl.constexpr, LOSS: tl.constexpr,
     HAS_OLD: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_RATIO: tl.constexpr, HAS_KL: tl.constexpr,
-    BIAS_KL: tl.constexpr,
+    BIAS_KL: tl.constexpr, HAS_PHI: tl.constexpr,
 ):
     # one program per row: the spans' (max, sum, entropy term) folded as each span folded its lanes; then the row's
     # log-prob and entropy (at its flat position when SCATTER) and, for a loss (LOSS != 0), g = d(loss)/d(logp)
@@ -190,7 +192,7 @@ def _logprob_entropy_combine_kernel(
             ref = tl.load(ref_ptr + row)
         if HAS_RATIO:
             ratio = tl.load(ratio_ptr + row)
-        if LOSS == 4:
+        if HAS_PHI:
             phi = tl.load(phi_ptr + row)
         g = _token_loss_gradient(logp, adv, weight, old, ref, ratio, phi, clip_low, clip_high, delta, tau_pos,
                                  tau_neg, beta, LOSS, HAS_OLD, HAS_DELTA, HAS_RATIO, HAS_KL, BIAS_KL)
@@ -272,9 +274,6 @@ def logprob_entropy_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: f
     return logp, entropy, lse
 
 
-_LOSS_KINDS = {"cispo": CISPO, "sapo": SAPO, "vespo": VESPO}
-
-
 def stage_statistics_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: float, softcap: float | None, *,
                             logps: torch.Tensor, entropy: torch.Tensor, lse: torch.Tensor,
                             positions: torch.Tensor | None = None, g: torch.Tensor | None = None, g_inputs=None,
@@ -292,16 +291,17 @@ def stage_statistics_triton(logits: torch.Tensor, targets: torch.Tensor, inv_t: 
     partial_m, partial_s, partial_d = torch.empty(3, rows, splits, dtype=torch.float32, device=logits.device)
     cap = 1.0 if softcap is None else float(softcap)
     loss, scalars, flags = NO_GRAD, (0.0,) * 6, dict(HAS_OLD=False, HAS_DELTA=False, HAS_RATIO=False, HAS_KL=False,
-                                                     BIAS_KL=False)
+                                                     BIAS_KL=False, HAS_PHI=False)
     inputs = [lse] * 7  # (adv, weight, old, ref, ratio, phi, g): unread where their flag is off
     if g is not None:
         o, i = options, g_inputs
-        loss = _LOSS_KINDS.get(o.loss_type, CLIPPED)
-        high = o.eps_high if loss == CISPO else 1 + o.eps_high
-        scalars = (1 - o.epsilon_low, high, 1.0 if o.delta is None else o.delta, o.sapo_temperature_pos,
+        term = o.spec.term  # an unknown loss type is a ValueError here, never a default branch
+        loss = term.triton_branch
+        scalars = (*term.clip_bounds(o), 1.0 if o.delta is None else o.delta, o.sapo_temperature_pos,
                    o.sapo_temperature_neg, o.beta)
-        flags = dict(HAS_OLD=i.old is not None, HAS_DELTA=o.delta is not None, HAS_RATIO=i.is_ratio is not None,
-                     HAS_KL=o.beta != 0.0, BIAS_KL=o.use_bias_correction_kl)
+        flags = dict(HAS_OLD=i.old is not None, HAS_DELTA=o.delta is not None,
+                     HAS_RATIO=i.is_ratio is not None and term.takes_is_ratio, HAS_KL=o.beta != 0.0,
+                     BIAS_KL=o.use_bias_correction_kl, HAS_PHI=i.phi is not None)
         inputs = [x if x is not None else lse for x in (i.adv, i.weight, i.old, i.ref, i.is_ratio, i.phi)] + [g]
     with on_device(logits.device):
         _logsumexp_partial_kernel[(rows, splits)](

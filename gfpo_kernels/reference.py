@@ -16,10 +16,12 @@ from ._validation import (
     check_keep,
     check_largest,
     check_same_shape,
+    check_linear_grpo_inputs,
+    check_num_items_in_batch,
     check_scale_eps,
-    linear_grpo_call_options,
+    count_scored,
 )
-from .grpo_loss_math import grpo_loss_from_logps, soft_capped
+from .grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps, soft_capped
 
 __all__ = ["group_topk_mask", "group_advantages", "gfpo_filter_advantages", "fused_linear_grpo_loss"]
 
@@ -139,7 +141,28 @@ def fused_linear_grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reference of :func:`gfpo_kernels.fused_linear_grpo_loss`: the full (B, T, V) logits in float64, then
     TRL's loss (gfpo_kernels.grpo_loss_math). Gradients flow to hidden, weight and bias by autograd."""
-    options, *_ = linear_grpo_call_options(locals())
+    options = GRPOLossOptions(
+        beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, temperature=temperature,
+        loss_type=loss_type, importance_sampling_level=importance_sampling_level,
+        max_completion_length=max_completion_length, use_bias_correction_kl=use_bias_correction_kl,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, logit_softcap=logit_softcap,
+    )
+    return _fused_linear_grpo_loss(hidden, weight, target_ids, mask, advantages, options, bias=bias,
+                                   old_logps=old_logps, ref_logps=ref_logps, vllm_is_ratio=vllm_is_ratio,
+                                   num_items_in_batch=num_items_in_batch)
+
+
+def _fused_linear_grpo_loss(hidden, weight, target_ids, mask, advantages, options: GRPOLossOptions, *, bias=None,
+                            old_logps=None, ref_logps=None, vllm_is_ratio=None, num_items_in_batch=None):
+    """fused_linear_grpo_loss of options already made (the kernel entry hands its call over here when the reference
+    backend runs it): checks the call, then computes it."""
+    check_num_items_in_batch(num_items_in_batch)
+    check_linear_grpo_inputs(hidden, weight, target_ids, mask, advantages, bias=bias, old_logps=old_logps,
+                             ref_logps=ref_logps, vllm_is_ratio=vllm_is_ratio, beta=options.beta)
+    count_scored(mask != 0, target_ids, weight.shape[0])  # the target-id range
+    logit_softcap, temperature = options.logit_softcap, options.temperature
     logits = hidden.double() @ weight.double().t()
     if bias is not None:
         logits = logits + bias.double()

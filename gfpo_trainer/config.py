@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from gfpo_kernels.grpo_loss_math import check_loss_kind
+from gfpo_kernels.loss_types import loss_spec
 
 GROUP_FILTERS = ("length", "token_efficiency")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -113,7 +114,7 @@ class GFPOConfig(GRPOConfig):
         if not (isinstance(mapped, str) and mapped in SCALE_REWARDS):
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, True or False, got scale_rewards={s!r}")
         # GRPOConfig takes any loss_type and fails at the first training step; TRL 1.14.2 to 1.16 compute the same
-        # loss types, every one of them the fused loss's too (grpo_loss_math.LOSS_TYPES)
+        # loss types, every one of them the fused loss's too (gfpo_kernels.loss_types.LOSS_SPECS)
         check_loss_kind(self.loss_type, self.importance_sampling_level)
         if self.bf16 is None and not self.fp16:
             # TRL turns bf16 on by default, which fails on a machine without bf16 hardware (CPU only, older GPUs):
@@ -156,8 +157,9 @@ class GFPOConfig(GRPOConfig):
         needs_even = []
         if entropy_coef or adaptive_entropy:
             needs_even.append(f"the entropy bonus (entropy_coef={entropy_coef}, use_adaptive_entropy={adaptive_entropy})")
-        if self.loss_type == "bnpo":
-            needs_even.append("loss_type='bnpo' (dapo normalises by the whole batch's tokens and pads exactly)")
+        if loss_spec(self.loss_type).normaliser.micro_batch_tokens:
+            needs_even.append(f"loss_type={self.loss_type!r} (it divides by each micro-batch's tokens; dapo "
+                              "normalises by the whole batch's tokens and pads exactly)")
         if k is not None and uneven and needs_even:
             raise ValueError(
                 f"{' and '.join(needs_even)} needs the kept rows to divide evenly into micro-batches: "

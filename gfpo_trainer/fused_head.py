@@ -15,7 +15,8 @@ from contextlib import nullcontext
 import torch
 
 import gfpo_kernels
-from gfpo_kernels.grpo_loss_math import TOKEN_COUNT_LOSS_TYPES, GRPOLossOptions, soft_capped
+from gfpo_kernels.grpo_loss_math import GRPOLossOptions, soft_capped
+from gfpo_kernels.loss_types import loss_spec
 
 from ._compat import MULTIMODAL_INPUT_KEYS, TOKEN_MEAN_METRICS
 from .config import GFPOConfig
@@ -40,7 +41,8 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
     accumulation = trainer.current_gradient_accumulation_steps if mode == "train" else 1
     num_items, loss_scale = None, 1.0
-    if trainer.loss_type in TOKEN_COUNT_LOSS_TYPES:
+    token_count = loss_spec(trainer.loss_type).normaliser.token_count
+    if token_count:
         # TRL's normaliser: num_items_in_batch (the generation batch of every process), clamped to 1, over the
         # processes and, in training, times accumulation / steps_per_generation. The fused loss divides by the
         # clamped count and the rest is a factor on its loss: passed as one normaliser, a value below 1 would be
@@ -69,7 +71,7 @@ def fused_compute_loss(trainer, model, inputs) -> tuple[torch.Tensor, torch.Tens
             gfpo_logits_to_keep=completion_ids.size(1),
             gfpo_aux_loss=trainer.aux_loss_enabled,
         )
-    loss = loss * loss_scale if trainer.loss_type in TOKEN_COUNT_LOSS_TYPES else loss / accumulation
+    loss = loss * loss_scale if token_count else loss / accumulation
     aux_term = None
     if aux_loss is not None:  # an MoE model's router load-balancing loss, added as TRL adds it
         aux_term = router_aux_term(trainer, aux_loss)

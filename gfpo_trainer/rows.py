@@ -29,16 +29,18 @@ import math
 
 import torch
 
+from gfpo_kernels.loss_types import LOSS_SPECS
+
 from ._compat import PROMPT_COMPLETION_KEYS, ROW_KEYS, TOKEN_MEAN_METRICS, TRLSurfaceError
 
 logger = logging.getLogger(__name__)
 
-# Loss types whose value is a mean over the sequences of a micro-batch (or divides by their number)
-PER_SEQUENCE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo")
+# Loss types whose value is a mean over the sequences of a micro-batch (or divides by their number): from the loss
+# types' table (gfpo_kernels.loss_types, Normaliser.per_sequence)
+PER_SEQUENCE_LOSSES = tuple(name for name, spec in LOSS_SPECS.items() if spec.normaliser.per_sequence)
 # Loss types whose gradient is exactly 0 for a row of advantage 0 and whose normaliser does not depend on which rows
-# share a micro-batch (bnpo's does). vespo's row loss is -phi x advantage x logp, its phi (finite: TRL zeroes a
-# non-finite one) a function of the row alone, and it divides by num_items_in_batch as dapo does
-_SKIPPABLE_LOSSES = ("grpo", "sapo", "luspo", "dr_grpo", "dapo", "cispo", "vespo")
+# share a micro-batch (LossTypeSpec.zero_advantage_rows_skip; bnpo's normaliser does)
+_SKIPPABLE_LOSSES = tuple(name for name, spec in LOSS_SPECS.items() if spec.zero_advantage_rows_skip)
 REAL_ROW_KEY = "gfpo_real_row"
 ROW_WEIGHT_KEY = "gfpo_row_weight"
 

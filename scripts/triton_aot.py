@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from gfpo_kernels import group_ops_triton, linear_grpo_triton
+from gfpo_kernels.loss_types import POLICY_TERMS
 
 
 @dataclasses.dataclass
@@ -67,7 +68,8 @@ def _group_launches(group_sizes) -> list[Launch]:
     return launches
 
 
-COMBINE_FLAGS = ("BLOCK_S", "HAS_SOFTCAP", "SCATTER", "LOSS", "HAS_OLD", "HAS_DELTA", "HAS_RATIO", "HAS_KL", "BIAS_KL")
+COMBINE_FLAGS = ("BLOCK_S", "HAS_SOFTCAP", "SCATTER", "LOSS", "HAS_OLD", "HAS_DELTA", "HAS_RATIO", "HAS_KL", "BIAS_KL",
+                 "HAS_PHI")
 
 
 def _row_launches(vocab_sizes) -> list[Launch]:
@@ -86,13 +88,12 @@ def _row_launches(vocab_sizes) -> list[Launch]:
                                    {"logits_ptr": "*fp32", "stride": "i32", **partials, "V": "i32", "span": "i32",
                                     "inv_t": "fp32", "softcap": "fp32", "SPLITS": "i32", "BLOCK": "constexpr",
                                     "HAS_SOFTCAP": "constexpr"}, {"BLOCK": block, "HAS_SOFTCAP": cap}))
-            # the log-prob pass's second kernel: statistics only (forward), or with the loss gradient of each kind,
-            # every input it can read (old, ref, vLLM ratio, delta, bias-corrected KL) on: the most registers
-            kinds = {"": linear_grpo_triton.NO_GRAD, " + g clipped": linear_grpo_triton.CLIPPED,
-                     " + g cispo": linear_grpo_triton.CISPO, " + g sapo": linear_grpo_triton.SAPO,
-                     " + g vespo": linear_grpo_triton.VESPO}
-            for kind_name, kind in kinds.items():
-                on = kind != linear_grpo_triton.NO_GRAD
+            # the log-prob pass's second kernel: statistics only (forward), or with the loss gradient of each policy
+            # term (loss_types.POLICY_TERMS: one branch each), every input its wrapper can pass (old, ref, vLLM
+            # ratio, delta, bias-corrected KL, a sequence weight) on: the most registers
+            kinds = {"": None, **{f" + g {term.name}": term for term in POLICY_TERMS}}
+            for kind_name, term in kinds.items():
+                on = term is not None
                 launches.append(Launch(
                     f"logprob/entropy combine V={V}{kind_name}{name}",
                     linear_grpo_triton._logprob_entropy_combine_kernel,
@@ -102,8 +103,10 @@ def _row_launches(vocab_sizes) -> list[Launch]:
                      "phi_ptr": "*fp32", "g_ptr": "*fp32", "inv_t": "fp32", "softcap": "fp32", "SPLITS": "i32",
                      "clip_low": "fp32", "clip_high": "fp32", "delta": "fp32", "tau_pos": "fp32", "tau_neg": "fp32",
                      "beta": "fp32", **{flag: "constexpr" for flag in COMBINE_FLAGS}},
-                    {"BLOCK_S": triton.next_power_of_2(splits), "HAS_SOFTCAP": cap, "SCATTER": True, "LOSS": kind,
-                     "HAS_OLD": on, "HAS_DELTA": on, "HAS_RATIO": on, "HAS_KL": on, "BIAS_KL": on}))
+                    {"BLOCK_S": triton.next_power_of_2(splits), "HAS_SOFTCAP": cap, "SCATTER": True,
+                     "LOSS": term.triton_branch if on else linear_grpo_triton.NO_GRAD, "HAS_OLD": on,
+                     "HAS_DELTA": on, "HAS_RATIO": on and term.takes_is_ratio, "HAS_KL": on, "BIAS_KL": on,
+                     "HAS_PHI": on and term.sequence_weight}))
             for out in ("fp32", "bf16", "fp16"):  # in place, or rounded into the gradient GEMMs' operand dtype
                 launches.append(Launch(f"grad-logits V={V} -> {out}{name}", linear_grpo_triton._grad_logits_kernel,
                                        {**common, "out_ptr": f"*{out}", "out_stride": "i32", "g_ptr": "*fp32",

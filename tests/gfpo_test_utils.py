@@ -85,15 +85,24 @@ def record_on_device(monkeypatch, module) -> list:
     return entered
 
 
-def record_plans(monkeypatch) -> list:
-    """Wraps gfpo_kernels.fused_linear_grpo._chunk_plan so that each plan a call makes and uses (with the peak its
-    budget counted, plan.peak_bytes) is appended to the list returned."""
-    from gfpo_kernels import fused_linear_grpo as flg
+class PlanRecorder(list):
+    """A planner (gfpo_kernels.chunk_plan.planning(recorder)) that makes each plan with `planner` (default: the fused
+    loss's, chunk_plan.plan_chunks) and appends it, with the peak its budget counted (plan.peak_bytes), to itself."""
 
-    plans, make_plan = [], flg._chunk_plan
-    monkeypatch.setattr(flg, "_chunk_plan", lambda footprint, device: plans.append(make_plan(footprint, device))
-                        or plans[-1])
-    return plans
+    def __init__(self, planner=None):
+        super().__init__()
+        from gfpo_kernels.chunk_plan import plan_chunks
+
+        self.planner = plan_chunks if planner is None else planner
+
+    def __call__(self, shape, budget, limits):
+        self.append(self.planner(shape, budget, limits))
+        return self[-1]
+
+
+def record_plans(planner=None) -> PlanRecorder:
+    """A PlanRecorder: `with planning(plans): ...` records each plan a fused loss call makes and uses."""
+    return PlanRecorder(planner)
 
 
 def peak_memory(fn, device) -> int:

@@ -2,6 +2,7 @@
 the full logits in float64; and against Liger-Kernel's LigerFusedLinearGRPOLoss where both implement a loss."""
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -9,22 +10,25 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gfpo_kernels
+from gfpo_kernels import chunk_plan
 from gfpo_kernels import fused_linear_grpo as flg
+from gfpo_kernels import linear_grpo_executor as executor
+from gfpo_kernels import linear_grpo_gemm as gemms
 from gfpo_kernels import reference as ref
-from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
+from gfpo_kernels.chunk_plan import DEFAULT_LIMITS, Budget, CallShape, Plan, fixed_planner, plan_chunks, planning
+from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps, token_grad_inputs
+from gfpo_kernels.loss_types import LOSS_SPECS
 
 from gfpo_test_utils import DEVICE, LOSS_BACKENDS, peak_memory, record_on_device, record_plans
 
 B, T, H, V = 3, 6, 16, 40
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LOSS_TYPES = list(LOSS_SPECS)
 
 
-def force_plan(monkeypatch, stage_rows, chunk_rows):
-    """Chunks of `chunk_rows` tokens (their gradient GEMMs together), projected `stage_rows` at a time."""
-    def plan(footprint, device):
-        return flg._Plan.fixed(footprint.n - footprint.n_zero, stage_rows, chunk_rows, footprint.n_zero)
-
-    monkeypatch.setattr(flg, "_chunk_plan", plan)
+def force_plan(stage_rows, chunk_rows):
+    """Within the block: chunks of `chunk_rows` tokens (their gradient GEMMs together), projected `stage_rows` at a
+    time."""
+    return planning(fixed_planner(stage_rows, chunk_rows))
 
 
 def _sweep_counts(n, stage_rows, chunk_rows):
@@ -34,11 +38,10 @@ def _sweep_counts(n, stage_rows, chunk_rows):
 
 
 @pytest.fixture(params=LOSS_BACKENDS)
-def backend(request, monkeypatch):
+def backend(request):
     """Each test once per backend, with stages of 2 tokens in chunks of 5, so that every test runs several chunks,
     each with several stages, the last of them short."""
-    force_plan(monkeypatch, 2, 5)
-    with gfpo_kernels.use_backend(request.param):
+    with force_plan(2, 5), gfpo_kernels.use_backend(request.param):
         yield request.param
 
 
@@ -236,7 +239,7 @@ def test_no_gradient_work_without_grad_mode(backend, context, monkeypatch):
     p = _problem(14)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
     gemm_calls = []
-    monkeypatch.setattr(flg, "_gemm", lambda *args, **kwargs: gemm_calls.append(args))
+    monkeypatch.setattr(gemms, "gemm", lambda *args, **kwargs: gemm_calls.append(args))
 
     class _Allocations(TorchDispatchMode):
         def __init__(self):
@@ -298,11 +301,10 @@ def test_gemm_count_per_chunk(backend, monkeypatch, mode, level, gemms_per_chunk
     and vespo given old log-probabilities (its weight phi sums the sequence's log-ratios): a second sweep that
     projects again (8*N*H*V); without grad mode (parameters requiring grad): the projection only. The gradient
     accumulators are never zero-filled (the first chunk's GEMMs write them)."""
-    force_plan(monkeypatch, 2, 3)
     p = _problem(31)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
     context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
-    with context(), _OpLog() as log:
+    with force_plan(2, 3), context(), _OpLog() as log:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
                                                       old_logps=p["old"] if with_old else None, loss_type=loss_type,
                                                       importance_sampling_level=level)
@@ -332,7 +334,7 @@ def test_grad_logits_rounded_once_into_a_half_buffer(backend, out_dtype):
     targets = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
     upstream = torch.randn(rows, generator=g).to(DEVICE)
     lse = torch.logsumexp(logits * inv_t, dim=-1)
-    grad_logits = flg._backend_ops(backend)[1]
+    grad_logits = executor.row_passes(backend).grad_logits
     want = grad_logits(logits.clone(), targets, lse, upstream, inv_t)
     out = torch.full((rows, vocab), float("nan"), dtype=out_dtype, device=DEVICE)
     source = logits.clone()
@@ -498,7 +500,7 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype(backend):
     them: the log-probs equal the reference's on bf16-rounded inputs, not its fp32 ones; gradients stay fp32."""
     p = _problem(41)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        assert flg._operand_dtype(p["hidden"], p["weight"]) == torch.bfloat16
+        assert gemms.operand_dtype(p["hidden"], p["weight"]) == torch.bfloat16
         loss, stats, grads = _run(gfpo_kernels.fused_linear_grpo_loss, p, loss_type="dapo", old_logps=p["old"])
     rounded = dict(p, hidden=p["hidden"].bfloat16().float(), weight=p["weight"].bfloat16().float(),
                    bias=p["bias"].bfloat16().float())
@@ -516,97 +518,151 @@ def test_autocast_runs_the_gemms_in_the_autocast_dtype(backend):
             torch.testing.assert_close(got / scale, expected / scale, rtol=2**-7, atol=2**-8)
 
 
-def _qwen_footprint(n, positions=16384, H=4096, **changes):
-    """The budget's view of a bf16 call at Qwen's vocabulary (gradients for hidden and weight)."""
-    sizes = dict(n=n, positions=positions, V=151936, H=H, operand_size=2, hidden_size=2, grad_h_size=2,
-                 weight_size=2, weight_direct=True, weight_copy=False, need_h=True, need_w=True)
-    return flg._Footprint(**{**sizes, **changes})
+def _qwen_shape(n, positions=16384, H=4096, **changes):
+    """A bf16 call at Qwen's vocabulary as the planner sees it (gradients for hidden and weight)."""
+    sizes = dict(n=n, positions=positions, V=151936, H=H, operand_elem_bytes=2, hidden_elem_bytes=2,
+                 grad_h_elem_bytes=2, weight_elem_bytes=2, weight_direct=True, weight_copy=False, need_h=True,
+                 need_w=True)
+    return CallShape(**{**sizes, **changes})
+
+
+def _cuda_plan(shape, budget_bytes):
+    """plan_chunks within a CUDA budget (one that follows free memory) of `budget_bytes`."""
+    return plan_chunks(shape, Budget(budget_bytes, follows_free_memory=True))
 
 
 def test_budget_follows_free_cuda_memory(monkeypatch):
     """CUDA: half the memory free for new tensors (device free + what the allocator caches unused); other devices a
-    constant; _BUDGET_BYTES overrides."""
+    constant; planning(budget_bytes=...) overrides."""
     memory = {"free": 8 << 30, "reserved": 0, "allocated": 0}
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (memory["free"], 80 << 30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: memory["reserved"])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["allocated"])
     cuda = torch.device("cuda")
-    assert flg._budget(cuda) == 4 << 30
+    assert chunk_plan.device_budget(cuda) == Budget(4 << 30, follows_free_memory=True)
     memory.update(reserved=6 << 30, allocated=2 << 30)  # 4 GiB cached but unused count as free
-    assert flg._budget(cuda) == 6 << 30
-    assert flg._budget(torch.device("cpu")) == 64 << 20
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 1 << 20})
-    assert flg._budget(cuda) == 1 << 20
+    assert chunk_plan.device_budget(cuda) == Budget(6 << 30, follows_free_memory=True)
+    assert chunk_plan.device_budget(torch.device("cpu")) == Budget(64 << 20, follows_free_memory=False)
+    budgets = []
+    with planning(lambda shape, budget, limits: budgets.append(budget), budget_bytes=1 << 20):
+        chunk_plan.plan_call(_qwen_shape(10), cuda)
+    assert budgets == [Budget(1 << 20, follows_free_memory=True)]
 
 
-def test_chunk_plan_from_the_one_budget(monkeypatch):
+def test_chunk_plan_from_the_one_budget():
     """Stages of at most 512 rows cut evenly, whatever the memory; one chunk where its peak is no higher than
     several chunks' (a GRPO batch of short completions); else chunks whose buffers take the LM head weight's size,
     fewer rows when the budget is short, never under 256 MiB."""
-    cuda = torch.device("cuda")
     V, H = 151936, 4096
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 40 << 30})
+    budget = 40 << 30
     # 26.5% of 16384 scored: 9 stages of 481-482 rows, one chunk (its logits gradient in bf16, 1.23 GiB, plus the
     # bf16 weight gradient it writes: no fp32 accumulator, 2.4 GiB at the peak, against 3.7 for several chunks)
-    plan = flg._chunk_plan(_qwen_footprint(4335), cuda)
+    plan = _cuda_plan(_qwen_shape(4335), budget)
     assert plan.chunks == ((0, 4335),) and len(plan.stages) == 9 and plan.stage_rows == 482
     # 87% scored: 28 stages of 511-512 rows; the buffers take the weight's 2VH bytes: the staging buffer 4*512*V,
     # the chunk's gradient (2VH - 4*512*V) / 2V = H - 1024 = 3072 rows, 6 stages: 5 chunks of 5-6 stages
-    roomy = flg._chunk_plan(_qwen_footprint(14309), cuda)
+    roomy = _cuda_plan(_qwen_shape(14309), budget)
     assert len(roomy.stages) == 28 and roomy.stage_rows == 512
     assert len(roomy.chunks) == 5 and roomy.chunk_rows <= H - 1024
     assert [len(roomy.stages_of(*c)) for c in roomy.chunks] == [5, 6, 5, 6, 6]
     # a short budget (2.5 GiB: less than the fp32 accumulator and the rest already take): the chunks shrink to
     # 256 MiB (one stage each); the stages stay, so the log-probabilities keep their bits
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": int(2.5 * 2**30)})
-    short = flg._chunk_plan(_qwen_footprint(14309), cuda)
+    budget = int(2.5 * 2**30)
+    short = _cuda_plan(_qwen_shape(14309), budget)
     assert short.stages == roomy.stages and len(short.chunks) == 28
     # a budget (2 GiB) that one chunk exceeds (4335 rows: 2.45 GiB; 8000: 3.55) keeps it all the same: several
     # chunks would peak higher still (3.64 / 3.66 GiB: the fp32 accumulator beside the weight gradient cast from it)
     # and run 9 / 16 accumulator passes; where one chunk peaks higher than several (10000 rows: 4.14 against
     # 3.68 GiB), several
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 2 << 30})
+    budget = 2 << 30
     for n, one_chunk in ((4335, True), (8000, True), (10000, False)):
-        footprint = _qwen_footprint(n)
-        chosen = flg._chunk_plan(footprint, cuda)
+        shape = _qwen_shape(n)
+        chosen = _cuda_plan(shape, budget)
         assert (len(chosen.chunks) == 1) is one_chunk, n
-        peak = footprint.peak(chosen.stage_rows, chosen.chunk_rows, len(chosen.chunks))
-        other = (footprint.peak(chosen.stage_rows, 3 * chosen.stage_rows, 2) if one_chunk
-                 else footprint.peak(chosen.stage_rows, n, 1))
+        peak = shape.peak_bytes(chosen.stage_rows, chosen.chunk_rows, len(chosen.chunks))
+        other = (shape.peak_bytes(chosen.stage_rows, 3 * chosen.stage_rows, 2) if one_chunk
+                 else shape.peak_bytes(chosen.stage_rows, n, 1))
         assert peak <= other, (n, peak / 2**30, other / 2**30)
     # an fp32 head under bf16 autocast: its bf16 copy (VH * 2 bytes) and the fp32 input gradient count, so a budget
     # that holds the bf16 head's 5 chunks exactly leaves its chunks only the 256 MiB floor
-    bf16 = _qwen_footprint(14309)
-    exact = bf16.phases(512, 0, chunks=2)[0] + 2 * V * H - 4 * 512 * V
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": exact})
-    assert len(flg._chunk_plan(bf16, cuda).chunks) == 5
-    fp32_head = _qwen_footprint(14309, hidden_size=4, grad_h_size=4, weight_size=4, weight_copy=True)
-    assert len(flg._chunk_plan(fp32_head, cuda).chunks) == 28
+    bf16 = _qwen_shape(14309)
+    exact = bf16.phase_bytes(512, 0, chunks=2)[0] + 2 * V * H - 4 * 512 * V
+    assert len(_cuda_plan(bf16, exact).chunks) == 5
+    fp32_head = _qwen_shape(14309, hidden_elem_bytes=4, grad_h_elem_bytes=4, weight_elem_bytes=4, weight_copy=True)
+    assert len(_cuda_plan(fp32_head, exact).chunks) == 28
     # every position scored: no stage or chunk holds more than half of them
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {"cuda": 40 << 30})
-    plan = flg._chunk_plan(_qwen_footprint(1000, positions=1000), cuda)
+    budget = 40 << 30
+    plan = _cuda_plan(_qwen_shape(1000, positions=1000), budget)
     assert plan.chunks == ((0, 500), (500, 1000)) and plan.stage_rows == 500
     # a small head (H=896, weight 0.25 GiB): buffers of 1 GiB, (2**30 - 4*512*V) / 2V = 2509 rows: 4 stages a chunk
-    plan = flg._chunk_plan(_qwen_footprint(14309, H=896), cuda)
+    plan = _cuda_plan(_qwen_shape(14309, H=896), budget)
     assert plan.chunk_rows <= 2509 and len(plan.chunks) == 7
     # never more rows than tokens, never fewer than one; nothing scored: nothing to do
-    assert flg._chunk_plan(_qwen_footprint(3, V=1000, H=8), cuda).chunks == ((0, 3),)
-    assert flg._chunk_plan(_qwen_footprint(0), cuda) == flg._Plan(chunks=(), stages=())
-    no_grad = _qwen_footprint(14309, need_h=False, need_w=False)
-    assert flg._chunk_plan(no_grad, cuda).stages == roomy.stages
+    assert _cuda_plan(_qwen_shape(3, V=1000, H=8), budget).chunks == ((0, 3),)
+    assert _cuda_plan(_qwen_shape(0), budget) == Plan(chunks=(), stages=())
+    no_grad = _qwen_shape(14309, need_h=False, need_w=False)
+    assert _cuda_plan(no_grad, budget).stages == roomy.stages
+
+
+@pytest.mark.parametrize("shape", [_qwen_shape(14309), _qwen_shape(4335), _qwen_shape(8000, H=896),
+                                   _qwen_shape(14309, n_zero=6000, need_w=False),
+                                   _qwen_shape(14309, hidden_elem_bytes=4, grad_h_elem_bytes=4, weight_elem_bytes=4,
+                                               weight_copy=True)],
+                         ids=["ragged", "grpo-lengths", "small-head", "frozen-head-zero-rows", "fp32-head"])
+def test_plan_depends_on_free_memory_only_below_the_roomy_budget(shape):
+    """Where the budget follows free memory (CUDA), the stages never depend on it, and the chunks depend on it only
+    below chunk_plan.roomy_budget_bytes: from there up every budget makes the same plan, so the same inputs give the
+    same bits on any device with twice that free (docs/fused-loss.md, "Same inputs, same bits"). Below it, chunks
+    may shrink (the stages stay)."""
+    roomy = chunk_plan.roomy_budget_bytes(shape)
+    plan = _cuda_plan(shape, roomy)
+    assert roomy < 8 << 30  # at Qwen's vocabulary and H=4096: 16 GiB free on the GPU suffice
+    for budget in (roomy + 1, 2 * roomy, 40 << 30, 1 << 40):
+        assert _cuda_plan(shape, budget) == plan and _cuda_plan(shape, budget).peak_bytes == plan.peak_bytes
+    short = _cuda_plan(shape, roomy // 3)
+    assert short.stages == plan.stages
+    if len(plan.chunks) > 1:
+        assert len(short.chunks) > len(plan.chunks)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_gradient_bits_across_chunk_counts(backend, monkeypatch, weight_dtype):
+    """What a busier GPU changes (a short budget: more chunks, plan_chunks): the loss, log-probabilities and entropy
+    keep every bit (the stages stay); the gradients are fp32 sums taken in another order, each rounded once, so they
+    may differ in their last bits: a bf16 weight gradient by at most one unit in the last place (one chunk: one
+    GEMM's fp32 sum written in bf16 on CUDA; several: an fp32 accumulator, cast once), an fp32 one within fp32
+    summation error; the input gradient (each chunk's GEMM sums a row over the whole vocabulary; the GEMM's shape
+    changes with the chunk) likewise. bf16: CUDA's path emulated on the CPU."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("the Triton interpreter copies argument storages through torch ops")
+    if weight_dtype == torch.bfloat16:
+        _bf16_operands_on_cpu(monkeypatch)
+    p = _problem(101, dtype=weight_dtype, bias=False)
+    runs = []
+    for stage_rows, chunk_rows in ((2, 1 << 20), (2, 4)):  # one chunk, several
+        with force_plan(stage_rows, chunk_rows):
+            runs.append(_run(gfpo_kernels.fused_linear_grpo_loss, p, old_logps=p["old"]))
+    (loss_1, stats_1, grads_1), (loss_n, stats_n, grads_n) = runs
+    assert torch.equal(loss_1, loss_n)
+    assert all(torch.equal(stats_1[name], stats_n[name]) for name in stats_1)
+    for one, several in zip(grads_1, grads_n):
+        assert one.dtype == several.dtype == weight_dtype
+        if weight_dtype == torch.bfloat16:  # one unit in the last place at most (eps * |x| >= ulp(x))
+            ulp = torch.finfo(weight_dtype).eps * one.float().abs()
+            assert torch.all((one.float() - several.float()).abs() <= ulp)
+        else:
+            torch.testing.assert_close(one, several, rtol=1e-5, atol=1e-6 * one.abs().max().item())
 
 
 @pytest.mark.parametrize("call", ["no_grad", "forward+backward", "frozen head, most advantages 0"])
-def test_cpu_call_holds_its_plans_count_within_the_constant_budget(monkeypatch, call):
+def test_cpu_call_holds_its_plans_count_within_the_constant_budget(call):
     """Off CUDA the budget is a constant (64 MiB): a stage and the torch twins' temporaries take at most half of it
     (whatever the call, so the stages stay a function of the shapes), the chunk buffer what the rest leaves. A CPU
     call (V=32768, H=32, 600 scored tokens) then holds at its peak what its plan counted (plan.peak_bytes, the
     twins' temporaries among it), measured by the profiler's allocation events, and that stays within the budget.
     Before: stages of up to 512 rows whatever the budget, each with 3-4 temporaries of its size, and chunk buffers
     of at least 256 MiB (measured here: 183 MiB without gradients, 223 MiB with, counted 37 and 77)."""
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {})
-    plans = record_plans(monkeypatch)
+    plans = record_plans()
     g = torch.Generator().manual_seed(37)
     b, t, h, v = 8, 100, 32, 32768
     hidden = torch.randn(b, t, h, generator=g)
@@ -622,7 +678,7 @@ def test_cpu_call_holds_its_plans_count_within_the_constant_budget(monkeypatch, 
     logps = []
 
     def run():
-        with gfpo_kernels.use_backend("torch"):
+        with gfpo_kernels.use_backend("torch"), planning(plans):
             loss, stats = gfpo_kernels.fused_linear_grpo_loss(*leaves, target, mask, adv)
             logps.append(stats["logps"])
             if loss.requires_grad:
@@ -631,7 +687,7 @@ def test_cpu_call_holds_its_plans_count_within_the_constant_budget(monkeypatch, 
     peak = peak_memory(run, "cpu")
     (plan,) = plans
     assert peak == pytest.approx(plan.peak_bytes, rel=0.05), (peak / 2**20, plan.peak_bytes / 2**20)
-    assert peak <= flg._DEFAULT_BUDGET_BYTES, peak / 2**20
+    assert peak <= DEFAULT_LIMITS.constant_budget_bytes, peak / 2**20
     assert len(plan.stages) > 4 and (len(plan.chunks) > 1) is (call == "forward+backward")
     if grad:  # the same stages without gradients: the same bits
         with torch.no_grad():
@@ -676,23 +732,22 @@ def test_logits_gradient_rounded_once(backend, monkeypatch):
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops")
     if DEVICE == "cpu":
-        monkeypatch.setattr(flg, "_gemm_operands", lambda h, w, dtype=None: (h.bfloat16(), w.bfloat16()))
+        monkeypatch.setattr(gemms, "gemm_operands", lambda h, w, dtype=None: (h.bfloat16(), w.bfloat16()))
 
         def project(h, w, b, out):
             torch.mm(h.float(), w.float().t(), out=out)
             return out if b is None else out.add_(b)
 
-        monkeypatch.setattr(flg, "_project", project)
+        monkeypatch.setattr(gemms, "project", project)
         # a.to(b.dtype): what main's _addmm_fp32 did per GEMM; a no-op once the chunk's gradient is already bf16
         def gemm(out, a, b, accumulate=False):
             product = a.to(b.dtype).float() @ b.float()
             out.add_(product) if accumulate else out.copy_(product)
 
-        monkeypatch.setattr(flg, "_gemm", gemm)
-    force_plan(monkeypatch, 2, 4)
+        monkeypatch.setattr(gemms, "gemm", gemm)
     p = _problem(53, dtype=torch.bfloat16, bias=False)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
-    with _OpLog() as log:
+    with force_plan(2, 4), _OpLog() as log:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
                                                       old_logps=p["old"])
     stages, chunks = _sweep_counts(int(p["mask"].sum()), 2, 4)
@@ -743,10 +798,10 @@ def test_log_prob_pass_computes_the_loss_gradient(backend, config, with_old):
     loss_inputs = dict(advantages=p["adv"], old_logps=p["old"] if with_old else None,
                        ref_logps=p["ref"] if options.beta else None, vllm_is_ratio=ratio, num_items_in_batch=None)
     lo, hi = 2, n - 1  # one stage: rows [lo, hi)
-    inputs = flg.token_grad_inputs(mask, positions, options=options, **loss_inputs)
+    inputs = token_grad_inputs(mask, positions, options=options, **loss_inputs)
     logps, entropy = torch.zeros(B * T, device=DEVICE), torch.zeros(B * T, device=DEVICE)
     lse, g_rows = torch.empty(hi - lo, device=DEVICE), torch.empty(hi - lo, device=DEVICE)
-    stage_statistics = flg._backend_ops(backend)[0]
+    stage_statistics = executor.row_passes(backend).stage_statistics
     stage_statistics(logits[lo:hi].clone(), targets[lo:hi], 1 / 0.8, 6.0, logps=logps, entropy=entropy, lse=lse,
                      positions=positions[lo:hi], g=g_rows, g_inputs=inputs.rows(lo, hi), options=options)
 
@@ -784,11 +839,12 @@ def test_log_prob_pass_loss_gradient_at_non_finite_ratios(backend, config):
     adv = torch.tensor([1.0, -1.0, 0.5], device=DEVICE)
     old = p["old"].clone()
     old[:2, :3] = torch.tensor([-100.0, float("-inf"), float("nan")], device=DEVICE)
-    inputs = flg.token_grad_inputs(mask, positions, adv, options, old_logps=old)
+    inputs = token_grad_inputs(mask, positions, adv, options, old_logps=old)
     logps, entropy = torch.zeros(B * T, device=DEVICE), torch.zeros(B * T, device=DEVICE)
     lse, g_rows = torch.empty(B * T, device=DEVICE), torch.empty(B * T, device=DEVICE)
-    flg._backend_ops(backend)[0](logits, targets, 1.0, None, logps=logps, entropy=entropy, lse=lse,
-                                 positions=positions, g=g_rows, g_inputs=inputs, options=options)
+    executor.row_passes(backend).stage_statistics(logits, targets, 1.0, None, logps=logps, entropy=entropy,
+                                                  lse=lse, positions=positions, g=g_rows, g_inputs=inputs,
+                                                  options=options)
     x = logps.clone().view(B, T).requires_grad_()
     loss, _ = grpo_loss_from_logps(x, mask, adv, options, old_logps=old, with_stats=False)
     (want,) = torch.autograd.grad(loss, x)
@@ -797,6 +853,26 @@ def test_log_prob_pass_loss_gradient_at_non_finite_ratios(backend, config):
     assert not finite.all()
     assert torch.equal(torch.isfinite(g_rows), finite)
     torch.testing.assert_close(g_rows[finite], want[finite], rtol=1e-5, atol=1e-7)
+
+
+def test_an_unknown_loss_type_at_the_log_prob_pass_is_an_error(backend):
+    """A loss type without a row in loss_types.LOSS_SPECS that reaches the log-prob pass's loss gradient (options made
+    around GRPOLossOptions' own check) is a ValueError naming it, in the Triton dispatch and in the torch closed
+    form alike, never another type's branch (before: the Triton kernel took the clipped branch, the torch twin
+    vespo's)."""
+    options = GRPOLossOptions(loss_type="dapo")
+    object.__setattr__(options, "loss_type", "made_up")
+    p = _problem(97)
+    positions = torch.nonzero(p["mask"].reshape(-1) != 0).squeeze(1)
+    n = positions.numel()
+    inputs = token_grad_inputs(p["mask"], positions, p["adv"], GRPOLossOptions(loss_type="dapo"), old_logps=p["old"])
+    logits = torch.randn(n, V, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logps, entropy = torch.zeros(B * T, device=DEVICE), torch.zeros(B * T, device=DEVICE)
+    lse, g_rows = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
+    with pytest.raises(ValueError, match=r"loss_type must be one of .* got loss_type='made_up'"):
+        executor.row_passes(backend).stage_statistics(
+            logits, p["target"].reshape(-1)[positions], 1.0, None, logps=logps, entropy=entropy, lse=lse,
+            positions=positions, g=g_rows, g_inputs=inputs, options=options)
 
 
 SKIP_CONFIGS = [
@@ -833,17 +909,17 @@ def test_zero_gradient_rows_skip_the_gradient_work(backend, monkeypatch, config)
     assert 0 < int(zero.sum()) < int(p["mask"].sum())
 
     rows = []
-    real_ops = flg._backend_ops
+    real_ops = executor.row_passes
 
     def counting(backend_name):
         ops = real_ops(backend_name)
 
         def grad_logits(logits, *args, **kwargs):
             rows.append(logits.shape[0])
-            return ops[1](logits, *args, **kwargs)
-        return (ops[0], grad_logits, *ops[2:])
+            return ops.grad_logits(logits, *args, **kwargs)
+        return ops._replace(grad_logits=grad_logits)
 
-    monkeypatch.setattr(flg, "_backend_ops", counting)
+    monkeypatch.setattr(executor, "row_passes", counting)
     _compare(p, **options)
     assert sum(rows) == int(p["mask"].sum()) - int(zero.sum())
     rows.clear()
@@ -922,20 +998,20 @@ def _bf16_operands_on_cpu(monkeypatch):
     """CUDA's bf16 path on the CPU, whose torch.mm has no out_dtype: bf16 GEMM operands, fp32 logits. Returns the
     list of (shape, dtype) of what each gradient GEMM writes."""
     written = []
-    monkeypatch.setattr(flg, "_gemm_operands", lambda h, w, dtype=None: (h.bfloat16(), w.bfloat16()))
+    monkeypatch.setattr(gemms, "gemm_operands", lambda h, w, dtype=None: (h.bfloat16(), w.bfloat16()))
 
     def project(h, w, b, out):
         torch.mm(h.float(), w.float().t(), out=out)
         return out if b is None else out.add_(b)
 
-    monkeypatch.setattr(flg, "_project", project)
+    monkeypatch.setattr(gemms, "project", project)
 
     def gemm(out, a, b, accumulate=False):  # fp32 sums of the bf16 operands, rounded once into out
         written.append((tuple(out.shape), out.dtype))
         product = a.float() @ b.float()
         out.add_(product) if accumulate else out.copy_(product)
 
-    monkeypatch.setattr(flg, "_gemm", gemm)
+    monkeypatch.setattr(gemms, "gemm", gemm)
     return written
 
 
@@ -949,10 +1025,9 @@ def test_one_chunk_writes_the_gradients_in_the_parameter_dtype(backend, monkeypa
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops")
     written = _bf16_operands_on_cpu(monkeypatch)
-    force_plan(monkeypatch, 2, 1 << 20)
     p = _problem(73, dtype=torch.bfloat16, bias=False)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
-    with _OpLog() as log:
+    with force_plan(2, 1 << 20), _OpLog() as log:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"],
                                                       old_logps=p["old"])
     n = int(p["mask"].sum())
@@ -988,21 +1063,66 @@ def test_reduced_precision_reductions_off_around_half_outputs():
         matmul.allow_fp16_reduced_precision_reduction = True
         for dtype, name in ((torch.bfloat16, "allow_bf16_reduced_precision_reduction"),
                             (torch.float16, "allow_fp16_reduced_precision_reduction")):
-            with flg._fp32_reductions(dtype, cuda):
+            with gemms.fp32_reductions(dtype, cuda):
                 assert getattr(matmul, name) is False
             assert getattr(matmul, name) is True
-            with flg._fp32_reductions(dtype, torch.device("cpu")):
+            with gemms.fp32_reductions(dtype, torch.device("cpu")):
                 assert getattr(matmul, name) is True
-        with flg._fp32_reductions(torch.float32, cuda):
+        with gemms.fp32_reductions(torch.float32, cuda):
             assert matmul.allow_bf16_reduced_precision_reduction is True
         if hasattr(matmul, "allow_bf16_reduced_precision_reduction_split_k"):  # torch >= 2.10: (reduced, split-K)
             # a user who turned split-K off (deterministic sums) keeps it off inside: only reduced precision goes
             matmul.allow_bf16_reduced_precision_reduction = (False, False)
-            with flg._fp32_reductions(torch.bfloat16, cuda):
+            with gemms.fp32_reductions(torch.bfloat16, cuda):
                 assert matmul.allow_bf16_reduced_precision_reduction_split_k is False
             assert matmul.allow_bf16_reduced_precision_reduction_split_k is False
     finally:
         matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+def test_reduced_precision_reductions_across_threads():
+    """The reduced-precision flag is process-wide: blocks of two threads that overlap (A enters, B enters, A leaves,
+    B leaves) keep it off until the last one leaves, then the user's setting is back; a setting made inside a block
+    is kept. Before, A's exit turned reduced precision back on under B's GEMMs, and B's exit left it off for good."""
+    import threading
+
+    matmul = torch.backends.cuda.matmul
+    name = "allow_bf16_reduced_precision_reduction"
+    saved = getattr(matmul, name)
+    cuda = torch.device("cuda")
+    seen = {}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def thread_a():
+        with gemms.fp32_reductions(torch.bfloat16, cuda):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(5)
+        with gemms.fp32_reductions(torch.bfloat16, cuda):
+            b_in.set()
+            a_out.wait(5)
+            seen["inside B after A left"] = getattr(matmul, name)
+
+    try:
+        setattr(matmul, name, True)
+        threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert seen == {"inside B after A left": False}
+        assert getattr(matmul, name) is True
+        with gemms.fp32_reductions(torch.bfloat16, cuda):  # the user turns it off inside a block: kept
+            setattr(matmul, name, False)
+            with gemms.fp32_reductions(torch.bfloat16, cuda):
+                pass
+            setattr(matmul, name, True)
+        assert getattr(matmul, name) is True
+    finally:
+        setattr(matmul, name, saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1010,7 +1130,7 @@ def test_scale_in_place_skips_a_scale_of_one(backend, dtype):
     """The backward's in-place scale of a gradient already in its parameter's dtype: a scale of 1 leaves every bit
     as it was (the kernel returns at once; the CPU twin tests it on the host), any other multiplies, rounded once
     (to nearest even; the Triton interpreter truncates to bf16), at a size that is not a multiple of the block."""
-    scale_in_place = flg._backend_ops(backend)[3]
+    scale_in_place = executor.row_passes(backend).scale_in_place
     g = torch.Generator().manual_seed(79)
     x = (torch.randn(3, 5000, generator=g) * 50).to(dtype).to(DEVICE)
     before = x.clone()
@@ -1055,10 +1175,10 @@ def test_half_operands_only_where_cublas_writes_fp32(monkeypatch, device, capabi
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     # torch.backends.cuda.matmul.allow_fp16_accumulation reads this getter
     monkeypatch.setattr(torch._C, "_get_cublas_allow_fp16_accumulation", lambda: fp16_accumulation)
-    assert flg._half_gemm_on_device(torch.device(device), dtype) is half
+    assert gemms.half_gemm_on_device(torch.device(device), dtype) is half
     if device == "cpu":
         h, w = torch.randn(3, 8), torch.randn(5, 8)
-        gh, gw = flg._gemm_operands(h, w, dtype)
+        gh, gw = gemms.gemm_operands(h, w, dtype)
         assert gh.dtype == gw.dtype == torch.float32
         assert torch.equal(gw, w.to(dtype).float()) and torch.equal(gh, h.to(dtype).float())
 
@@ -1128,22 +1248,22 @@ class _LargestTensor(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_never_materialises_all_logits(backend, level, monkeypatch):
+def test_never_materialises_all_logits(backend, level):
     """With V*H and the chunk far smaller than B*T*V, no op may produce a tensor anywhere near (B*T, V)."""
     g = torch.Generator().manual_seed(29)
     b, t, h, v = 8, 16, 4, 64
-    monkeypatch.undo()  # the real plan with stages of 2 tokens (1 off CUDA, whose constant budget of 0 bounds them)
-    monkeypatch.setattr(flg, "_STAGE_ROWS", 2)  # and chunks as small as the budget allows
-    monkeypatch.setattr(flg, "_MIN_CHUNK_BYTES", 0)
-    monkeypatch.setattr(flg, "_BUDGET_BYTES", {DEVICE: 0})
+    # the real planner (not the fixture's forced plan) with stages of 2 tokens (1 off CUDA, whose constant budget of
+    # 0 bounds them) and chunks as small as the budget allows
+    plans = record_plans()
+    planned = planning(plans, budget_bytes=0, limits=dataclasses.replace(DEFAULT_LIMITS, stage_rows=2,
+                                                                          min_chunk_bytes=0))
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops; measured on GPU")
-    plans = record_plans(monkeypatch)
     hidden = torch.randn(b, t, h, generator=g).to(DEVICE).requires_grad_()
     weight = torch.randn(v, h, generator=g).to(DEVICE).requires_grad_()
     target = torch.randint(0, v, (b, t), generator=g).to(DEVICE)
     mask = torch.ones(b, t, device=DEVICE)
-    with _LargestTensor() as probe:
+    with planned, _LargestTensor() as probe:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, torch.randn(b, device=DEVICE),
                                                       importance_sampling_level=level)
         loss.backward()
@@ -1152,21 +1272,23 @@ def test_never_materialises_all_logits(backend, level, monkeypatch):
     assert probe.largest <= max(4 * v, b * t * h, v * h) < b * t * v // 4
 
 
-def test_no_buffer_spans_every_token_at_the_default_budget(backend, monkeypatch):
+def test_no_buffer_spans_every_token_at_the_default_budget(backend):
     """The contract's "never materialises a (B*T, V) tensor" holds for a batch so small that all its logits would
     fit in one chunk of the default budget, every position scored: the largest tensor any op returns stays under
     B*T*V elements (half the tokens is the most a stage or chunk then holds; before, a single chunk of every token
     was allocated)."""
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops; measured on GPU")
-    monkeypatch.undo()  # the fixture's forced plan: the real one here
+    def real_plan():  # the planner's plans, not the fixture's forced one
+        return planning(plan_chunks)
+
     g = torch.Generator().manual_seed(31)
     b, t, h, v = 4, 8, 8, 64  # 32 tokens: far under the budget; V*H = 512 < B*T*V / 2
     hidden = torch.randn(b, t, h, generator=g).to(DEVICE).requires_grad_()
     weight = torch.randn(v, h, generator=g).to(DEVICE).requires_grad_()
     target = torch.randint(0, v, (b, t), generator=g).to(DEVICE)
     for loss_type in ("grpo", "dapo"):
-        with _LargestTensor() as probe:
+        with real_plan(), _LargestTensor() as probe:
             loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, torch.ones(b, t, device=DEVICE),
                                                           torch.randn(b, device=DEVICE), loss_type=loss_type)
             loss.backward()
@@ -1174,7 +1296,7 @@ def test_no_buffer_spans_every_token_at_the_default_budget(backend, monkeypatch)
     # a bias trained alone (the head's weight and the hidden states frozen): its gradient sums the logits gradient
     # of each stage; no chunk buffer for the GEMMs it does not run (it was (n, V), every token's)
     bias = torch.zeros(v, device=DEVICE, requires_grad=True)
-    with _LargestTensor() as probe:
+    with real_plan(), _LargestTensor() as probe:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden.detach(), weight.detach(), target,
                                                       torch.ones(b, t, device=DEVICE), torch.randn(b, device=DEVICE),
                                                       bias=bias)
@@ -1190,8 +1312,8 @@ def test_reference_backend_takes_the_call_before_any_work(monkeypatch):
     zero_rows, checks = [], []
     monkeypatch.setattr(flg, "zero_gradient_tokens", lambda *args, **kwargs: zero_rows.append(1))
     for module in (flg, ref):
-        check = module.linear_grpo_call_options
-        monkeypatch.setattr(module, "linear_grpo_call_options",
+        check = module.check_linear_grpo_inputs
+        monkeypatch.setattr(module, "check_linear_grpo_inputs",
                             lambda *args, check=check, **kwargs: checks.append(1) or check(*args, **kwargs))
     p = _problem(3)
     for backend, work in (("reference", 0), ("torch", 1)):
@@ -1269,7 +1391,8 @@ def test_normaliser_made_once_on_the_device(backend, monkeypatch, normaliser):
         return read
 
     monkeypatch.setattr(flg, "grpo_loss_from_logps", recording(flg.grpo_loss_from_logps))
-    monkeypatch.setattr(flg, "token_grad_inputs", recording(flg.token_grad_inputs))
+    monkeypatch.setattr(executor, "grpo_loss_from_logps", recording(executor.grpo_loss_from_logps))
+    monkeypatch.setattr(executor, "token_grad_inputs", recording(executor.token_grad_inputs))
     p = _problem(59)
     hidden = p["hidden"].clone().requires_grad_()
     loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, p["weight"], p["target"], p["mask"], p["adv"],
@@ -1290,10 +1413,9 @@ def test_triton_launches_make_the_tensors_device_current(monkeypatch):
     from gfpo_kernels import linear_grpo_triton
 
     entered = record_on_device(monkeypatch, linear_grpo_triton)
-    force_plan(monkeypatch, 4, 8)
     p = _problem(71, dtype=torch.bfloat16)
     hidden, weight = p["hidden"].clone().requires_grad_(), p["weight"].clone().requires_grad_()
-    with gfpo_kernels.use_backend("triton"):
+    with force_plan(4, 8), gfpo_kernels.use_backend("triton"):
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, p["target"], p["mask"], p["adv"])
         loss.backward()
     # the log-prob pass and the logits-gradient pass of every stage, and the backward's bf16 conversions

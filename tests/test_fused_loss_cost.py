@@ -1,12 +1,14 @@
-"""The cost model (gfpo_kernels.fused_loss_cost) against the one GPU run there is, and its launch counts against the
-code it models.
+"""The cost model (bench/fused_loss_cost.py) against the one GPU run there is, and its launch counts against the
+code it models (ours and TRL's).
 
 The H100 constants come from the run's profile, its plain cuBLAS GEMM and PyTorch's workspace default (each named
 in fused_loss_cost.H100); the benchmark cases below were not used to set any of them: ours (commit cec7c50's plan,
 which that run measured) and TRL 1.16's chunked fused head, at both masks, forward and forward+backward.
 """
 
+import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import gfpo_kernels
-from gfpo_kernels import fused_linear_grpo as flg
-from gfpo_kernels import fused_loss_cost as cost
+from gfpo_kernels import linear_grpo_executor as executor
+from gfpo_kernels.chunk_plan import Budget, fixed_planner, plan_chunks, planning
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+
+import fused_loss_cost as cost  # noqa: E402
 
 RUN = Path(__file__).parents[1] / "bench" / "results" / "2026-11-23-h100-cec7c50.json"
 GROUP = "linear_grpo {passes} {mask} N16384-H4096-V151936 bfloat16"
@@ -94,12 +100,14 @@ class _Launches(TorchDispatchMode):
         self.aten = 0
         self.triton = 0
         self.views = 0
+        self.gemms = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.is_view:
             self.views += 1
         elif func.overloadpacket.__name__ not in self.NO_KERNEL:
             self.aten += 1
+            self.gemms += func.overloadpacket.__name__ in ("mm", "addmm", "addmm_")
         return func(*args, **(kwargs or {}))
 
 
@@ -109,7 +117,7 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward, bias=False):
     not."""
     mode = _Launches()
     plan = cost.LossPlan(stage_rows=1, chunk_rows=1)
-    torch_ops = flg._backend_ops("torch")
+    torch_ops = executor.row_passes("torch")
 
     def launching(fn, launches):
         def run(*args, **kwargs):
@@ -118,11 +126,9 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward, bias=False):
                 return fn(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(flg, "_backend_ops", lambda backend: (
-        launching(torch_ops[0], plan.logprob_launches), launching(torch_ops[1], 1), launching(torch_ops[2], 1),
-        launching(torch_ops[3], 1)))
-    monkeypatch.setattr(flg, "_chunk_plan", lambda footprint, device: flg._Plan.fixed(
-        footprint.n - footprint.n_zero, stage_rows, chunk_rows, footprint.n_zero))
+    monkeypatch.setattr(executor, "row_passes", lambda backend: executor.RowPasses(
+        launching(torch_ops.stage_statistics, plan.logprob_launches), launching(torch_ops.grad_logits, 1),
+        launching(torch_ops.scale_into, 1), launching(torch_ops.scale_in_place, 1)))
     g = torch.Generator().manual_seed(0)
     B, T, H, V = 2, 16, 8, 50
     hidden = torch.randn(B, T, H, generator=g).requires_grad_(backward)
@@ -131,7 +137,7 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward, bias=False):
     target = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T)
     mask[:, -4:] = 0  # 24 scored tokens
-    with gfpo_kernels.use_backend("torch"), mode:
+    with gfpo_kernels.use_backend("torch"), planning(fixed_planner(stage_rows, chunk_rows)), mode:
         loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, torch.randn(B, generator=g),
                                                       bias=b, loss_type="dapo", epsilon_high=0.28)
         if backward:
@@ -170,6 +176,69 @@ def test_launches_per_stage_and_chunk_are_the_codes(monkeypatch, backward):
     assert (e[1] - d[1]) / 6 == stage["triton"]
 
 
+def _trl_count(monkeypatch, vocab_chunk, backward):
+    """(aten kernels, fold launches, tile GEMMs) of one fp32 call of the benchmark's "trl" path on CPU, its fold
+    kernels run as on a GPU (TRL's Triton path, each launch faked by TRL's torch fold and counted once), with
+    vocabulary tiles of `vocab_chunk` columns."""
+    chunked = pytest.importorskip("trl.kernels.chunked_logprob")
+    import trl.trainer.utils
+
+    from test_bench_linear_grpo import _trl
+
+    mode = _Launches()
+
+    class FakeKernel:
+        def __init__(self, fold):
+            self.fold = fold
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                mode.triton += 1
+                with _disable_current_modes():
+                    return self.fold(*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(chunked, "_use_triton", lambda device: True)
+    monkeypatch.setattr(chunked, "_forward_kernel", FakeKernel(chunked._forward_tile))
+    monkeypatch.setattr(chunked, "_backward_kernel", FakeKernel(chunked._backward_tile))
+    monkeypatch.setattr(trl.trainer.utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", vocab_chunk)
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 2, 16, 8, 50
+    hidden = torch.randn(B, T, H, generator=g).requires_grad_(backward)
+    weight = torch.randn(V, H, generator=g).requires_grad_(backward)
+    target = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[:, -4:] = 0
+    adv = torch.randn(B, generator=g)
+    with mode:
+        loss = _trl(hidden, weight, target, mask, adv)
+        if backward:
+            loss.backward()
+    return mode.aten, mode.triton, mode.gemms
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_trl_kernel_counts_are_measured(monkeypatch, backward):
+    """The model's TRL path (trl_chunked_head): per tile its GEMMs (forward the projection; backward the projection
+    again and the two gradient GEMMs) and one fold kernel; outside the tiles TRL_FIXED_KERNELS aten kernels, as the
+    code dispatches them (one vocabulary tile against four: the difference is the tiles')."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    one = _trl_count(monkeypatch, 4096, backward)
+    four = _trl_count(monkeypatch, 16, backward)  # V=50 in tiles of 16: 4 tiles
+    gemms_per_tile = 4 if backward else 1
+    assert (four[2] - one[2]) / 3 == gemms_per_tile and one[2] == gemms_per_tile
+    assert (four[1] - one[1]) / 3 == (2 if backward else 1) and one[1] == (2 if backward else 1)
+    assert (four[0] - one[0]) / 3 == gemms_per_tile  # nothing else a tile
+    fixed = one[0] - gemms_per_tile
+    want = cost.TRL_FIXED_KERNELS["forward"] + (cost.TRL_FIXED_KERNELS["backward"] if backward else 0)
+    assert fixed == want, fixed
+    # and the model launches as many outside its tiles: TRL_FIXED_KERNELS plus, with gradients, the two casts of
+    # the fp32 accumulators to bf16 that the CPU's fp32 parameters do not need
+    model = cost.trl_chunked_head(4335, backward=backward, **cost.GOAL_SHAPE)
+    outside = sum(launches["aten"] for phase, launches in model.launches.items() if "tile" not in phase)
+    assert outside == want + (2 if backward else 0)
+
+
 PEAK_CASES = [(n, round(share * n), True) for n in cost.BENCH_MASKS.values() for share in (0.0, 0.3, 0.6)]
 # a frozen head, 4000 scored of which 3900 have advantage 0: the staging buffer holds their stages of 488 rows, not
 # the 100 rows with gradients (counted 0.126 GiB for 0.336 held, before the planner counted the plans it makes)
@@ -178,8 +247,8 @@ PEAK_CASES += [(4000, 3900, False), (4335, 2601, False), (14309, 12000, False)]
 
 @pytest.mark.parametrize("n, zero, weight_grad", PEAK_CASES)
 def test_planner_and_model_count_the_same_peak(n, zero, weight_grad):
-    """The peak the budget counted for the plan it made (fused_linear_grpo._chunk_plan's plan.peak_bytes, from
-    _Footprint) and the model's simulated allocations under that plan (which predict the benchmark's peak) agree at
+    """The peak the budget counted for the plan it made (gfpo_kernels.chunk_plan.plan_chunks's plan.peak_bytes, from
+    CallShape) and the model's simulated allocations under that plan (which predict the benchmark's peak) agree at
     the goal shape, zero-advantage tokens (no gradient work) and a frozen LM head among them: one mechanism counted
     twice, so a change to either that the other misses fails here."""
     shape = cost.GOAL_SHAPE
@@ -187,10 +256,8 @@ def test_planner_and_model_count_the_same_peak(n, zero, weight_grad):
     assert cost.fused_loss(plan, n, backward=True, **shape).peak_bytes == pytest.approx(plan.planned_peak_bytes,
                                                                                         rel=0.01)
     # a call without gradients: the same stages, its own count
-    footprint = flg._Footprint(n=n, positions=shape["positions"], V=shape["V"], H=shape["H"], operand_size=2,
-                               hidden_size=2, grad_h_size=2, weight_size=2, weight_direct=True, weight_copy=False,
-                               need_h=False, need_w=False, n_zero=zero)
-    forward_only = flg._chunk_plan(footprint, torch.device("cuda"))
+    no_gradients = dataclasses.replace(cost.call_shape(n, **shape, zero_rows=zero), need_h=False, need_w=False)
+    forward_only = plan_chunks(no_gradients, Budget(int(75 * cost.GiB / 2), follows_free_memory=True))
     assert forward_only.stage_rows == plan.stage_rows
     assert cost.fused_loss(plan, n, backward=False, **shape).peak_bytes == pytest.approx(forward_only.peak_bytes,
                                                                                          rel=0.01)

@@ -60,13 +60,13 @@ def test_filter_advantages_4096x16_on_cuda(backend):
 
 @needs_cuda
 def test_fused_loss_bf16_uses_fp32_gemm_output():
-    from gfpo_kernels import fused_linear_grpo as flg
+    from gfpo_kernels import linear_grpo_gemm as gemms
 
     hidden = torch.randn(2, 8, 64, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(
         1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True
     )
-    h, w = flg._gemm_operands(hidden.reshape(-1, 64), weight)
+    h, w = gemms.gemm_operands(hidden.reshape(-1, 64), weight)
     assert (
         h.dtype == w.dtype == torch.bfloat16
     )  # no fp32 copy: cuBLAS writes fp32 itself
@@ -133,20 +133,14 @@ LOSS_SIZE = (
 
 @pytest.mark.parametrize("several_chunks", [False, True])
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_fused_loss_bf16_at_qwen_vocab_matches_float64(loss_type, several_chunks, monkeypatch):
+def test_fused_loss_bf16_at_qwen_vocab_matches_float64(loss_type, several_chunks):
     """The fused loss at V=151936 in bf16 against the float64 reference on the same (bf16-rounded) inputs:
     loss within bf16 GEMM error, gradients by relative norm error. The derived plan (one chunk here: the gradients
     written in bf16 by their GEMMs), or, several_chunks, stages of 32 rows in chunks of 64 (an fp32 weight-gradient
     accumulator; forced: a short budget no longer picks several chunks where one chunk peaks lower, as here)."""
-    from gfpo_kernels import fused_linear_grpo as flg
+    from gfpo_kernels.chunk_plan import fixed_planner, planning
 
-    plans = []
-    make_plan = flg._chunk_plan
-    if several_chunks:
-        make_plan = lambda footprint, device: flg._Plan.fixed(  # noqa: E731
-            footprint.n - footprint.n_zero, 32, 64, footprint.n_zero)
-    monkeypatch.setattr(flg, "_chunk_plan", lambda footprint, device: plans.append(make_plan(footprint, device))
-                        or plans[-1])
+    plans = record_plans(fixed_planner(32, 64) if several_chunks else None)
     B, T, H, V = LOSS_SIZE
     dtype = torch.bfloat16 if ON_CUDA else torch.float32
     g = torch.Generator(device=TEST_DEVICE).manual_seed(7)
@@ -158,9 +152,10 @@ def test_fused_loss_bf16_at_qwen_vocab_matches_float64(loss_type, several_chunks
     old = torch.randn(B, T, generator=g, device=TEST_DEVICE) * 0.1 - 12.0
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, _ = gfpo_kernels.fused_linear_grpo_loss(
-        h, w, target, mask, adv, old_logps=old, loss_type=loss_type
-    )
+    with planning(plans):
+        loss, _ = gfpo_kernels.fused_linear_grpo_loss(
+            h, w, target, mask, adv, old_logps=old, loss_type=loss_type
+        )
     loss.backward()
     if ON_CUDA:
         (plan,) = plans
@@ -198,15 +193,17 @@ PEAK_SIZE = (512, 4096, 151936, torch.bfloat16) if ON_CUDA else (64, 32, 16384, 
 
 
 @pytest.mark.parametrize("B", [8, 32])
-def test_fused_loss_peak_memory_is_the_plans(B, monkeypatch):
+def test_fused_loss_peak_memory_is_the_plans(B):
     """Forward+backward at Qwen's vocabulary, H=4096, bf16: the extra memory peaks where the plan the call made
-    says (plan.peak_bytes, what its budget counted: fused_linear_grpo._Footprint, which the cost model uses too),
+    says (plan.peak_bytes, what its budget counted: chunk_plan.CallShape, which the cost model uses too),
     within 3% (+64 MiB of small tensors). The plan is the one the call used, recorded as it was made: one made again
     after the call would see other free memory. B=8: 4096 tokens, every one scored: two chunks, an fp32
     weight-gradient accumulator; B=32 with a GRPO-like mask (a quarter scored): one chunk, the weight gradient
     written in bf16 by its GEMM. GFPO_TEST_DEVICE=cpu: the same on the CPU at small sizes (within 3% + 1 MiB; the
     profiler's allocation events)."""
-    plans = record_plans(monkeypatch)
+    from gfpo_kernels.chunk_plan import planning
+
+    plans = record_plans()
     T, H, V, dtype = PEAK_SIZE
     g = torch.Generator(device=TEST_DEVICE).manual_seed(11)
     hidden = (torch.randn(B, T, H, generator=g, device=TEST_DEVICE) / H**0.5).to(dtype).requires_grad_()
@@ -218,7 +215,8 @@ def test_fused_loss_peak_memory_is_the_plans(B, monkeypatch):
     adv = torch.randn(B, generator=g, device=TEST_DEVICE)
 
     def call():
-        loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, adv)
+        with planning(plans):
+            loss, _ = gfpo_kernels.fused_linear_grpo_loss(hidden, weight, target, mask, adv)
         loss.backward()
 
     peak = peak_memory(call, TEST_DEVICE)

@@ -272,9 +272,9 @@ def test_closed_form_loss_gradient_is_autograds(config, with_old, ratio_shape):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_closed_form_weight_is_the_reductions_gradient(loss_type):
-    """Each token's weight d(loss)/d(per-token loss) is taken from the loss's own reduction (grpo_loss_math._reduce,
-    one place for every normaliser), so the closed form carries the very bits autograd does: at ratio 1 and
-    advantage 1, where d(per-token loss)/d(logp) is exactly -1 for every loss type, token_loss_gradient equals
+    """Each token's weight d(loss)/d(per-token loss) is taken from the loss's own reduction (the loss type's
+    Normaliser.reduce in loss_types, where each normaliser lives once), so the closed form carries the very bits
+    autograd does: at ratio 1 and advantage 1, where d(per-token loss)/d(logp) is exactly -1 for every loss type, token_loss_gradient equals
     autograd through grpo_loss_from_logps bit for bit, sequence lengths and normalisers of every kind (a weight
     written apart, 1 / (count * B), rounds otherwise than autograd's (1 / B) / count)."""
     opts = GRPOLossOptions(loss_type=loss_type, epsilon_high=4.0)  # cispo's clamp max(1, 4): the ratio 1 itself
@@ -368,3 +368,21 @@ def test_closed_form_follows_autograd_at_non_finite_ratios(config):
     assert not finite.all()
     assert torch.equal(torch.isfinite(got), finite)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-7)
+
+
+def test_one_row_per_loss_type():
+    """loss_types.LOSS_SPECS holds every TRL 1.16 loss type once, with the policy term and normaliser the lists it
+    replaces gave them (clipped: grpo, bnpo, dr_grpo, dapo, luspo; num_items_in_batch: dapo, cispo, vespo), each term
+    a Triton branch of its own; the trainer's row weights and skipping read it (gfpo_trainer/rows.py)."""
+    from gfpo_kernels.loss_types import LOSS_SPECS, POLICY_TERMS
+
+    rows = pytest.importorskip("gfpo_trainer.rows")
+    assert tuple(LOSS_SPECS) == LOSS_TYPES == ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+    terms = {name: spec.term.name for name, spec in LOSS_SPECS.items()}
+    assert [name for name, term in terms.items() if term == "clipped"] == ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]
+    assert (terms["cispo"], terms["sapo"], terms["vespo"]) == ("cispo", "sapo", "vespo")
+    assert [n for n, s in LOSS_SPECS.items() if s.normaliser.token_count] == ["dapo", "cispo", "vespo"]
+    assert [n for n, s in LOSS_SPECS.items() if s.normaliser.micro_batch_tokens] == ["bnpo"]
+    assert sorted(t.triton_branch for t in POLICY_TERMS) == [1, 2, 3, 4]
+    assert set(rows.PER_SEQUENCE_LOSSES) == {"grpo", "sapo", "luspo", "dr_grpo"}
+    assert set(rows._SKIPPABLE_LOSSES) == set(LOSS_TYPES) - {"bnpo"}

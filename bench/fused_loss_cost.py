@@ -2,7 +2,8 @@
 bench/test_bench_linear_grpo.py times as "trl"): per call, the executed GEMM FLOPs, the HBM bytes (trips over the
 logits, the fp32 weight-gradient accumulator's reads and writes), the kernel launches and host time per phase (per
 stage of the projection loop, per chunk of the gradient GEMMs), the peak extra memory, and a time from stated device
-constants. It needs no GPU: it reads a plan, not a device.
+constants. It needs no GPU: it reads a plan (gfpo_kernels.chunk_plan.plan_chunks, the function the loss plans
+with), not a device. It measures; nothing in training imports it.
 
 How it works. A builder writes one call as the host issues it, op by op, with the allocations and frees between
 them. `simulate` then runs two clocks: the host issues each op after the previous one (its host cost), the device
@@ -22,17 +23,23 @@ host_view_s for a view, host_triton_s for a Triton launch, host_autograd_s for a
 
 The constants of H100 come from the one GPU run there is (bench/results/2026-11-23-h100-cec7c50*, commit cec7c50);
 each says which measurement fixed it. tests/test_fused_loss_cost.py checks the model against that run's
-benchmark (a different measurement from the profile most constants come from). Every later GPU run checks it
-again: bench/predicted_vs_measured.py prints the model's numbers beside a results JSON's.
+benchmark (a different measurement from the profile most constants come from), and the kernel counts it uses (ours
+per stage, per chunk and per call; TRL's outside its tiles) against what the code dispatches on the CPU. Every
+later GPU run checks it again: bench/predicted_vs_measured.py prints the model's numbers beside a results JSON's.
 
-    python -m gfpo_kernels.fused_loss_cost          # predictions at the benchmark's goal shape
+    python bench/fused_loss_cost.py          # predictions at the benchmark's goal shape
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the checkout's gfpo_kernels when run as a script
+
+from gfpo_kernels.chunk_plan import DEFAULT_LIMITS, Budget, CallShape, PlanLimits, plan_chunks  # noqa: E402
 
 GiB = 2**30
 
@@ -238,15 +245,15 @@ def _ranges(n: int, step: int):
 
 
 # ---------------------------------------------------------------------------------------------------- TRL 1.16
-# Small aten kernels of the benchmark's "trl" path besides its tiles, counted on CPU under a TorchDispatchMode
-# (bench/test_bench_linear_grpo.py _trl, TRL 1.16): forward 29 kernel ops, of which the hidden-row gather is a
-# streaming one (the rest: mask.bool(), the target gather, the 7 statistics vectors, log-sum-exp finishing, the
-# masked_scatter of the log-probs and the loss math); forward+backward 57 on CPU, plus on CUDA the two casts of the
-# fp32 accumulators to bf16 (a no-op for CPU's fp32 parameters), of which 6 stream: the gather, the two
-# accumulators' zero fills, the two casts, and the zero fill of hidden's gradient and its index_put. Host syncs:
-# the two boolean-mask gathers and, in backward, masked_scatter's masked_select.
-_TRL_SMALL_FORWARD = 28
-_TRL_SMALL_BACKWARD = 57 + 2 - 29 - 6 - 1  # the backward's own small kernels
+# The aten kernels of the benchmark's "trl" path outside its tiles (each tile: its GEMMs and one fold kernel), as
+# tests/test_fused_loss_cost.py::test_trl_kernel_counts_are_measured counts them on the CPU (bench/
+# test_bench_linear_grpo.py's _trl under a dispatch mode, TRL's fold kernels counted as one launch each): in the
+# forward (mask.bool(), the two boolean-mask gathers, the statistics vectors, log-sum-exp finishing, the
+# masked_scatter of the log-probs, the loss math) and in the backward. trl_chunked_head streams the ones it names
+# and counts the rest as small kernels. On CUDA the backward casts its two fp32 accumulators to bf16 besides (no-ops
+# for the CPU's fp32 parameters). Host syncs: the two boolean-mask gathers and, in backward, masked_scatter's
+# masked_select.
+TRL_FIXED_KERNELS = {"forward": 32, "backward": 30}
 
 
 def trl_chunked_head(n: int, positions: int, H: int, V: int, *, backward: bool, device: DeviceConstants = H100,
@@ -266,7 +273,7 @@ def trl_chunked_head(n: int, positions: int, H: int, V: int, *, backward: bool, 
     t.sync("target_ids[live]")
     t.alloc("targets", 8 * n)
     t.alloc("statistics", 7 * 4 * n)
-    t.small("forward small ops", _TRL_SMALL_FORWARD)
+    t.small("forward small ops", TRL_FIXED_KERNELS["forward"] - 1)  # all but the gather
     buf = min(n, token_chunk) * min(V, vocab_chunk) * operand_bytes
     t.alloc("tile", buf)
     t.phase = "tile"
@@ -283,7 +290,9 @@ def trl_chunked_head(n: int, positions: int, H: int, V: int, *, backward: bool, 
         return simulate(t, count)
     t.phase = "backward"
     t.sync("masked_scatter backward")
-    t.small("backward small ops", _TRL_SMALL_BACKWARD)
+    # all but the 4 streaming kernels below that the CPU runs too: the accumulators' and hidden.grad's zero fills,
+    # and hidden.grad's index_put (the two casts to bf16 are CUDA's only)
+    t.small("backward small ops", TRL_FIXED_KERNELS["backward"] - 4)
     t.alloc("grad_hidden fp32", 4 * n * H)
     t.stream("zero grad_hidden", 4 * n * H)
     t.alloc("grad_weight fp32", 4 * V * H)
@@ -345,6 +354,8 @@ class LossPlan:
         weight gradient is allocated).
     sweeps: projection sweeps (sequence-level importance sampling: 2).
     planned_peak_bytes: the peak the fused loss's budget counted for this plan (current_plan; None: not made there).
+    The kernel counts are the code's as tests/test_fused_loss_cost.py::test_launches_per_stage_and_chunk_are_the_codes
+    counts them on the CPU under a dispatch mode (it fails when they drift).
     """
 
     stage_rows: int
@@ -399,28 +410,24 @@ def cec7c50_plan(n: int, V: int, operand_bytes: int = 2, budget: int = 4 << 30) 
                     backward_cast="torch")
 
 
+def call_shape(n: int, positions: int, H: int, V: int, *, operand_bytes: int = 2, zero_rows: int = 0,
+               weight_grad: bool = True) -> CallShape:
+    """The planner's view of a call with parameters in the operand dtype, gradients for hidden and, unless not
+    `weight_grad` (a frozen head), weight; `zero_rows` of the n scored tokens have a loss gradient of exactly 0."""
+    return CallShape(n=n, positions=positions, V=V, H=H, operand_elem_bytes=operand_bytes,
+                     hidden_elem_bytes=operand_bytes, grad_h_elem_bytes=operand_bytes, weight_elem_bytes=operand_bytes,
+                     weight_direct=True, weight_copy=False, need_h=True, need_w=weight_grad, n_zero=zero_rows)
+
+
 def current_plan(n: int, positions: int, H: int, V: int, *, free_bytes: float = 75 * GiB,
-                 operand_bytes: int = 2, zero_rows: int = 0, weight_grad: bool = True) -> LossPlan:
-    """The plan gfpo_kernels.fused_linear_grpo makes for these shapes (parameters in the operand dtype, token-level
-    importance sampling, gradients for hidden and, unless not `weight_grad` (a frozen head), weight) on a CUDA device
-    with `free_bytes` free; `zero_rows` of the n scored tokens have a loss gradient of exactly 0 (zero advantage, no
-    KL)."""
-    from . import fused_linear_grpo as flg
-
-    footprint = flg._Footprint(n=n, positions=positions, V=V, H=H, operand_size=operand_bytes,
-                               hidden_size=operand_bytes, grad_h_size=operand_bytes, weight_size=operand_bytes,
-                               weight_direct=True, weight_copy=False, need_h=True, need_w=weight_grad,
-                               n_zero=zero_rows)
-    saved = dict(flg._BUDGET_BYTES)
-    flg._BUDGET_BYTES["cuda"] = int(free_bytes * flg._CUDA_BUDGET_SHARE)
-    try:
-        import torch
-
-        plan = flg._chunk_plan(footprint, torch.device("cuda"))
-    finally:
-        flg._BUDGET_BYTES.clear()
-        flg._BUDGET_BYTES.update(saved)
-    layout = tuple(tuple(hi - lo for lo, hi in plan.stages_of(start, end)) for start, end in plan.chunks)
+                 operand_bytes: int = 2, zero_rows: int = 0, weight_grad: bool = True,
+                 limits: PlanLimits = DEFAULT_LIMITS) -> LossPlan:
+    """The plan the fused loss makes for these shapes (call_shape; token-level importance sampling) on a CUDA device
+    with `free_bytes` free: gfpo_kernels.chunk_plan.plan_chunks within that device's budget, with `limits`."""
+    shape = call_shape(n, positions, H, V, operand_bytes=operand_bytes, zero_rows=zero_rows, weight_grad=weight_grad)
+    budget = Budget(int(free_bytes * limits.cuda_budget_share), follows_free_memory=True)
+    plan = plan_chunks(shape, budget, limits)
+    layout = tuple(tuple(hi - lo for lo, hi in stages) for stages in plan.chunk_stages)
     return LossPlan(stage_rows=plan.stage_rows, chunk_rows=plan.chunk_rows, layout=layout, grad_h_fp32=False,
                     grad_w_direct=weight_grad and len(plan.chunks) == 1, weight_grad=weight_grad,
                     free_stage_early=True, statistics_only=tuple(hi - lo for lo, hi in plan.statistics_only),
