@@ -162,6 +162,43 @@ def check_vllm_generation(trainer) -> None:
     check_vllm_surfaces(generation.llm)
 
 
+# the parameters of VLLMClient.generate that TRL's server path passes and GFPO's stand-in takes (vllm_server.py)
+_CLIENT_GENERATE_PARAMETERS = ("prompts", "features", "n", "repetition_penalty", "temperature", "top_p", "top_k",
+                               "min_p", "max_tokens", "logprobs", "structured_outputs_regex", "generation_kwargs")
+
+
+def check_vllm_server_generation(trainer) -> None:
+    """The TRL surfaces GFPO's generation through a vLLM server drives (use_vllm=True, vllm_mode="server",
+    group_filter="length"): TRL's VLLMGeneration and, on the main process (the one that talks to the server), its
+    VLLMClient with the parameters GFPO's stand-in for `VLLMClient.generate` takes; TRL's parse of the server's
+    log-probabilities, which the stand-in returns as TRL's client does; aiohttp, which streams the requests."""
+    from .vllm_server import _aiohttp
+
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None or not callable(getattr(generation, "generate", None)):
+        raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer.vllm_generation.generate no longer exists, which "
+                              f"GFPO's vLLM server generation wraps; {_supported()}")
+    try:
+        from trl.generation.vllm_client import VLLMClient, parse_logprobs
+    except ImportError as error:
+        raise TRLSurfaceError(f"trl {trl.__version__}: {error}; GFPO's vLLM server generation needs "
+                              f"trl.generation.vllm_client.VLLMClient and parse_logprobs; {_supported()}") from None
+    if not callable(parse_logprobs):
+        raise TRLSurfaceError(f"trl {trl.__version__}: trl.generation.vllm_client.parse_logprobs is not a function")
+    parameters = list(inspect.signature(VLLMClient.generate).parameters)[1:]
+    if parameters != list(_CLIENT_GENERATE_PARAMETERS):
+        raise TRLSurfaceError(f"trl {trl.__version__}: VLLMClient.generate takes {parameters}, GFPO's vLLM server "
+                              f"generation stands in for one taking {list(_CLIENT_GENERATE_PARAMETERS)}; "
+                              f"{_supported()}")
+    if trainer.accelerator.is_main_process:
+        client = getattr(generation, "vllm_client", None)
+        for name in ("base_url", "model", "generate"):
+            if not hasattr(client, name):
+                raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer.vllm_generation.vllm_client no longer has "
+                                      f"{name!r}, which GFPO's vLLM server generation reads; {_supported()}")
+    _aiohttp()
+
+
 def _accepts(method, expected: list[str]) -> bool:
     """`method` takes `expected` in order after self, or takes a prefix of them and forwards the rest through
     `*args` while still naming the others as keywords (so GFPO's keyword `batch_size` reaches the same place)."""

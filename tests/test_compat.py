@@ -138,3 +138,7 @@ def test_vllm_generation_kwargs_that_break_the_length_filter_s_requests(tmp_path
     if "seed" in generation_kwargs:  # the user's one seed, with GFPO's per-request seeds off: taken as given
         assert GFPOConfig(**options, generation_kwargs=generation_kwargs,
                           gfpo_vllm_request_seeds=False).generation_kwargs == generation_kwargs
+        # except in server mode, where GFPO sends one request per completion: one seed would make them all the same
+        with pytest.raises(ValueError, match=r"generation_kwargs=\{'seed': 3\} with vllm_mode='server'.*all the same"):
+            GFPOConfig(**options, generation_kwargs=generation_kwargs, gfpo_vllm_request_seeds=False,
+                       vllm_mode="server")
