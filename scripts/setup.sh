@@ -20,7 +20,7 @@ python -m pip install -q --upgrade "pip>=23.1"
 python -c "import torch" 2>/dev/null ||
   python -m pip install ${GFPO_TORCH_INDEX_URL:+--index-url "$GFPO_TORCH_INDEX_URL"} torch==2.13.0
 # numpy (a dependency anyway) before the build, which imports torch: torch warns "Failed to initialize NumPy" without it
-python -m pip install -q "setuptools>=64" wheel numpy
+python -m pip install -q "setuptools>=77" numpy
 
 # 2. the package (and its extension) alone; skipped when nothing it is built from changed
 stamp_file=.venv/.gfpo-build-stamp
