@@ -88,8 +88,8 @@ step_setup() {
     if [ "$(cat /tmp/site/.installed 2>/dev/null)" != "$(wheel_stamp)" ]; then
       rm -rf /tmp/site
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
-      # Packages that PyPI has as sdists only (accumulation-tree, pyudorandom): built here, with the image's
-      # setuptools and Cython (no isolation: nothing can be fetched).
+      # Packages that PyPI has as sdists only (none today; scripts/gpu_wheels.sh says which): built here, with the
+      # image's setuptools (no isolation: nothing can be fetched).
       for sdist in .whl/*.tar.gz; do
         [ -e "$sdist" ] || continue
         "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site "$sdist" || return 1
@@ -110,12 +110,12 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("device", p.name, "SMs", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30, 1))
-for d in ("triton", "transformers", "trl", "accelerate", "datasets", "liger-kernel", "tdigest", "pytest-benchmark", "hypothesis"):
+for d in ("triton", "transformers", "trl", "accelerate", "datasets", "liger-kernel", "fastdigest", "pytest-benchmark", "hypothesis"):
     try:
         print(d, md.version(d))
     except md.PackageNotFoundError:
         print(d, "MISSING")
-import gfpo_kernels, trl, datasets, liger_kernel, tdigest  # noqa: the imports the suites need
+import gfpo_kernels, trl, datasets, liger_kernel, fastdigest  # noqa: the imports the suites need
 from gfpo_kernels import _dispatch
 print("HAS_TRITON", _dispatch.HAS_TRITON, "HAS_CPP", getattr(_dispatch, "HAS_CPP", None), "HAS_CPP_CUDA", getattr(_dispatch, "HAS_CPP_CUDA", None))
 print("group backends", gfpo_kernels.available_backends("group", "cuda" if torch.cuda.is_available() else "cpu"))

@@ -15,7 +15,7 @@ import torch
 
 from . import _dispatch
 
-_PACKAGES = ("torch", "triton", "trl", "transformers", "accelerate", "liger-kernel", "tdigest")
+_PACKAGES = ("torch", "triton", "trl", "transformers", "accelerate", "liger-kernel", "fastdigest")
 
 
 def _version(package: str) -> str:

@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     except ModuleNotFoundError as error:
         missing = error.name.partition(".")[0] if error.name else str(error)  # the package, not its submodule
         print(f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, "
-              'pip install tdigest && pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
+              'pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
         return 2
 
     if options.command == "demo":

@@ -8,8 +8,8 @@
 #      (an isolated build cannot see it and stops with one line); its CUDA kernels too when nvcc is found, whatever
 #      the torch (GFPO_CUDA=0 leaves them out);
 #   3. its dependencies and extras, installed normally: wheels, or sdists built in their own isolated
-#      environments with their own build tools (--no-build-isolation must never reach them: an sdist such as
-#      accumulation-tree needs Cython at build time, which only its isolated build brings).
+#      environments with their own build tools (--no-build-isolation must never reach them: an sdist may need
+#      build tools, such as Cython, that only its isolated build brings).
 # Re-running it on an installed tree rebuilds the extension only when csrc/, setup.py or torch changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
