@@ -49,6 +49,15 @@ def _did_you_mean(name, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _unknown_hints(unknown: list, choices) -> str:
+    """The did-you-mean hint of the one unknown name, or of each that has a close match, naming it."""
+    if len(unknown) == 1:
+        return _did_you_mean(unknown[0], choices)
+    pairs = [(name, difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)) for name in unknown]
+    pairs = [f"{close[0]!r} for {name!r}" for name, close in pairs if close]
+    return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
+
+
 def _in_folder(path: str, base_dir: str) -> str:
     """`path` with ~ expanded, and read from `base_dir` when relative."""
     return os.path.normpath(os.path.join(base_dir, os.path.expanduser(path)))
@@ -138,8 +147,8 @@ def build_trainer(config: dict, base_dir: str | None = None):
     base_dir = os.path.abspath(base_dir or os.getcwd())
     unknown = sorted(set(config) - set(_TOP_LEVEL_KEYS), key=str)
     if unknown:
-        hints = "".join(_did_you_mean(name, _TOP_LEVEL_KEYS) for name in unknown)
-        raise ConfigError(f"unknown config keys {unknown}{hints}; expected some of {sorted(_TOP_LEVEL_KEYS)}")
+        raise ConfigError(f"unknown config keys {unknown}{_unknown_hints(unknown, _TOP_LEVEL_KEYS)}; expected some of "
+                          f"{sorted(_TOP_LEVEL_KEYS)}")
     for key in ("model", "dataset", "reward_funcs"):
         if key not in config:
             raise ConfigError(f"the config needs {key!r}")
@@ -150,8 +159,7 @@ def build_trainer(config: dict, base_dir: str | None = None):
         raise ConfigError(f"args must be a mapping of GFPOConfig fields (field: value), got {args!r}")
     bad = sorted((name for name in args if name not in fields), key=str)
     if bad:
-        hints = "".join(_did_you_mean(name, sorted(fields)) for name in bad)
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{hints}")
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(fields))}")
     args = _convert_args(args)
     args.setdefault("output_dir", "gfpo-output")
     for name in PATH_ARGS:  # a deepspeed config may also be given inline, as a mapping: left as it is

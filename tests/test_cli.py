@@ -151,8 +151,9 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(reward_funcs=["no_such_module:f"]), r"cannot import module 'no_such_module'"),
         (dict(args={"num_generationz": 8}),
          r"^unknown GFPOConfig fields \['num_generationz'\] under 'args' \(did you mean 'num_generations'\?\)$"),
-        (dict(args={"lerning_rate": 1.0, "xyzzy": 1}),
-         r"^unknown GFPOConfig fields \['lerning_rate', 'xyzzy'\] under 'args' \(did you mean 'learning_rate'\?\)$"),
+        (dict(args={"lerning_rate": 1.0, "xyzzy": 1, "num_generationz": 8}),
+         r"^unknown GFPOConfig fields \['lerning_rate', 'num_generationz', 'xyzzy'\] under 'args' \(did you mean "
+         r"'learning_rate' for 'lerning_rate', 'num_generations' for 'num_generationz'\?\)$"),
         (dict(optimiser="adam"), r"^unknown config keys \['optimiser'\]; expected some of"),
         (dict(reward_func=["m:f"]), r"^unknown config keys \['reward_func'\] \(did you mean 'reward_funcs'\?\); "),
         (dict(args=["output_dir", "out"]),
