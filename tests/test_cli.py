@@ -375,7 +375,8 @@ def _run_setup_script(tmp_path, has_torch: bool, index_url: str | None) -> list[
     root = tmp_path / "tree"
     (root / "scripts").mkdir(parents=True)
     (root / "csrc").mkdir()
-    (root / "scripts" / "setup.sh").write_text((REPO / "scripts" / "setup.sh").read_text())
+    for script in ("setup.sh", "requirements.py"):  # setup.sh hashes both into the stamp of a finished setup
+        (root / "scripts" / script).write_text((REPO / "scripts" / script).read_text())
     for name in ("setup.py", "pyproject.toml", "csrc/ops.cpp"):
         (root / name).write_text("")
     venv_bin = root / ".venv" / "bin"
