@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
@@ -41,6 +42,14 @@ NEEDS_TORCH = BUILD_COMMANDS | {"dist_info"}
 NO_TORCH = (
     "error: gfpo compiles its C++/CUDA extension against your installed torch, which pip's isolated build cannot "
     "see: with torch installed, run  pip install --no-build-isolation .  (or your sdist's path instead of .)"
+)
+
+# pyproject.toml's `license = "Apache-2.0"` and `license-files` (PEP 639) need setuptools 77; an older one, which a
+# build without isolation takes from the environment (Python 3.11's venv brings 65.5), fails with a schema error
+SETUPTOOLS_FLOOR = 77
+OLD_SETUPTOOLS = (
+    f"error: gfpo needs setuptools>={SETUPTOOLS_FLOOR} to build, this environment has {setuptools.__version__}: run  "
+    f'pip install "setuptools>={SETUPTOOLS_FLOOR}"  and then the same pip install again'
 )
 
 
@@ -188,6 +197,8 @@ class BuildPyWithBuildInfo(build_py):
 
 
 commands = set(sys.argv[1:])
+if int(setuptools.__version__.split(".")[0]) < SETUPTOOLS_FLOOR:
+    sys.exit(OLD_SETUPTOOLS)
 if commands & NEEDS_TORCH and os.environ.get("GFPO_NO_EXTENSION", "0") != "1" and not importlib.util.find_spec("torch"):
     sys.exit(NO_TORCH)
 # editable installs and build_ext --inplace put _C beside the sources; a wheel build puts it into build/

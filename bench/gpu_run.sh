@@ -219,8 +219,8 @@ step_setup() {
       rm -rf /tmp/site
       run_step setup-wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || return 1
-      # Packages that PyPI has as sdists only (accumulation-tree, pyudorandom): built here, with the image's
-      # setuptools and Cython (no isolation: nothing can be fetched).
+      # Packages that PyPI has as sdists only (none today; scripts/gpu_wheels.sh says which): built here, with the
+      # image's setuptools (no isolation: nothing can be fetched).
       for sdist in .whl/*.tar.gz; do
         [ -e "$sdist" ] || continue
         run_step setup-sdist "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
@@ -254,13 +254,13 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("device", p.name, "SMs", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30, 1))
-for d in ("triton", "transformers", "trl", "accelerate", "datasets", "liger-kernel", "peft", "tdigest",
+for d in ("triton", "transformers", "trl", "accelerate", "datasets", "liger-kernel", "peft", "fastdigest",
           "pytest-benchmark", "pytest-timeout", "hypothesis"):
     try:
         print(d, md.version(d))
     except md.PackageNotFoundError:
         print(d, "MISSING")
-import gfpo_kernels, trl, datasets, tdigest  # noqa: the imports the benchmarks and the trainer need
+import gfpo_kernels, trl, datasets, fastdigest  # noqa: the imports the benchmarks and the trainer need
 from gfpo_kernels import _dispatch
 print("HAS_TRITON", _dispatch.HAS_TRITON, "HAS_CPP", getattr(_dispatch, "HAS_CPP", None), "HAS_CPP_CUDA", getattr(_dispatch, "HAS_CPP_CUDA", None))
 print("group backends", gfpo_kernels.available_backends("group", "cuda" if torch.cuda.is_available() else "cpu"))

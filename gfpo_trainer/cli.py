@@ -2,7 +2,7 @@
 
 A training config (YAML):
 
-    model: Qwen/Qwen2.5-0.5B-Instruct      # a hub name or a local directory
+    model: Qwen/Qwen2.5-0.5B-Instruct      # a Hub model (namespace/name) or a local directory
     dataset: data/train.jsonl              # a local .json/.jsonl/.csv/.parquet file, or a datasets hub name
     dataset_split: train                   # optional, default train (a local file has only "train", or "train[:100]")
     reward_funcs:                          # "module.path:function" (or "module.path.function")
@@ -12,28 +12,83 @@ A training config (YAML):
       num_generations: 16
       num_remains_in_group: 8
       group_filter: length
+
+Paths in the file are read from the file's folder, wherever the command runs: `model` and `dataset` when relative,
+the args in PATH_ARGS, and the reward modules (imported from that folder first). `model` is a local directory when
+one exists there; otherwise it must be a Hub name, `namespace/name`: anything else (`tiny_model`, `./models/x`,
+`~/x`, `a/b/c`) is a directory that does not exist, an error naming where it was looked for, before any download.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
 import os
 import re
 import sys
+import warnings
 
 _LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-# a Hub repo id: "name" or "namespace/name", letters, digits, '-', '_' and '.' (Qwen/Qwen2.5-0.5B-Instruct)
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+# a Hub model named as the Hub names models today, "namespace/name" (Qwen/Qwen2.5-0.5B-Instruct; the old unprefixed
+# names such as gpt2 redirect from namespaced ones, openai-community/gpt2): one '/', letters, digits, '-', '_', '.'
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+# GFPOConfig (TrainingArguments) fields that name files or folders: read from the config file's folder when relative
+PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed")
+_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "reward_funcs", "args")
 
 
 class ConfigError(ValueError):
     """A training config that cannot run, with what to fix."""
 
 
-def load_reward_func(spec: str):
-    """"package.module:function" or "package.module.function" -> the function."""
+def _did_you_mean(name, choices) -> str:
+    """" (did you mean 'x'?)" for the closest of `choices` to `name`, "" when none is close (difflib's ratio >= 0.6)."""
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_hints(unknown: list, choices) -> str:
+    """The did-you-mean hint of the one unknown name, or of each that has a close match, naming it."""
+    if len(unknown) == 1:
+        return _did_you_mean(unknown[0], choices)
+    pairs = [(name, difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)) for name in unknown]
+    pairs = [f"{close[0]!r} for {name!r}" for name, close in pairs if close]
+    return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
+
+
+def _in_folder(path: str, base_dir: str) -> str:
+    """`path` with ~ expanded, and read from `base_dir` when relative."""
+    return os.path.normpath(os.path.join(base_dir, os.path.expanduser(path)))
+
+
+def resolve_model(model, base_dir: str) -> str:
+    """The local directory `model` names (read from `base_dir` when relative), or `model` itself when it is a Hub
+    name (namespace/name) and no such directory exists. Anything else is a ConfigError naming the directory looked
+    for, raised before transformers would spend a minute retrying the Hub for a name it cannot have."""
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"model must be a Hub name (namespace/name) or a local directory, got {model!r}")
+    local = _in_folder(model, base_dir)
+    if os.path.isdir(local):
+        return local
+    namespace = model.split("/")[0]
+    if _HUB_ID.fullmatch(model) and not os.path.isdir(_in_folder(namespace, base_dir)):
+        return model
+    if os.path.exists(local):
+        raise ConfigError(f"model {model!r}: {local} is a file; model needs the directory holding the model's files")
+    parent = os.path.dirname(local)
+    siblings = [d for d in os.listdir(parent) if os.path.isdir(os.path.join(parent, d))] if os.path.isdir(parent) else []
+    hint = _did_you_mean(os.path.basename(local), siblings)
+    raise ConfigError(f"model {model!r}: no directory {local}{hint} (relative paths are read from the config file's "
+                      f"folder {base_dir}; a Hub model is named namespace/name)")
+
+
+def load_reward_func(spec: str, base_dir: str | None = None):
+    """"package.module:function" or "package.module.function" -> the function; modules are looked for in `base_dir`
+    (the config file's folder) first, when given."""
+    if base_dir is not None and base_dir not in sys.path:
+        sys.path.insert(0, base_dir)
     module_name, sep, attr = spec.partition(":")
     if not sep:
         module_name, _, attr = spec.rpartition(".")
@@ -51,22 +106,27 @@ def load_reward_func(spec: str):
     return func
 
 
-def load_train_dataset(name: str, split: str = "train"):
+def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None):
+    """The data set `name` names: a local file (read from `base_dir` when relative), a local folder, or a datasets
+    hub name; `split` of it."""
     import datasets
 
     if not isinstance(name, str):
         raise ConfigError(f"dataset must be a file path or a datasets hub name, got {name!r}")
     if not isinstance(split, str):
         raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
+    local = _in_folder(name, base_dir or os.getcwd())
     extension = os.path.splitext(name)[1].lower()
     if extension in _LOCAL_DATA:
-        if not os.path.exists(name):
-            raise ConfigError(f"dataset file {name!r} does not exist")
+        if not os.path.exists(local):
+            raise ConfigError(f"dataset file {name!r} does not exist (looked for {local})")
+        name = local
         try:  # one file loads as the one split "train"; the split still selects from it ("train[:100]")
             dataset = datasets.load_dataset(_LOCAL_DATA[extension], data_files=name, split=split)
         except ValueError as error:  # e.g. 'Unknown split "test". Should be one of ['train'].'
             raise ConfigError(f"cannot load dataset file {name!r} with dataset_split={split!r}: {error}") from None
     else:
+        name = local if os.path.isdir(local) else name
         try:
             dataset = datasets.load_dataset(name, split=split)
         except Exception as error:  # network, missing dataset, bad split: say which
@@ -76,42 +136,45 @@ def load_train_dataset(name: str, split: str = "train"):
     return dataset
 
 
-def build_trainer(config: dict):
-    """A GFPOTrainer from a parsed training config."""
+def build_trainer(config: dict, base_dir: str | None = None):
+    """A GFPOTrainer from a parsed training config; relative paths in it are read from `base_dir` (the config file's
+    folder; default: the working directory)."""
     from transformers import AutoTokenizer
 
     from .config import GFPOConfig
     from .trainer import GFPOTrainer
 
-    known = {"model", "dataset", "dataset_split", "reward_funcs", "args"}
-    unknown = sorted(set(config) - known, key=str)
+    base_dir = os.path.abspath(base_dir or os.getcwd())
+    unknown = sorted(set(config) - set(_TOP_LEVEL_KEYS), key=str)
     if unknown:
-        raise ConfigError(f"unknown config keys {unknown}; expected some of {sorted(known)}")
+        raise ConfigError(f"unknown config keys {unknown}{_unknown_hints(unknown, _TOP_LEVEL_KEYS)}; expected some of "
+                          f"{sorted(_TOP_LEVEL_KEYS)}")
     for key in ("model", "dataset", "reward_funcs"):
         if key not in config:
             raise ConfigError(f"the config needs {key!r}")
-    model = config["model"]
-    if not isinstance(model, str) or not (os.path.isdir(model) or (_HUB_ID.fullmatch(model) and ".." not in model)):
-        raise ConfigError(f"model {model!r} is neither a local directory nor a hub model name")
+    model = resolve_model(config["model"], base_dir)
     fields = {f.name for f in dataclasses.fields(GFPOConfig) if f.init}
     args = config.get("args") or {}
     if not isinstance(args, dict):
         raise ConfigError(f"args must be a mapping of GFPOConfig fields (field: value), got {args!r}")
     bad = sorted((name for name in args if name not in fields), key=str)
     if bad:
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'")
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(fields))}")
     args = _convert_args(args)
     args.setdefault("output_dir", "gfpo-output")
+    for name in PATH_ARGS:  # a deepspeed config may also be given inline, as a mapping: left as it is
+        if isinstance(args.get(name), str) and not (name == "deepspeed" and args[name].lstrip().startswith("{")):
+            args[name] = _in_folder(args[name], base_dir)
     reward_specs = config["reward_funcs"]
     reward_specs = [reward_specs] if isinstance(reward_specs, str) else reward_specs
     if not isinstance(reward_specs, list) or not reward_specs or not all(isinstance(s, str) for s in reward_specs):
         raise ConfigError(f"reward_funcs must be one or more 'package.module:function' strings, got {reward_specs!r}")
-    reward_funcs = [load_reward_func(s) for s in reward_specs]
+    reward_funcs = [load_reward_func(s, base_dir) for s in reward_specs]
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
         raise ConfigError(f"args: {_one_line(error)}") from None
-    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"))
+    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except OSError as error:
@@ -213,7 +276,7 @@ def main(argv=None) -> int:
     except ModuleNotFoundError as error:
         missing = error.name.partition(".")[0] if error.name else str(error)  # the package, not its submodule
         print(f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, "
-              'pip install tdigest && pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
+              'pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
         return 2
 
     if options.command == "demo":
@@ -223,15 +286,20 @@ def main(argv=None) -> int:
 
     import yaml
 
-    try:
-        with open(options.config) as f:
-            config = yaml.safe_load(f) or {}
-        if not isinstance(config, dict):
-            raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
-        trainer = build_trainer(config)
-    except (ConfigError, OSError, yaml.YAMLError) as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)
-        return 2
+    # a mistake in the file is one line: what the libraries warn while the config is built (transformers' deprecation
+    # FutureWarnings among them) is held back, and shown only when the config turns out to be good
+    with warnings.catch_warnings(record=True) as held:
+        try:
+            with open(options.config) as f:
+                config = yaml.safe_load(f) or {}
+            if not isinstance(config, dict):
+                raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
+            trainer = build_trainer(config, base_dir=os.path.dirname(os.path.abspath(options.config)))
+        except (ConfigError, OSError, yaml.YAMLError) as error:
+            print(f"error: {_one_line(error)}", file=sys.stderr)
+            return 2
+    for warning in held:
+        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     # TrainingArguments.resume_from_checkpoint is read by the caller of train(), not by the Trainer (TRL's scripts
     # pass it too): without this, a config asking to resume would start again from the model and overwrite
     # the checkpoints

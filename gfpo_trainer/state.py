@@ -1,5 +1,4 @@
-"""GFPO state that outlives a step (today: the adaptive-difficulty digest and its random state), saved with every
-checkpoint.
+"""GFPO state that outlives a step (today: the adaptive-difficulty digest), saved with every checkpoint.
 
 Written into `checkpoint-N/gfpo_state.json` by GFPOTrainer._save_checkpoint after the Trainer's own save, where the
 Trainer saves (`args.should_save`, the trial's output folder), as TRL writes its entropy-controller state; restored

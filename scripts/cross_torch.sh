@@ -37,7 +37,7 @@ python_for() {  # torch spec -> PY, that venv's python (the venv made when missi
   if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
     made+=("$venv")
-    "$venv/bin/python" -m pip install -q "torch==$1" numpy pytest hypothesis "setuptools>=70.1"
+    "$venv/bin/python" -m pip install -q "torch==$1" numpy pytest hypothesis "setuptools>=77"
   fi
   PY=$venv/bin/python
 }

@@ -2,10 +2,9 @@
 # Downloads into .whl/ (git-ignored) every wheel the lent GPU machine lacks for tests/ and bench/:
 # cp312, manylinux x86_64, --no-deps, one version each. That machine (the device tool's H100/H200 image) has torch 2.11,
 # transformers 5.17, accelerate 1.15, huggingface_hub 1.33, pandas, pyarrow, xxhash, fsspec, pytest-benchmark,
-# hypothesis, py-cpuinfo, sortedcontainers; it lacks trl, datasets (+dill, multiprocess), liger-kernel, tdigest
-# (+accumulation-tree, pyudorandom). accumulation-tree and pyudorandom are published as sdists only: we build
-# their cp312 wheels here with a local python3.12; if none is here, the sdists travel and bench/gpu_run.sh
-# builds it there (the image has Cython and setuptools).
+# hypothesis, py-cpuinfo, sortedcontainers; it lacks trl, datasets (+dill, multiprocess), liger-kernel, peft and
+# fastdigest, all published as wheels (an sdist-only package would travel as its sdist, which bench/gpu_run.sh builds
+# there with the image's setuptools).
 #   bash scripts/gpu_wheels.sh          # ends with the size of what a device call sends (at most 64 MiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +20,7 @@ PINNED_BINARY=(
   multiprocess==0.70.18
   liger-kernel==0.8.5
   peft==0.21.2
-  tdigest==0.5.2.2
+  fastdigest==0.12.0
 )
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
@@ -30,17 +29,6 @@ for req in "${PINNED_BINARY[@]}"; do
   if ls "$DEST"/"${name//-/_}"-* "$DEST"/"$name"-* >/dev/null 2>&1; then continue; fi
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d "$DEST" "$req"
-done
-
-# Published as sdists only: accumulation-tree (Cython, so a cp312 build) and pyudorandom (pure Python).
-for req in accumulation-tree==0.6.4 pyudorandom==1.0.0; do
-  name=${req%%==*}
-  if ls "$DEST"/"${name//-/_}"-* "$DEST"/"$name"-* >/dev/null 2>&1; then continue; fi
-  if command -v python3.12 >/dev/null && python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-    python3.12 -m pip wheel -q --no-deps -w "$DEST" "$req"
-  else
-    "$PY" -m pip download -q --no-deps --no-binary=:all: -d "$DEST" "$req"
-  fi
 done
 
 # What each carried wheel requires (no extras); every name must be on that machine or in .whl/.

@@ -1,11 +1,14 @@
 """Prints, as a pip requirements file, what the installed `gfpo` package needs: its dependencies and those of
 the extras named in argv[1] (comma-separated). scripts/setup.sh installs the package itself with
 --no-deps (its extension must build without isolation) and then these with a plain `pip install -r`, so no
-dependency is ever built without its own build tools."""
+dependency is ever built without its own build tools.
+
+With --check after the extras, it prints nothing and exits 0 when every one of those requirements is installed at a
+version it accepts, else prints the others on one line and exits 1 (`scripts/setup.sh --if-stale` asks this)."""
 
 import re
 import sys
-from importlib.metadata import requires
+from importlib.metadata import PackageNotFoundError, requires, version
 
 
 def requirements(extras: set[str]) -> list[str]:
@@ -21,5 +24,35 @@ def requirements(extras: set[str]) -> list[str]:
     return lines
 
 
+def unsatisfied(lines: list[str]) -> list[str]:
+    """The requirements of `lines` (requirement strings, markers allowed) that this environment does not meet."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # an environment without packaging still has pip's copy
+        from pip._vendor.packaging.requirements import Requirement
+
+    missing = []
+    for line in lines:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            installed = version(requirement.name)
+        except PackageNotFoundError:
+            missing.append(f"{line} (not installed)")
+            continue
+        if not requirement.specifier.contains(installed, prereleases=True):
+            missing.append(f"{line} (installed: {installed})")
+    return missing
+
+
 if __name__ == "__main__":
-    print("\n".join(requirements({e for e in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if e})))
+    extras = {e for e in (sys.argv[1] if len(sys.argv) > 1 else "").split(",") if e}
+    if "--check" in sys.argv[2:]:
+        try:
+            missing = unsatisfied(requirements(extras))
+        except PackageNotFoundError:
+            missing = ["gfpo (not installed)"]
+        print("; ".join(missing))
+        sys.exit(1 if missing else 0)
+    print("\n".join(requirements(extras)))

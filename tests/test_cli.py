@@ -133,9 +133,10 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(model="/nonexistent/model"), r"model '/nonexistent/model' is neither a local directory nor a hub model name"),
-        (dict(model="./models/tiny"), r"model './models/tiny' is neither a local directory nor a hub model name"),
-        (dict(model="Qwen/../x"), r"model 'Qwen/../x' is neither"),
+        (dict(model="/nonexistent/model"), r"^model '/nonexistent/model': no directory /nonexistent/model \(relative"),
+        (dict(model="./models/tiny"), r"^model './models/tiny': no directory .*/models/tiny \(relative paths are read"),
+        (dict(model="Qwen/../x"), r"^model 'Qwen/../x': no directory .*/x \(relative paths"),
+        (dict(model=["a"]), r"^model must be a Hub name \(namespace/name\) or a local directory, got \['a'\]$"),
         (dict(reward_funcs=[]), r"reward_funcs must be one or more 'package.module:function' strings, got \[\]"),
         (dict(args={"num_remains_in_group": 9, "num_generations": 8}),
          r"args: num_remains_in_group must be an int with 2 <= k < num_generations=8 .*got num_remains_in_group=9"),
@@ -144,11 +145,17 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}), r"args: .*num_generations \(16\)"),
         (dict(args={"num_remains_in_group": 4, "num_generations": 8, "per_device_train_batch_size": 8}),
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
-        (dict(dataset="/nonexistent/train.jsonl"), r"dataset file '/nonexistent/train.jsonl' does not exist"),
+        (dict(dataset="/nonexistent/train.jsonl"),
+         r"dataset file '/nonexistent/train.jsonl' does not exist \(looked for /nonexistent/train.jsonl\)"),
         (dict(reward_funcs=["gfpo_trainer.demo:nope"]), r"module 'gfpo_trainer.demo' has no function 'nope'"),
         (dict(reward_funcs=["no_such_module:f"]), r"cannot import module 'no_such_module'"),
-        (dict(args={"num_generationz": 8}), r"unknown GFPOConfig fields \['num_generationz'\]"),
-        (dict(optimiser="adam"), r"unknown config keys \['optimiser'\]"),
+        (dict(args={"num_generationz": 8}),
+         r"^unknown GFPOConfig fields \['num_generationz'\] under 'args' \(did you mean 'num_generations'\?\)$"),
+        (dict(args={"lerning_rate": 1.0, "xyzzy": 1, "num_generationz": 8}),
+         r"^unknown GFPOConfig fields \['lerning_rate', 'num_generationz', 'xyzzy'\] under 'args' \(did you mean "
+         r"'learning_rate' for 'lerning_rate', 'num_generations' for 'num_generationz'\?\)$"),
+        (dict(optimiser="adam"), r"^unknown config keys \['optimiser'\]; expected some of"),
+        (dict(reward_func=["m:f"]), r"^unknown config keys \['reward_func'\] \(did you mean 'reward_funcs'\?\); "),
         (dict(args=["output_dir", "out"]),
          r"args must be a mapping of GFPOConfig fields \(field: value\), got \['output_dir', 'out'\]"),
         (dict(args={"num_generations": "four"}), r"^args: num_generations='four' cannot be read as int$"),
@@ -244,6 +251,100 @@ def test_hub_names_with_dots_pass_validation(model_dir, dataset_file, tmp_path, 
         build_trainer(_config("Qwen/Qwen2.5-0.5B-Instruct", dataset_file, tmp_path))
 
 
+def test_model_is_a_local_directory_or_a_hub_name(tmp_path):
+    """The one rule for `model:` (gfpo_trainer/cli.py, docs/cli.md): a directory of that name in the config file's
+    folder, else a Hub name namespace/name, else an error naming the directory looked for (no Hub lookup)."""
+    from gfpo_trainer.cli import resolve_model
+
+    (tmp_path / "tiny-model").mkdir()
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "weights.safetensors").write_text("")
+    where = f"(relative paths are read from the config file's folder {tmp_path}; a Hub model is named namespace/name)"
+    assert resolve_model("tiny-model", str(tmp_path)) == str(tmp_path / "tiny-model")
+    assert resolve_model("models/tiny", str(tmp_path)) == str(tmp_path / "models" / "tiny")
+    assert resolve_model(str(tmp_path / "tiny-model"), "/elsewhere") == str(tmp_path / "tiny-model")
+    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct", str(tmp_path)) == "Qwen/Qwen2.5-0.5B-Instruct"
+    for model, looked_for, hint in [
+        ("tiny_model", tmp_path / "tiny_model", " (did you mean 'tiny-model'?)"),  # a typo: not a Hub name
+        ("./tiny_model", tmp_path / "tiny_model", " (did you mean 'tiny-model'?)"),
+        ("models/tiny2", tmp_path / "models" / "tiny2", " (did you mean 'tiny'?)"),  # models/ is here: a path
+        ("gpt2", tmp_path / "gpt2", ""),
+        ("~/gfpo-no-such-model", Path.home() / "gfpo-no-such-model", ""),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            resolve_model(model, str(tmp_path))
+        assert str(error.value) == f"model {model!r}: no directory {looked_for}{hint} {where}"
+    with pytest.raises(ConfigError, match=r"^model 'weights.safetensors': .*weights.safetensors is a file; model "
+                                          r"needs the directory holding the model's files$"):
+        resolve_model("weights.safetensors", str(tmp_path))
+
+
+def test_paths_are_read_from_the_config_files_folder(model_dir, tmp_path, monkeypatch):
+    """Started from another working directory, a run finds the model, data and reward module beside its YAML file
+    and writes its output_dir there."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    shutil.copytree(model_dir, project / "tiny-model")
+    (project / "data").mkdir()
+    (project / "data" / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}="}) + "\n" for a in range(8)))
+    (project / "gfpo_cli_rewards_beside_the_yaml.py").write_text(
+        "def digits(completions, **kwargs):\n    return [float(sum(c.isdigit() for c in t)) for t in completions]\n")
+    config = dict(_config("tiny-model", "data/train.jsonl", tmp_path,
+                          reward_funcs=["gfpo_cli_rewards_beside_the_yaml:digits"]))
+    config["args"] = dict(config["args"], output_dir="out")
+    (project / "run.yaml").write_text(yaml.safe_dump(config))
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a regression to a Hub lookup fails at once instead of retrying
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the config's folder is put first on it
+    assert main(["train", "--config", "../project/run.yaml"]) == 0
+    assert (project / "out" / "config.json").exists() and not (elsewhere / "out").exists()
+
+
+def test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn(model_dir, dataset_file, tmp_path):
+    """transformers' TrainingArguments warns (FutureWarning: `gradient_checkpointing` is deprecated ...) while the
+    config is built; a config that fails prints its error line and nothing else. Also a mistyped local model
+    directory: an error naming it, not a Hub lookup (HF_HUB_OFFLINE=1 makes a regression fail at once)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cases = [
+        (dict(args={**_config(model_dir, dataset_file, tmp_path)["args"], "group_filter": "shortest"}),
+         "error: args: group_filter must be None or one of ('length', 'token_efficiency'), got "
+         "group_filter='shortest'"),
+        (dict(model="tiny_modle"), f"error: model 'tiny_modle': no directory {tmp_path / 'tiny_modle'} (did you mean "
+         f"'tiny-model'?) (relative paths are read from the config file's folder {tmp_path}; a Hub model is named "
+         "namespace/name)"),
+    ]
+    shutil.copytree(model_dir, tmp_path / "tiny-model")
+    for change, line in cases:
+        config_file = tmp_path / "config.yaml"
+        config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path, **change)))
+        done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "train", "--config", str(config_file)],
+                              capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        assert (done.returncode, done.stderr) == (2, line + "\n")
+
+
+def test_warnings_of_a_good_config_are_still_shown(monkeypatch, tmp_path):
+    """Held back while the config is built, they are shown once it is good (a deprecation is worth seeing)."""
+    import types
+    import warnings
+
+    import gfpo_trainer.cli as cli
+
+    trained = []
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(resume_from_checkpoint=None,
+                                                               output_dir=str(tmp_path / "out")),
+                                    train=lambda resume_from_checkpoint: trained.append(True), save_model=lambda: None)
+
+    def build(config, base_dir=None):
+        warnings.warn("`old_option` is deprecated", FutureWarning)
+        return trainer
+
+    monkeypatch.setattr(cli, "build_trainer", build)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text("model: x\n")
+    with pytest.warns(FutureWarning, match="`old_option` is deprecated"):  # shown: to stderr outside pytest
+        assert main(["train", "--config", str(config_file)]) == 0 and trained == [True]
+
+
 def test_config_errors_are_one_line_and_exit_2(model_dir, dataset_file, tmp_path):
     config = _config(model_dir, dataset_file, tmp_path, args={"num_remains_in_group": 1, "group_filter": "length"})
     config_file = tmp_path / "config.yaml"
@@ -274,7 +375,8 @@ def _run_setup_script(tmp_path, has_torch: bool, index_url: str | None) -> list[
     root = tmp_path / "tree"
     (root / "scripts").mkdir(parents=True)
     (root / "csrc").mkdir()
-    (root / "scripts" / "setup.sh").write_text((REPO / "scripts" / "setup.sh").read_text())
+    for script in ("setup.sh", "requirements.py"):  # setup.sh hashes both into the stamp of a finished setup
+        (root / "scripts" / script).write_text((REPO / "scripts" / script).read_text())
     for name in ("setup.py", "pyproject.toml", "csrc/ops.cpp"):
         (root / name).write_text("")
     venv_bin = root / ".venv" / "bin"
@@ -309,6 +411,71 @@ def test_setup_script_torch_install(tmp_path, has_torch, index_url, torch_instal
     assert "-m pip install --no-build-isolation --no-deps -e ." in calls  # the script ran on past the torch step
 
 
+def test_setup_if_stale_runs_only_when_the_venv_is_stale(tmp_path):
+    """scripts/demo.sh and scripts/test.sh run `setup.sh --if-stale` first: the whole setup on a .venv it never
+    finished, after a change to what the setup is made from, or when a requirement went missing; nothing otherwise.
+    The tree's .venv/bin/python is a stub that logs its calls (torch 2.13.0 installed; the requirement check's exit
+    status and message come from files the test writes)."""
+    root = tmp_path / "tree"
+    for name in ("scripts/setup.sh", "scripts/requirements.py", "setup.py", "pyproject.toml", "csrc/ops.cpp"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text((REPO / name).read_text() if name.startswith("scripts/") else f"{name}\n")
+    venv_bin = root / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "activate").write_text(f'PATH="{venv_bin}:$PATH"\n')
+    log, check_rc, check_out = tmp_path / "calls.log", tmp_path / "check_rc", tmp_path / "check_out"
+    check_rc.write_text("0")
+    check_out.write_text("")
+    (venv_bin / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        f'printf "%s\\n" "$*" >> "{log}"\n'
+        'case "$*" in\n'
+        '  "-c import importlib.metadata as m; print(m.version(\'torch\'))") echo 2.13.0 ;;\n'
+        f'  *--check) cat "{check_out}"; exit "$(cat "{check_rc}")" ;;\n'
+        '  "-m pip show gfpo") exit 1 ;;\n'
+        "esac\n"
+    )
+    (venv_bin / "python").chmod(0o755)
+
+    def if_stale():
+        log.write_text("")
+        done = subprocess.run(["bash", "scripts/setup.sh", "--if-stale"], cwd=root, capture_output=True, text=True,
+                              timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("GFPO_")})
+        assert done.returncode == 0, done.stderr
+        calls = log.read_text().splitlines()
+        return done.stdout.splitlines()[0], "-m pip install --no-build-isolation --no-deps -e ." in calls
+
+    assert if_stale() == ("gfpo: .venv is stale (sources or settings changed since its setup): running "
+                          "scripts/setup.sh", True)  # never finished here: no stamp
+    assert (root / ".venv" / ".gfpo-setup-stamp").is_file()
+    up_to_date = ("gfpo: .venv is up to date (set up from these sources, every requirement installed): setup skipped",
+                  False)
+    assert if_stale() == up_to_date
+    (root / "pyproject.toml").write_text("changed\n")
+    assert if_stale()[1] is True
+    assert if_stale() == up_to_date
+    check_rc.write_text("1")
+    check_out.write_text("fastdigest>=0.12 (not installed)")
+    assert if_stale() == ("gfpo: .venv is stale (fastdigest>=0.12 (not installed)): running scripts/setup.sh", True)
+    done = subprocess.run(["bash", "scripts/setup.sh", "--if-stal"], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr == "usage: bash scripts/setup.sh [--if-stale]\n"
+
+
+def test_requirement_check_names_what_is_missing_or_too_old():
+    """scripts/requirements.py --check, which decides whether .venv is stale, against this environment."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gfpo_requirements", REPO / "scripts" / "requirements.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import torch
+
+    installed = torch.__version__.split("+")[0]
+    assert module.unsatisfied([f"torch>={installed}", "numpy", "triton>=1; platform_system == 'Nowhere'"]) == []
+    assert module.unsatisfied(["torch<2", "gfpo-no-such-package"]) == [
+        f"torch<2 (installed: {torch.__version__})", "gfpo-no-such-package (not installed)"]
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["train", "--help"]])
 def test_help_imports_no_training_stack(argv):
     """--help answers at once: TRL, transformers and datasets are imported only when a command runs."""
@@ -330,4 +497,4 @@ def test_commands_without_the_trainer_extra_say_what_to_install(command, missing
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
         f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, pip install "
-        'tdigest && pip install --no-build-isolation ".[trainer]" (docs/install.md)'], done.stderr
+        '--no-build-isolation ".[trainer]" (docs/install.md)'], done.stderr

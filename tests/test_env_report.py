@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from gfpo_kernels import _dispatch
@@ -37,3 +38,51 @@ def test_module_runs_without_trl():
                           env=subprocess_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert "backend group ops, cpu tensors: " in done.stdout and "torch: " in done.stdout
+    # TRL blocked at import (installed or not): the vLLM line says it was not checked, and why
+    assert "\nvllm: not checked (" in done.stdout
+
+
+def _vllm_line() -> str:
+    return next(line for line in environment_report().splitlines() if line.startswith("vllm: "))
+
+
+@pytest.mark.parametrize("installed, expected", [
+    (None, "vllm: not installed (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; pip install 'gfpo[vllm]' installs "
+           "one)"),
+    ("0.31.0", "vllm: 0.31.0, supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0)"),
+    ("0.22.0rc1", "vllm: 0.22.0rc1, supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0)"),  # TRL's base version
+    ("0.21.0", "vllm: 0.21.0, NOT supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; pip install "
+               "'gfpo[vllm]' installs one)"),
+    ("0.32.0", "vllm: 0.32.0, NOT supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; pip install "
+               "'gfpo[vllm]' installs one)"),
+])
+def test_report_names_vllm_and_whether_trl_supports_it(monkeypatch, installed, expected):
+    """The version lookup is replaced (no vLLM in .venv); the range is the table in gfpo_trainer._compat for the
+    TRL installed, also replaced, by 1.16.0 (0.22.0 to 0.31.0 in that table)."""
+    pytest.importorskip("trl")
+    from gfpo_kernels import env_report
+    from gfpo_trainer import _compat
+
+    real_version = env_report._version
+    monkeypatch.setattr(env_report, "_version", lambda name: "1.16.0" if name == "trl" else real_version(name))
+    monkeypatch.setattr(_compat, "vllm_version", lambda: installed)
+    assert _compat.VLLM_RANGE_BY_TRL["1.16"] == ("0.22.0", "0.31.0")
+    assert _vllm_line() == expected
+
+
+def test_report_on_a_trl_without_a_known_vllm_range(monkeypatch):
+    pytest.importorskip("trl")
+    from gfpo_kernels import env_report
+    from gfpo_trainer import _compat
+
+    monkeypatch.setattr(_compat, "vllm_version", lambda: "0.31.0")
+    assert env_report.vllm_report("1.17.0") == (
+        "0.31.0 (trl 1.17.0 is not a release gfpo knows the vLLM range of: trl 1.14, 1.15, 1.16)")
+
+
+def test_report_without_trl_says_vllm_was_not_checked(monkeypatch):
+    from gfpo_kernels import env_report
+
+    real_version = env_report._version
+    monkeypatch.setattr(env_report, "_version", lambda name: "not installed" if name == "trl" else real_version(name))
+    assert _vllm_line() == "vllm: not checked (the check needs TRL, which is not installed)"

@@ -44,3 +44,32 @@ def test_an_sdist_builds_without_torch(tmp_path):
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
     if head.returncode == 0:  # a git checkout: the sdist records its commit (+dirty with uncommitted changes)
         assert commit.split("+")[0] == head.stdout.strip()
+
+
+def test_an_old_setuptools_stops_with_one_line(tmp_path):
+    """Without build isolation the environment's setuptools builds; one older than 77 cannot read pyproject.toml's
+    SPDX `license` (a 20-line schema error from setuptools 65.5, Python 3.11's venv default): one line instead."""
+    child = ("import setuptools; setuptools.__version__ = '65.5.0'; from setuptools import build_meta; "
+             f"build_meta.prepare_metadata_for_build_wheel({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", child], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        'error: gfpo needs setuptools>=77 to build, this environment has 65.5.0: run  pip install "setuptools>=77"  '
+        "and then the same pip install again"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_licence_is_an_spdx_expression_with_its_text(tmp_path):
+    """PEP 639 metadata (setuptools >= 77): License-Expression and the licence file, not the deprecated License."""
+    done = subprocess.run([sys.executable, "-c", NO_TORCH_CHILD + f"print(build_meta.build_sdist({str(tmp_path)!r}))"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with tarfile.open(tmp_path / done.stdout.split()[-1]) as sdist:
+        top = sdist.getnames()[0].split("/")[0]
+        metadata = sdist.extractfile(f"{top}/PKG-INFO").read().decode()
+        licence = sdist.extractfile(f"{top}/LICENSE").read().decode()
+    headers = metadata.split("\n\n")[0].splitlines()
+    assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
+    assert not any(line.startswith("License:") for line in headers)
+    assert "Apache License" in licence and "Version 2.0, January 2004" in licence

@@ -280,7 +280,8 @@ def check_command(words: list[str], where: str) -> None:
         if arguments[0] == "-m":
             module, rest = arguments[1], arguments[2:]
             if module == "pytest":
-                assert " ".join(words) in (ROOT / ".ci" / "run").read_text(), f"{where}: not the test command CI runs"
+                test_script = (ROOT / "scripts" / "test.sh").read_text()
+                assert " ".join(words) in test_script, f"{where}: not the test command of scripts/test.sh (CI's)"
                 return
             check_arguments(rest, package_sources(module), f"{where}: python -m {module}")
         else:
@@ -304,12 +305,14 @@ def test_shell_commands_name_what_exists(block):
 
 
 def test_readme_commands_are_what_ci_runs():
-    """CI (.ci/run) runs the README's setup and test commands, so a newcomer's first two commands are tested."""
+    """The README's first commands are the one-command demo and tests; CI (.ci/run) runs the test one on its fresh
+    clone (which sets .venv up), so a newcomer's first commands are tested."""
     ci = (ROOT / ".ci" / "run").read_text()
-    commands = [" ".join(c) for b in code_blocks(PAGES[0], "bash") for c in shell_commands(b)]
-    assert "bash scripts/setup.sh" in commands and "bash scripts/setup.sh" in ci
-    (test_command,) = [c for c in commands if "pytest" in c]
-    assert test_command in ci
+    first_block = code_blocks(PAGES[0], "bash")[0]
+    assert [" ".join(c) for c in shell_commands(first_block)] == ["bash scripts/demo.sh --quick", "bash scripts/test.sh"]
+    assert re.search(r"^bash scripts/test\.sh$", ci, re.M)
+    for script in ("demo.sh", "test.sh"):
+        assert "bash scripts/setup.sh --if-stale" in (ROOT / "scripts" / script).read_text()
 
 
 def test_every_code_block_is_checked():
