@@ -31,3 +31,5 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSI
 "$PY" -c "import vllm, trl, transformers, torch; print('vLLM CPU engine check: vllm', vllm.__version__, 'trl', \
 trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm*.py "$@"
+# docs/vllm.md's example as written (it runs only where vLLM is installed)
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_readme_examples.py -k "vllm.md"

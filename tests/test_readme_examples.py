@@ -6,7 +6,9 @@ names functions, parameters and config fields the package has.
 Markers, an HTML comment on the line before a code block (invisible on GitHub):
 - `<!-- docs-test: max_steps=N -->`: the Python block runs with every `max_steps=<number>` replaced by N (a training
   example that takes minutes as written runs N steps here);
-- `<!-- docs-test: no-run REASON -->`: the Python block is compiled, not run (needs a GPU, several processes, ...).
+- `<!-- docs-test: no-run REASON -->`: the Python block is compiled, not run (needs a GPU, several processes, ...);
+- `<!-- docs-test: vllm -->`: the Python block runs where vLLM is installed (scripts/test_vllm_cpu.sh runs it in
+  .venv-vllm), and is compiled only elsewhere.
 Shell blocks never run here (they install, train for minutes or need GPUs): their commands are checked statically.
 The Hub model of a YAML config is replaced by a tiny local model (no downloads) and training gets a one-step limit.
 """
@@ -146,7 +148,8 @@ def runnable(block: Block) -> str:
         assert re.search(r"max_steps=\d+", code), f"{block}: marker max_steps= but no max_steps in the code"
         code = re.sub(r"max_steps=\d+", f"max_steps={steps}", code)
     elif block.directive:
-        assert block.directive.startswith("no-run "), f"{block}: unknown marker {block.directive!r}"
+        assert block.directive.startswith("no-run ") or block.directive == "vllm", \
+            f"{block}: unknown marker {block.directive!r}"
     return code
 
 
@@ -163,6 +166,8 @@ def test_python_example_runs(block, tmp_path, monkeypatch):
         return  # compiled above: a syntax error still fails
     if "gfpo_trainer" in block.code:
         pytest.importorskip("trl")
+    if block.directive == "vllm":
+        pytest.importorskip("vllm")
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__docs_example__"}
     exec(code, namespace)
@@ -266,11 +271,15 @@ def check_pip(arguments: list[str], where: str) -> None:
         assert not word.startswith("-") or word.split("=")[0] in options, f"{where}: {word} is no pip option"
 
 
+# commands a page may use as they are: they name no script, module or option of the project's
+STANDARD_TOOLS = ("rm", "mkdir", "tar", "git")
+
+
 def check_command(words: list[str], where: str) -> None:
     while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value: a variable the project reads
         name = words.pop(0).split("=")[0]
-        assert any(name in p.read_text() for p in [*ROOT.glob("scripts/*"), *ROOT.glob("gfpo_*/*.py"), ROOT / "setup.py"]
-                   if p.is_file()), f"{where}: nothing in the project reads {name}"
+        readers = [*ROOT.glob("scripts/*"), *ROOT.glob("bench/*.sh"), *ROOT.glob("gfpo_*/*.py"), ROOT / "setup.py"]
+        assert any(name in p.read_text() for p in readers if p.is_file()), f"{where}: nothing in the project reads {name}"
     program, *arguments = words
     if program in ("pip", ".venv/bin/pip") or (program in (".venv/bin/python", "python") and arguments[:2] == ["-m", "pip"]):
         check_pip(arguments if program.endswith("pip") else arguments[2:], where)
@@ -288,6 +297,8 @@ def check_command(words: list[str], where: str) -> None:
             script = ROOT / arguments[0]
             assert script.is_file(), f"{where}: no script {arguments[0]}"
             check_arguments(arguments[1:], script.read_text(), f"{where}: {arguments[0]}")
+    elif program in STANDARD_TOOLS:
+        return  # names nothing of the project's
     elif program == "accelerate":
         assert arguments[0] == "launch" and "--config_file" in arguments, where
         config = yaml.safe_load((ROOT / arguments[arguments.index("--config_file") + 1]).read_text())
@@ -304,6 +315,19 @@ def test_shell_commands_name_what_exists(block):
         check_command(words, str(block))
 
 
+@pytest.mark.parametrize("block", all_blocks("json"), ids=str)
+def test_device_commands_name_what_exists(block):
+    """A JSON block is a call of the GPU machine's run tool (docs/performance.md): it parses, and its command names
+    scripts and variables that exist, as a shell block's would."""
+    import json
+
+    call = json.loads(block.code)
+    assert set(call) <= {"command", "carry", "timeout_s", "kind"} and "command" in call, f"{block}: {sorted(call)}"
+    assert 0 < call.get("timeout_s", 600) <= 600, f"{block}: a device command runs at most 600 s"
+    for part in call["command"].replace("<", "").replace(">", "").split(" && "):
+        check_command(shlex.split(part), str(block))
+
+
 def test_readme_commands_are_what_ci_runs():
     """The README's first commands are the one-command demo and tests; CI (.ci/run) runs the test one on its fresh
     clone (which sets .venv up), so a newcomer's first commands are tested."""
@@ -317,7 +341,7 @@ def test_readme_commands_are_what_ci_runs():
 
 def test_every_code_block_is_checked():
     """A code block in a language this test does not check would drift unseen ("text": recorded output)."""
-    unchecked = [str(b) for b in all_blocks() if b.lang not in ("python", "bash", "yaml", "text")]
+    unchecked = [str(b) for b in all_blocks() if b.lang not in ("python", "bash", "yaml", "json", "text")]
     assert not unchecked, f"code blocks in no checked language: {unchecked}"
     for block in all_blocks("yaml"):
         assert block in TRAINING_CONFIGS, f"{block}: a YAML block that is not a training config"
