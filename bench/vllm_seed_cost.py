@@ -188,7 +188,8 @@ def markdown(data: dict) -> str:
              f"{len(result['times_s']['seeded'])} rounds after {result['warmup_rounds']} warm-up", "",
              "Generation time of the batch, ms (min / median / max over the rounds), wall clock and this process's CPU "
              "time:", "",
-             "| arm | wall min | wall median | wall max | CPU min | CPU median | CPU max |", "|---|---|---|---|---|---|---|"]
+             "| arm | wall min | wall median | wall max | CPU min | CPU median | CPU max |",
+             "|---|---|---|---|---|---|---|"]
     for arm in ARMS:
         w, c = summary["wall"][arm], summary["cpu"][arm]
         lines.append(f"| {arm} | {w['min'] * 1e3:.1f} | {w['median'] * 1e3:.1f} | {w['max'] * 1e3:.1f} | "
