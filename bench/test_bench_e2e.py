@@ -7,7 +7,11 @@ on a machine shared with other jobs, `python bench/e2e_driver.py run` steps the 
 Sizes: cpu-small on CPU (CI runs it with --benchmark-disable: one step per arm, checked below), Qwen2-0.5B (random
 weights, bf16, 16 prompts, completions up to 1024 tokens) on CUDA. GFPO_E2E_SIZE picks another, GFPO_E2E_ROUNDS sets
 the timed steps (default 3 on CUDA, 5 on CPU, after one warm-up step), GFPO_E2E_ARMS (space-separated) the arms, of
-e2e_driver.ARMS or ARM/VARIANT (e2e_driver.VARIANTS)."""
+e2e_driver.ARMS or ARM/VARIANT (e2e_driver.VARIANTS), and of e2e_driver.VLLM_ARMS.
+
+The vLLM arms (test_e2e_step_vllm: TRL's colocate mode) skip where vLLM is not installed. Their size: GFPO_E2E_SIZE
+on CUDA, cpu-small-vllm on CPU (cpu-small's head dimension, 16, is one vLLM's CPU attention lacks), or
+GFPO_E2E_VLLM_SIZE. The vLLM CI step (scripts/test_vllm_cpu.sh) runs them with --benchmark-disable: one step each."""
 
 import copy
 import gc
@@ -21,12 +25,21 @@ pytest.importorskip("trl")
 from gfpo_trainer.tiny import make_tokenizer  # noqa: E402
 
 from bench_utils import DEVICE, ON_GPU  # noqa: E402
-from e2e_driver import ARMS, CPU_THREADS, StepDriver, make_trainer, summary  # noqa: E402
+from e2e_driver import (ARMS, CPU_THREADS, VLLM_ARMS, StepDriver, make_trainer, prepare_vllm, saved_model,  # noqa: E402
+                        summary)
 from e2e_inputs import SIZES, eos_offset, make_model, make_prompts  # noqa: E402
 
 SIZE = os.environ.get("GFPO_E2E_SIZE", "qwen2-0.5b" if ON_GPU else "cpu-small")
+VLLM_SIZE = os.environ.get("GFPO_E2E_VLLM_SIZE", SIZE if ON_GPU else "cpu-small-vllm")
 ROUNDS = int(os.environ.get("GFPO_E2E_ROUNDS", 3 if ON_GPU else 5))
-CASES = os.environ.get("GFPO_E2E_ARMS", "").split() or list(ARMS)
+_ARMS = os.environ.get("GFPO_E2E_ARMS", "").split()
+CASES = [arm for arm in _ARMS if arm.partition("/")[0] in ARMS] if _ARMS else list(ARMS)
+VLLM_CASES = [arm for arm in _ARMS if arm in VLLM_ARMS] if _ARMS else list(VLLM_ARMS)
+if set(_ARMS) - set(CASES) - set(VLLM_CASES):
+    raise ValueError(f"GFPO_E2E_ARMS names unknown arms {sorted(set(_ARMS) - set(CASES) - set(VLLM_CASES))}: "
+                     f"of {list(ARMS)} (or ARM/VARIANT) and {list(VLLM_ARMS)}")
+# TRL builds its colocated engine with max_num_batched_tokens=4096 (trl/generation/vllm_generation.py)
+TRL_ENGINE_TOKEN_BUDGET = 4096
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +88,63 @@ def test_e2e_step(benchmark, template, tmp_path, arm):
     assert record["pass_rows"] == 0  # beta = 0 and steps_per_generation = gradient_accumulation_steps
     if base == "gfpo-G16-k8":  # the early-stop rule is on
         assert "gfpo/stopped_early_fraction" in record
+
+
+@pytest.fixture(scope="module")
+def vllm_template(tmp_path_factory):
+    """The vLLM arms' model, saved to disk (TRL's colocate engine loads it from there), and the tokenizer."""
+    pytest.importorskip("vllm", reason="the vLLM arms need vLLM (on a CPU: scripts/test_vllm_cpu.sh)")
+    prepare_vllm()
+    threads = torch.get_num_threads()
+    if not ON_GPU:
+        torch.set_num_threads(CPU_THREADS)
+    tokenizer = make_tokenizer()
+    model = make_model(SIZES[VLLM_SIZE], tokenizer, device=DEVICE)
+    yield tokenizer, saved_model(model, tokenizer, str(tmp_path_factory.mktemp("e2e-vllm-model")))
+    torch.set_num_threads(threads)  # (vLLM's CPU worker makes this a no-op once an engine exists: harmless)
+
+
+@pytest.mark.parametrize("arm", VLLM_CASES)
+def test_e2e_step_vllm(benchmark, vllm_template, tmp_path, arm):
+    tokenizer, model = vllm_template
+    size = SIZES[VLLM_SIZE]
+    benchmark.group = f"e2e step vllm {VLLM_SIZE}"
+    driver = StepDriver(make_trainer(arm, VLLM_SIZE, copy.deepcopy(model), tokenizer, str(tmp_path)))
+    try:
+        benchmark.pedantic(driver.step, rounds=ROUNDS, warmup_rounds=1)
+    finally:
+        driver.close()
+    warmup = len(driver.records) - ROUNDS if not benchmark.disabled else 0
+    info = summary(driver, warmup, size.max_completion_length)
+    benchmark.extra_info.update(info, size=VLLM_SIZE, eos_offset=eos_offset(size), warmup_rounds=warmup,
+                                interleaved=False)
+    record, lengths, stopped = driver.records[-1], driver.lengths[-1], driver.stopped[-1]
+    driver.trainer = None
+    gc.collect()
+
+    # the counts mean what they say (the vLLM CI step runs this at one step per arm)
+    spec = VLLM_ARMS[arm]
+    P, G, L, k = size.prompts_per_step, spec["num_generations"], size.max_completion_length, 8
+    assert record["rows_generated"] == record["requests"] == P * G  # one request per completion
+    assert record["tokens_generated"] == sum(lengths) and max(lengths) == record["decode_steps"] <= L
+    # an engine step adds at most one token to a request; when every prompt fits the first step's token budget,
+    # every request starts there and the engine runs exactly as many steps as the longest completion has tokens
+    assert record["engine_steps"] >= record["decode_steps"]
+    prompt_tokens = sum(len(row["prompt"]) for row in make_prompts(size)) * G  # one token per character
+    if prompt_tokens <= TRL_ENGINE_TOKEN_BUDGET:
+        assert record["engine_steps"] == record["decode_steps"]
+    assert record["weight_sync"] > 0 and 0 < record["engine"] <= record["generation"]
+    if spec["trainer"] == "gfpo":  # the trainer's own counts agree with the driver's
+        assert record["gfpo/generated_tokens"] == record["tokens_generated"]
+        assert record["gfpo/vllm_engine_steps"] == record["engine_steps"]
+    if not spec.get("gfpo_stop_dropped_generations", spec["trainer"] == "gfpo"):
+        assert record["requests_aborted"] == 0 and stopped is None
+        return
+    # the early-stop rule: it aborted exactly the rows it reports stopped, each in a group where k completions had
+    # ended, holding at least as many tokens as the k-th shortest of them, and none of them is kept
+    assert record["requests_aborted"] == sum(stopped) > 0
+    assert record["gfpo/stopped_early_fraction"] == pytest.approx(sum(stopped) / (P * G))
+    for g in range(P):
+        rows = range(g * G, (g + 1) * G)
+        ended = sorted(lengths[i] for i in rows if not stopped[i])
+        assert all(lengths[i] >= ended[k - 1] for i in rows if stopped[i]) and len(ended) >= k

@@ -42,14 +42,20 @@ def select(trainer, rewards_per_func, completions, completion_ids_list, model_to
     # TRL's test of a clipped completion: it does not end in EOS or padding
     ends = {*trainer.eos_token_ids, trainer._tokenizer.pad_token_id}
     truncated = [float(ids[-1] not in ends) for ids in completion_ids_list]
-    local = torch.tensor([counts, truncated], device=device, dtype=torch.float32).T  # (rows, 2): one gather
-    lengths, truncated = trainer.accelerator.gather(local.contiguous()).unbind(dim=1)
+    stopped = trainer._stopped_rows  # rows the early-stop rule ended this batch (None: the rule did not run)
+    stopped = [0.0] * len(counts) if stopped is None else stopped.float().tolist()
+    local = torch.tensor([counts, truncated, stopped], device=device, dtype=torch.float32).T  # (rows, 3): one gather
+    lengths, truncated, stopped = trainer.accelerator.gather(local.contiguous()).unbind(dim=1)
     if lengths.numel() != rewards.numel():
         raise TRLSurfaceError(
             f"GRPOTrainer._calculate_rewards returned {rewards.numel()} rows, the batch holds {lengths.numel()}"
         )
     if args.group_filter == "length":
-        scores, largest = lengths, False
+        # a completion the early-stop rule cut would have held at least one more token than it holds (on vLLM it is
+        # aborted, without EOS, once it holds as many tokens as the k-th shortest finished one of its group:
+        # gfpo_trainer/vllm_stop.py): ranked so, it falls below those k, ties included (on HF generate, where the
+        # rule forces EOS one token later, it falls below them either way)
+        scores, largest = lengths + stopped, False
     elif args.group_filter == "token_efficiency":
         scores, largest = _token_efficiency_rank(rewards, lengths, G), True
     else:

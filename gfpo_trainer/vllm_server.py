@@ -12,18 +12,19 @@ logprob_token_ids per completion, prompt-major), so TRL's code after it is uncha
 
 The rule (the same as on HF generate and in colocate mode): the length filter keeps the k completions of a group
 with the fewest tokens, ties to the lower index. Once k completions of a group have finished, let L be the k-th
-smallest of their lengths. A completion of that group still running with more than L tokens will end longer than
-L, so longer than k finished completions: it is dropped whatever it goes on to say, and its stream is closed. vLLM's
-server aborts a request whose client disconnects (its OpenAI endpoints are cancelled on disconnect), so the server
-stops generating it at once; the completion comes back with the tokens and log-probabilities received (more than L
-of them, so it ranks below those k even under the tie rule), marked stopped. A completion waiting for a slot, or
-holding L tokens or fewer, runs on. The main process sees every row of every group here, so a group that
+smallest of their lengths. A completion of that group still running with L tokens or more has not ended within L
+tokens, so it will end longer than k finished completions: it is dropped whatever it goes on to say, and its stream
+is closed. vLLM's server aborts a request whose client disconnects (its OpenAI endpoints are cancelled on
+disconnect), so the server stops generating it at once; the completion comes back with the tokens and
+log-probabilities received (L or more), marked stopped, and the length filter ranks a stopped completion one token
+longer than it holds (selection.py), so it ranks below those k even under the tie rule. A completion waiting for a
+slot, or holding fewer than L tokens, runs on. The main process sees every row of every group here, so a group that
 straddles processes is stopped as any other.
 
 Why not one request of `n=num_generations` per group: vLLM seeds choice i of a seeded n > 1 request with
 `seed + i`, and a request is aborted whole (closing its stream, or the dev-mode `/abort_requests`, which takes the
 request's id, not a choice's), so a group's choices could only be cut together, once every one still running had
-passed L. One request per completion cuts each as soon as it passes L, and gives each completion the seed the
+reached L. One request per completion cuts each as soon as it reaches L, and gives each completion the seed the
 colocate path gives it (`vllm_stop.request_seeds`), so both modes sample the same completions.
 
 Why the kept completions do not change: each completion's tokens depend on its seed and its logits alone
@@ -279,7 +280,7 @@ class ServerGroupGeneration:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
         for row, output in enumerate(outputs):
-            if output is None:  # cannot happen: a request is cut only once it holds more than L >= 0 tokens
+            if output is None:  # cannot happen: a request is cut only once it holds L >= 1 tokens
                 raise RuntimeError(f"gfpo: the vLLM server returned nothing for completion {row}")
         return outputs
 
@@ -342,9 +343,9 @@ class ServerGroupGeneration:
             raise ServerError(f"gfpo: the vLLM server's stream of completion {row} ended without a finish reason")
 
     def _cut_dropped(self, group: int, *, current: int, only: int | None = None) -> bool:
-        """Cuts the running completions of `group` (or just `only`) that hold more tokens than the k-th shortest
-        finished completion of the group; returns whether `current` was cut (its reader then returns, closing its
-        stream; every other one is cancelled, which closes its stream)."""
+        """Cuts the running completions of `group` (or just `only`) that hold as many tokens as the k-th shortest
+        finished completion of the group, or more; returns whether `current` was cut (its reader then returns,
+        closing its stream; every other one is cancelled, which closes its stream)."""
         lengths = self._finished_lengths[group]
         if len(lengths) < self.k:
             return False
@@ -354,7 +355,7 @@ class ServerGroupGeneration:
         for row in rows:
             if row >= len(self._tokens) or self._finished[row] or self.stopped[row]:
                 continue
-            if len(self._tokens[row]) > limit:
+            if len(self._tokens[row]) >= limit:
                 self.stopped[row] = True
                 if row == current:
                     cut_current = True

@@ -10,10 +10,13 @@ prompt in order, so TRL reads the completions and their log-probabilities as it 
 
 The rule (the same guarantee as early_stop.py on HF generate): the length filter keeps the k completions of a group
 with the fewest tokens, ties to the lower index. Once k completions of a group have finished, let L be the k-th
-smallest of their lengths. A running request of that group holding more than L tokens will end longer than L, so
-longer than k finished completions: it is dropped whatever it goes on to say, and is aborted. It comes back with
-the tokens and log-probabilities it had (more than L of them, so it ranks below those k even under the tie rule),
-marked stopped. A request waiting for a slot, or holding L tokens or fewer, runs on until it finishes or passes L.
+smallest of their lengths. A running request of that group holding L tokens or more has not ended within L tokens,
+so it will end longer than L, longer than k finished completions: it is dropped whatever it goes on to say, and is
+aborted at once (waiting for it to pass L would cost every such request one more token and the engine one more
+step). It comes back with the tokens and log-probabilities it had (L or more), marked stopped: the length filter
+ranks a stopped completion as one token longer than it holds (selection.py), as it would have been at least, so it
+ranks below those k even under the tie rule. A request waiting for a slot, or holding fewer than L tokens, runs on
+until it finishes or reaches L.
 
 Why the kept completions do not change: each completion is its own request with its own seed, so the tokens a
 request samples depend on its seed and its logits alone, not on which other requests share a step (vLLM's sampler
@@ -183,7 +186,7 @@ class VLLMGroupGeneration:
             engine.abort_request([request_ids[i] for rows in running.values() for i in rows])
             raise
         for i, output in enumerate(outputs):
-            if output is None:  # cannot happen: the rule aborts a request only once it holds more than L >= 1 tokens
+            if output is None:  # cannot happen: the rule aborts a request only once it holds L >= 1 tokens
                 raise RuntimeError(f"gfpo: vLLM returned no output for request {request_ids[i]}")
             if self.stopped[i]:
                 output.finished = True
@@ -192,12 +195,12 @@ class VLLMGroupGeneration:
         return outputs
 
     def _abort_dropped(self, request_ids, outputs, running, limits) -> None:
-        """Aborts, in one call, every running request that holds more tokens than the k-th shortest finished
-        completion of its group."""
+        """Aborts, in one call, every running request that holds as many tokens as the k-th shortest finished
+        completion of its group, or more."""
         to_abort = []
         for group, limit in limits.items():
             rows = running[group]
-            cut = [i for i in rows if outputs[i] is not None and len(outputs[i].outputs[0].token_ids) > limit]
+            cut = [i for i in rows if outputs[i] is not None and len(outputs[i].outputs[0].token_ids) >= limit]
             for i in cut:
                 rows.discard(i)
                 self.stopped[i] = True

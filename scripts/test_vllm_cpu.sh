@@ -30,6 +30,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1
 "$PY" -c "import vllm, trl, transformers, torch; print('vLLM CPU engine check: vllm', vllm.__version__, 'trl', \
 trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm*.py "$@"
+# the tests, and the end-to-end benchmark's vLLM arms one step each with their counts checked (--benchmark-disable)
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm*.py bench/test_bench_e2e.py::test_e2e_step_vllm \
+  --benchmark-disable "$@"
 # docs/vllm.md's example as written (it runs only where vLLM is installed)
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_readme_examples.py -k "vllm.md"

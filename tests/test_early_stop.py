@@ -63,6 +63,28 @@ def test_processor_counts_only_this_process_rows_of_a_straddling_group():
     assert torch.equal(out, torch.zeros(4, 3))
 
 
+def test_length_filter_ranks_a_stopped_completion_below_a_finished_one_of_its_length():
+    """On vLLM the rule aborts a request once it holds as many tokens as the k-th shortest finished completion of its
+    group (gfpo_trainer/vllm_stop.py), so a stopped row ties with that completion in length; the filter keeps the
+    finished one, the stopped row being one token longer at least, whatever its last token (here the pad token in
+    row 0: a model can sample it). Group of 4, k=2: rows 0 and 1 stopped holding 5 tokens, rows 2 and 3 ended at 5
+    and 3 tokens; by length alone, ties to the lower index, row 0 would be kept."""
+    from types import SimpleNamespace
+
+    from gfpo_trainer.selection import select
+
+    pad = 0
+    trainer = SimpleNamespace(
+        num_generations=4, args=SimpleNamespace(group_filter="length", num_remains_in_group=2, use_gfpo_kernels=False),
+        reward_weights=torch.ones(1), accelerator=SimpleNamespace(gather=lambda tensor: tensor), eos_token_ids=[EOS],
+        _tokenizer=SimpleNamespace(pad_token_id=pad), adaptive_difficulty=None, scale_rewards="group",
+        _stopped_rows=torch.tensor([True, True, False, False]))
+    ids = [[3, 3, 3, 3, pad], [3, 3, 3, 3, 4], [3, 3, 3, 3, EOS], [3, 3, EOS]]
+    selection = select(trainer, torch.tensor([[0.0], [1.0], [1.0], [0.0]]), ["x"] * 4, ids)
+    assert selection["keep"].tolist() == [False, False, True, True]
+    assert selection["lengths"].tolist() == [5, 5, 5, 3]  # the metrics see the lengths as generated
+
+
 @pytest.fixture(scope="module")
 def warm_model_dir(tmp_path_factory):
     """A tiny model warmed up on the demo task, so completions end at varied lengths (the rule has work to do)."""

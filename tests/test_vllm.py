@@ -136,20 +136,25 @@ class TestEngineLoop:
         group_of = [(first_row + i) // 8 for i in range(16)]
         for i in range(16):
             if on.stopped[i]:
-                # a prefix of the completion it would have made, longer than K finished completions of its group
+                # a prefix of the completion it would have made, and one that had not ended at the length of the
+                # K-th shortest finished completion of its group: it ends longer than K finished completions
                 assert ids_off[i][: len(ids_on[i])] == ids_on[i] and len(ids_on[i]) < len(ids_off[i])
                 finished = sorted(len(ids_on[j]) for j in range(16) if group_of[j] == group_of[i] and not on.stopped[j])
-                assert len(finished) >= K and len(ids_on[i]) > finished[K - 1]
+                assert len(finished) >= K and len(ids_off[i]) > finished[K - 1]
+                # aborted as soon as it held that many tokens (the rule waits for no further token; the 16 requests
+                # all start in the first engine step here, so none holds more by then)
+                assert len(ids_on[i]) == finished[K - 1]
                 assert logps_on[i] == logps_off[i][: len(ids_on[i])]
             else:  # token for token, log-probability for log-probability
                 assert ids_on[i] == ids_off[i] and logps_on[i] == logps_off[i]
         local_rows = [sum(g == group for g in group_of) for group in group_of]
         assert not any(on.stopped[i] for i in range(16) if local_rows[i] < 8)  # straddling groups: never stopped
-        # the length filter keeps the same rows of every whole group
+        # the length filter keeps the same rows of every whole group (a stopped row ranked one token longer than it
+        # holds, as gfpo_trainer/selection.py ranks it)
         for group in sorted(set(group_of)):
             rows = [i for i in range(16) if group_of[i] == group]
             if len(rows) == 8:
-                lengths_on = torch.tensor([len(ids_on[i]) for i in rows], dtype=torch.float32)
+                lengths_on = torch.tensor([len(ids_on[i]) + on.stopped[i] for i in rows], dtype=torch.float32)
                 lengths_off = torch.tensor([len(ids_off[i]) for i in rows], dtype=torch.float32)
                 assert torch.equal(ref.group_topk_mask(lengths_on, 8, K, largest=False),
                                    ref.group_topk_mask(lengths_off, 8, K, largest=False))

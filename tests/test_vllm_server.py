@@ -188,8 +188,8 @@ def _kth_shortest_finished(ids, stopped, group):
 
 def test_cuts_only_what_the_filter_drops(server):
     """Two prompts x 16 seeded requests, the rule on (streamed, cut) and off (unstreamed): a cut completion is a
-    prefix of the one it would have become, with its log-probabilities, longer than K finished completions of its
-    group; every other completion is the same token for token; the server generated fewer tokens."""
+    prefix of the one it would have become, with its log-probabilities, at least as long as K finished completions
+    of its group (the filter ranks it one token longer); every other completion is the same token for token; the server generated fewer tokens."""
     off, off_run, off_tokens = _run(server, 123, stop=False)
     on, on_run, on_tokens = _run(server, 123, stop=True)
     assert not any(off_run.stopped) and any(on_run.stopped)
@@ -198,7 +198,7 @@ def test_cuts_only_what_the_filter_drops(server):
         ids, full = on["completion_ids"][i], off["completion_ids"][i]
         if on_run.stopped[i]:
             assert full[: len(ids)] == ids and len(ids) < len(full)
-            assert len(ids) > _kth_shortest_finished(on["completion_ids"], on_run.stopped, i // G)
+            assert len(ids) >= _kth_shortest_finished(on["completion_ids"], on_run.stopped, i // G)
             assert on["logprobs"][i] == off["logprobs"][i][: len(ids)]
             assert on["logprob_token_ids"][i] == off["logprob_token_ids"][i][: len(ids)]
         else:
@@ -334,9 +334,9 @@ def test_kept_rows_identical_with_rule_on_and_off(rule_on_and_off, no_nccl_weigh
     assert off.stopped is None and any(stopped) and not any(s and k for s, k in zip(stopped, keep.tolist()))
     ids_on, ids_off = on.seen["ids"], off.seen["ids"]
     for i, cut in enumerate(stopped):
-        if cut:  # a prefix of the completion it would have become, longer than K finished ones of its group
+        if cut:  # a prefix of the completion it would have become, at least as long as K finished ones
             assert ids_off[i][: len(ids_on[i])] == ids_on[i] and len(ids_on[i]) < len(ids_off[i])
-            assert len(ids_on[i]) > _kth_shortest_finished(ids_on, stopped, i // G)
+            assert len(ids_on[i]) >= _kth_shortest_finished(ids_on, stopped, i // G)
             assert on.seen["generated"][2][i] == off.seen["generated"][2][i][: len(ids_on[i])]  # its log-probs
         else:
             assert ids_on[i] == ids_off[i]
@@ -450,7 +450,7 @@ def test_two_processes_stopped_rows_reach_every_process(server, tmp_path):
     assert any(stopped[16:24]) and any(stopped[24:32])  # the straddling group, cut on both processes
     for i, cut in enumerate(stopped):
         if cut:
-            assert len(all_ids[i]) > _kth_shortest_finished(all_ids, stopped, i // G)
+            assert len(all_ids[i]) >= _kth_shortest_finished(all_ids, stopped, i // G)
     lengths = torch.tensor([len(ids) for ids in all_ids], dtype=torch.float32)
     keep = ref.group_topk_mask(lengths, G, K, largest=False)
     assert not any(cut and kept for cut, kept in zip(stopped, keep.tolist()))
