@@ -72,7 +72,7 @@ from gfpo_trainer.tiny import make_tokenizer
 
 from bench_utils import ON_GPU, device_name, machine_versions, sync
 from e2e_inputs import SIZES, eos_offset, generation_kwargs, length_stats, make_model, make_prompts, success_reward
-from test_bench_linear_grpo import executed_flops
+from fused_loss_cost import executed_flops
 
 # On a CPU shared with other jobs, two intra-op threads made each op of these small models wait for a descheduled
 # OpenMP thread (a 64x128 linear took 8 ms; a step 15-25 s against 0.8-1.0 s with one thread)
@@ -209,19 +209,7 @@ def _train_at_generated_width(trainer) -> None:
 def _without_micro_batch_crop(trainer) -> None:
     """Each micro-batch at the width of the generation batch's trained rows, as before compute_loss cropped it to its
     own longest completion (gfpo_trainer.rows.crop_to_longest_completion)."""
-    import gfpo_trainer.trainer as module
-
-    compute_loss = trainer.compute_loss
-
-    def uncropped(*args, **kwargs):  # the arms step in turn, so the module's function is this arm's while it runs
-        crop = module.crop_to_longest_completion
-        module.crop_to_longest_completion = lambda trainer, batch: dict(batch)
-        try:
-            return compute_loss(*args, **kwargs)
-        finally:
-            module.crop_to_longest_completion = crop
-
-    trainer.compute_loss = uncropped
+    trainer._crop_micro_batch = lambda inputs: dict(inputs)
 
 
 # Variants of an arm, "ARM/VARIANT": the arm with one saving undone, to measure that saving in the same run
@@ -426,7 +414,8 @@ class StepDriver(TrainerCallback):
         record["rows_generated"] += len(lengths)
         record["generated_row_steps"] += len(lengths) * max(lengths)
         self.lengths.append(lengths)
-        stopped = getattr(self.trainer, "_stopped_rows", None)  # GFPOTrainer sets it during generation
+        batch = getattr(self.trainer, "_gfpo_batch", None)  # GFPOTrainer's, being built during generation
+        stopped = None if batch is None else batch.stopped_rows
         self.stopped.append(None if stopped is None else stopped.tolist())
 
     def _count_rewards(self, rewards_per_func, args, kwargs, end):
@@ -435,7 +424,7 @@ class StepDriver(TrainerCallback):
         self.zero_std_groups.append(float((rewards == rewards[:, :1]).all(dim=1).float().mean()))
 
     def _count_pass(self, result, args, kwargs, end):
-        if isinstance(self.trainer, GFPOTrainer) and self.trainer._deferring:
+        if isinstance(self.trainer, GFPOTrainer) and self.trainer._gfpo_batch.deferring:
             return  # a placeholder; the pass runs later on the kept rows (_deferred_logps)
         self._record["pass_rows"] += args[1].size(0)
 
@@ -621,7 +610,7 @@ def markdown(data: dict) -> str:
     lines += ["", "Counts per step (median over the timed steps; device-independent): decode steps, completion "
               "tokens generated, rows x decode steps computed by generate, rows through the training forward (real "
               "ones), tokens through it (rows x (prompt + completion width)), scored tokens, executed loss GFLOP "
-              "(LM-head GEMMs, bench/test_bench_linear_grpo.executed_flops), rows of the no-grad passes.", "",
+              "(LM-head GEMMs, bench/fused_loss_cost.executed_flops), rows of the no-grad passes.", "",
               "| arm | decode steps | tokens gen | row-steps | rows trained (real) | train tokens | scored "
               "| loss GFLOP | pass rows |", "|---|---|---|---|---|---|---|---|---|"]
     for arm, b in arm_of.items():

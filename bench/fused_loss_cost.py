@@ -193,6 +193,24 @@ class Cost:
                 "host_s": self.host_by_phase.get(phase, 0.0) / k, "device_s": self.device_by_phase.get(phase, 0.0) / k}
 
 
+def executed_flops(impl: str, backward: bool, n_scored: int, n_all: int, H: int, V: int) -> int:
+    """GEMM FLOPs over the vocabulary that `impl` executes (2*rows*H*V per GEMM), token-level IS as benchmarked:
+    - gfpo projects the scored tokens only: 1 GEMM forward-only, 3 with gradients (projection and the two gradient
+      GEMMs, all in the forward; sequence-level IS would add a second projection sweep: 4).
+    - trl (its chunked fused head) projects the scored tokens: 1 GEMM forward, and its backward recomputes the
+      projection before the two gradient GEMMs: 4.
+    - liger runs every token, padding included; its forward always takes the input gradient through a recomputing
+      log-prob backward (3 GEMMs even when nothing requires grad), and the weight gradient adds one: 4.
+    - eager: full logits of every token: 1 GEMM forward, 2 more backward."""
+    gemms, rows = {
+        "gfpo": ((1, 3), n_scored),
+        "trl": ((1, 4), n_scored),
+        "liger": ((3, 4), n_all),
+        "eager": ((1, 3), n_all),
+    }[impl]
+    return gemms[backward] * 2 * rows * H * V
+
+
 def simulate(trace: Trace, phase_count: dict | None = None) -> Cost:
     d = trace.device
     host = dev = 0.0

@@ -11,6 +11,7 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
+from gfpo_trainer.batch import GenerationBatch  # noqa: E402
 from gfpo_trainer.demo import DemoSettings, correctness_reward, warm_up  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
@@ -50,6 +51,8 @@ def test_generation_with_early_stop(benchmark, warm_model, tmp_path, k, stop):
 
     def generate():
         torch.manual_seed(0)
+        # the state _generate_and_score_completions makes for each generation batch, which the rule reports into
+        trainer._gfpo_batch = GenerationBatch(filtering=True, skip_zero=False)
         completion_ids, _ = trainer._generate_single_turn(prompt_ids, None, {}, 16)
         sync()
         counts["tokens"] = sum(map(len, completion_ids))

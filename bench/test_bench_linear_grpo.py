@@ -8,7 +8,7 @@ completion lengths (long-tailed, about a third of the positions scored, see _com
 Logits are realistic, i.e. peaked: each hidden state leans towards its target's weight row, so the softmax
 is concentrated as in a trained LM rather than flat as with N(0, 1) inputs. On CUDA every case records its
 peak extra memory (torch.cuda.max_memory_allocated above the inputs); every case records the GEMM FLOPs its
-implementation executes (`executed_flops`, checked against the GEMMs actually run by
+implementation executes (`fused_loss_cost.executed_flops`, checked against the GEMMs actually run by
 test_executed_flops_match_the_gemms_run) and the TFLOP/s achieved on them, and a plain cuBLAS GEMM of the same
 shape is timed in the same run.
 """
@@ -21,6 +21,7 @@ import gfpo_kernels
 from gfpo_kernels.grpo_loss_math import GRPOLossOptions, grpo_loss_from_logps
 
 from bench_utils import DEVICE, ON_GPU, record_tflops, sync
+from fused_loss_cost import executed_flops
 
 # (B sequences, T tokens, H, V): N = B*T scored tokens
 SIZES = [(16, 256, 2048, 32768), (32, 512, 4096, 151936)] if ON_GPU else [(4, 32, 64, 1000)]
@@ -96,24 +97,6 @@ def _eager(hidden, weight, target, mask, adv):
 
 
 FNS = {"gfpo": _gfpo, "trl": _trl, "liger": _liger, "eager": _eager}
-
-
-def executed_flops(impl: str, backward: bool, n_scored: int, n_all: int, H: int, V: int) -> int:
-    """GEMM FLOPs over the vocabulary that `impl` executes (2*rows*H*V per GEMM), token-level IS as benchmarked:
-    - gfpo projects the scored tokens only: 1 GEMM forward-only, 3 with gradients (projection and the two gradient
-      GEMMs, all in the forward; sequence-level IS would add a second projection sweep: 4).
-    - trl (its chunked fused head) projects the scored tokens: 1 GEMM forward, and its backward recomputes the
-      projection before the two gradient GEMMs: 4.
-    - liger runs every token, padding included; its forward always takes the input gradient through a recomputing
-      log-prob backward (3 GEMMs even when nothing requires grad), and the weight gradient adds one: 4.
-    - eager: full logits of every token: 1 GEMM forward, 2 more backward."""
-    gemms, rows = {
-        "gfpo": ((1, 3), n_scored),
-        "trl": ((1, 4), n_scored),
-        "liger": ((3, 4), n_all),
-        "eager": ((1, 3), n_all),
-    }[impl]
-    return gemms[backward] * 2 * rows * H * V
 
 
 def _ids(sizes):

@@ -26,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
 from gfpo_kernels.loss_types import LOSS_SPECS
 
 from ._compat import PROMPT_COMPLETION_KEYS, ROW_KEYS, TOKEN_MEAN_METRICS, TRLSurfaceError
+from .batch import GenerationBatch, ShuffleReplay
 
 logger = logging.getLogger(__name__)
 
@@ -90,37 +92,61 @@ def _dropout_in_the_way(trainer) -> bool:
     (GPT-2, LoRA's lora_dropout) loses the skip unless the user turns it on."""
     if not dropout_active(trainer.model):
         return False
-    if not getattr(trainer, "_gfpo_warned_dropout", False):
-        trainer._gfpo_warned_dropout = True
-        logger.warning("gfpo: skip_zero_gradient_rows is not applied while dropout is active in the policy (a "
-                       "shorter batch would draw other dropout masks, changing the update); every row is trained. "
-                       "disable_dropout=True turns nn.Dropout off, and with it this fallback, where the model has no "
-                       "inline attention dropout")
+    trainer._warn_once("dropout", "gfpo: skip_zero_gradient_rows is not applied while dropout is active in the "
+                       "policy (a shorter batch would draw other dropout masks, changing the update); every row is "
+                       "trained. disable_dropout=True turns nn.Dropout off, and with it this fallback, where the "
+                       "model has no inline attention dropout")
     return True
 
 
-def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: torch.Tensor, skip_zero: bool) -> int:
-    """Replaces the per-row tensors of `output` (this process's rows) by this process's share of the rows to train
-    (the kept rows of the global batch, less those of advantage 0 when `skip_zero`), padded, with their weights and
-    the generation batch's token count; returns how many of them are real (not padding)."""
-    P, rank = trainer.accelerator.num_processes, trainer.accelerator.process_index
-    spg = trainer.args.steps_per_generation
+@dataclass
+class TrainedRows:
+    """Which rows of the global batch this process trains: `rows`, global indices, the first `n_real` real and the
+    rest padding (copies of a kept row). Every process holds `share` rows, an equal, steps_per_generation-divisible
+    share of the `trained` rows (the `kept` ones, less those of advantage 0 where skipped)."""
+
+    rows: torch.Tensor
+    n_real: int
+    share: int
+    kept: int
+    trained: int
+    unskipped_share: int  # the share had no row been skipped
+
+    @property
+    def skipped_fraction(self) -> float:
+        return 1.0 - self.trained / max(self.kept, 1)
+
+
+def plan_trained_rows(keep: torch.Tensor, advantages: torch.Tensor, skip_zero: bool, num_processes: int,
+                      process_index: int, steps_per_generation: int) -> TrainedRows:
+    """The rows process `process_index` of `num_processes` trains: the kept rows (`keep`, the global batch's), less
+    those of advantage exactly 0 when `skip_zero`, divided evenly in global order, padded to the share."""
+    kept = keep.nonzero().squeeze(1)
+    trained = kept[advantages[kept] != 0] if skip_zero else kept
+    share = _share_per_process(trained.numel(), num_processes, steps_per_generation)
+    mine = trained[process_index * share : (process_index + 1) * share]
+    # padding rows copy a kept row (a valid forward) and are masked out by take_trained_rows
+    rows = torch.cat([mine, kept[:1].expand(share - mine.numel())])
+    return TrainedRows(rows=rows, n_real=mine.numel(), share=share, kept=kept.numel(), trained=trained.numel(),
+                       unskipped_share=_share_per_process(kept.numel(), num_processes, steps_per_generation))
+
+
+def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: torch.Tensor, plan: TrainedRows) -> None:
+    """Replaces the per-row tensors of `output` (TRL's dict of this process's rows) by the rows of `plan`, their
+    padding masked out (completion mask 0, advantage 0, vLLM ratio 1), with their loss weights, and with the
+    generation batch's token count over the `keep` rows; `advantages` are the global batch's."""
+    P = trainer.accelerator.num_processes
     # TRL's token normaliser, over every kept row (skipped ones included) of every process
     loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
     row_tokens = trainer.accelerator.gather(loss_mask.sum(dim=1))
-    kept = keep.nonzero().squeeze(1)
-    trained = kept[advantages[kept] != 0] if skip_zero else kept
-    share = _share_per_process(trained.numel(), P, spg)
-    mine = trained[rank * share : (rank + 1) * share]
-    n_real = mine.numel()
-    # padding rows copy a kept row (a valid forward) and are masked out below
-    rows = torch.cat([mine, kept[:1].expand(share - n_real)])
-    # every process holds the global advantages already; the other row tensors are exchanged
+    rows = plan.rows
+    # every process holds the global advantages already; the other row tensors are exchanged, with one plan
     output["advantages"] = advantages[rows]
     row_keys = [k for k in output if k in ROW_KEYS and k != "advantages" and isinstance(output[k], torch.Tensor)]
+    exchange = RowExchangePlan(rows, output["completion_ids"].size(0)) if P > 1 and row_keys else None
     for key in row_keys:
-        output[key] = take_global_rows(trainer, key, output[key], rows)
-    real = torch.arange(share, device=rows.device) < n_real
+        output[key] = take_global_rows(trainer, key, output[key], rows, exchange)
+    real = torch.arange(plan.share, device=rows.device) < plan.n_real
     output["completion_mask"] = output["completion_mask"] * real.unsqueeze(1).to(output["completion_mask"].dtype)
     output["advantages"] = torch.where(real, output["advantages"], 0.0)
     if "importance_sampling_ratio" in output:
@@ -129,25 +155,24 @@ def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: tor
         is_ratio = output["importance_sampling_ratio"]
         output["importance_sampling_ratio"] = torch.where(real.view(-1, *[1] * (is_ratio.dim() - 1)), is_ratio, 1.0)
     output[REAL_ROW_KEY] = real
-    weight = P * share / max(kept.numel(), 1) if trainer.loss_type in PER_SEQUENCE_LOSSES else 1.0
+    weight = P * plan.share / max(plan.kept, 1) if trainer.loss_type in PER_SEQUENCE_LOSSES else 1.0
     output[ROW_WEIGHT_KEY] = real.float() * weight
-    output["num_items_in_batch"] = row_tokens[kept].sum()
-    if skip_zero:
-        trainer._metrics["train"]["gfpo/skipped_zero_gradient_fraction"].append(
-            1.0 - trained.numel() / max(kept.numel(), 1)
-        )
-        unskipped_share = _share_per_process(kept.numel(), P, spg)
-        if unskipped_share != share:
-            # TRL's shuffle draws a permutation of this process's rows from the CPU generator, and a shorter one
-            # leaves another state: the next generation would sample differently than with the skip off.
-            # restore_shuffle_rng puts back the state the unskipped batch's shuffle leaves, once it has checked that
-            # TRL drew exactly the one permutation of `share` rows (a TRL that draws otherwise is an error there).
-            trainer._gfpo_rng_after_shuffle = (torch.get_rng_state(), rng_state_after_shuffle(share),
-                                               rng_state_after_shuffle(unskipped_share))
+    output["num_items_in_batch"] = row_tokens[keep].sum()
     # less work in the old/reference passes and the loss, and the batch no longer depends on how long the dropped
     # completions ran (see gfpo_stop_dropped_generations); compute_loss crops each micro-batch further
     output.update(crop_to_longest_completion(trainer, output))
-    return n_real
+
+
+def shuffle_replay_after_skipping(plan: TrainedRows) -> ShuffleReplay | None:
+    """Where skipped rows shorten the batch: TRL's shuffle draws a permutation of this process's rows from the CPU
+    generator, and a shorter one leaves another state, so the next generation would sample differently than with the
+    skip off. The states restore_shuffle_rng needs to put back the one the unskipped batch's shuffle leaves, after
+    checking that TRL drew exactly the one permutation of the trained rows (a TRL that draws otherwise is an error
+    there). Called as the batch is handed to TRL."""
+    if plan.unskipped_share == plan.share:
+        return None
+    return ShuffleReplay(handed_over=torch.get_rng_state(), after_trained_shuffle=rng_state_after_shuffle(plan.share),
+                         after_unskipped_shuffle=rng_state_after_shuffle(plan.unskipped_share))
 
 
 def crop_to_longest_completion(trainer, batch: dict) -> dict:
@@ -198,23 +223,22 @@ def rng_state_after_shuffle(num_rows: int) -> torch.Tensor:
     return after
 
 
-def restore_shuffle_rng(trainer) -> None:
-    """Called before the loss of a batch: after a batch with skipped rows, the CPU random state becomes the one an
-    unskipped batch's shuffle leaves, so every later draw is what it would be with the skip off. The state found must
-    be the one TRL's shuffle of the trained rows leaves (one torch.randperm of their number, from the state the batch
-    was handed over in), or that state itself (the loss called on the batch directly, outside TRL's training step:
-    nothing was drawn, nothing to replay). Anything else means TRL draws otherwise now, and replaying would silently
-    repeat or skip random numbers."""
-    states = getattr(trainer, "_gfpo_rng_after_shuffle", None)
-    if states is None:
+def restore_shuffle_rng(batch: GenerationBatch | None) -> None:
+    """Called before the loss of a batch: after a batch with skipped rows (its shuffle_replay), the CPU random state
+    becomes the one an unskipped batch's shuffle leaves, so every later draw is what it would be with the skip off.
+    The state found must be the one TRL's shuffle of the trained rows leaves (one torch.randperm of their number, from
+    the state the batch was handed over in), or that state itself (the loss called on the batch directly, outside
+    TRL's training step: nothing was drawn, nothing to replay). Anything else means TRL draws otherwise now, and
+    replaying would silently repeat or skip random numbers."""
+    replay = None if batch is None else batch.shuffle_replay
+    if replay is None:
         return
-    trainer._gfpo_rng_after_shuffle = None
-    handed_over, expected, unskipped = states
+    batch.shuffle_replay = None
     current = torch.get_rng_state()
-    if torch.equal(current, expected):  # (first: a permutation of 0 or 1 rows may draw nothing)
-        torch.set_rng_state(unskipped)
+    if torch.equal(current, replay.after_trained_shuffle):  # (first: a permutation of 0 or 1 rows may draw nothing)
+        torch.set_rng_state(replay.after_unskipped_shuffle)
         return
-    if not torch.equal(current, handed_over):
+    if not torch.equal(current, replay.handed_over):
         raise TRLSurfaceError(
             "GRPOTrainer's CPU random draws between a generation batch and its first loss are no longer one "
             "torch.randperm over the batch's rows (trl.trainer.utils.shuffle_sequence_dict), which "
@@ -228,19 +252,19 @@ def row_padding(trainer, key: str) -> tuple:
     return (trainer._tokenizer.pad_token_id if pad_value is None else pad_value), pad_left
 
 
-def take_global_rows(trainer, key: str, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def take_global_rows(trainer, key: str, tensor: torch.Tensor, rows: torch.Tensor,
+                     exchange: RowExchangePlan | None = None) -> torch.Tensor:
     """tensor's rows at global indices `rows` (local rows of every process, in process order).
 
     Only the requested rows travel (an all-to-all), so a process receives its own rows, not the global batch;
-    tensors of different widths are padded to the widest process's width first (on the left for prompts)."""
+    tensors of different widths are padded to the widest process's width first (on the left for prompts).
+    `exchange`: the plan for `rows` (built here when not given), shared by every tensor of a batch."""
     if trainer.accelerator.num_processes == 1:
         return tensor[rows]
+    if exchange is None:
+        exchange = RowExchangePlan(rows, tensor.size(0))
     pad_value, pad_left = row_padding(trainer, key)
-    plan = getattr(trainer, "_gfpo_row_exchange_plan", None)
-    if plan is None or plan.rows is not rows:  # `rows` is the same object for every key of one batch
-        plan = RowExchangePlan(rows, tensor.size(0))
-        trainer._gfpo_row_exchange_plan = plan
-    return plan.exchange(tensor, pad_value, pad_left)
+    return exchange.exchange(tensor, pad_value, pad_left)
 
 
 class RowExchangePlan:

@@ -18,15 +18,15 @@ import gfpo_kernels
 from gfpo_kernels import reference as gfpo_reference
 
 from ._compat import TRLSurfaceError, batch_metric_names
+from .batch import GenerationBatch, Selection
 
 logger = logging.getLogger(__name__)
 
 
-def select(trainer, rewards_per_func, completions, completion_ids_list, model_token_counts=None) -> dict:
-    """Kept mask and advantages of the global batch (every process computes the same).
-
-    `model_token_counts`: this process's completion lengths in model tokens (tool-output tokens excluded, from
-    TRL's tool mask); None counts every completion token."""
+def select(trainer, batch: GenerationBatch, rewards_per_func, completions, completion_ids_list) -> Selection:
+    """Kept mask and advantages of the global batch (every process computes the same), from this process's rows
+    and what `batch` knows of them: their tool masks (the length filters count the model's tokens only) and the rows
+    the early-stop rule cut."""
     G = trainer.num_generations
     args = trainer.args
     device = rewards_per_func.device
@@ -38,12 +38,11 @@ def select(trainer, rewards_per_func, completions, completion_ids_list, model_to
     # (nan_to_num). Here the row is unscorable like a NaN one, and its whole group gets advantage 0 below.
     infinite = torch.isinf(rewards)
     rewards[infinite] = torch.nan
-    counts = [len(ids) for ids in completion_ids_list] if model_token_counts is None else model_token_counts
+    counts = batch.model_token_counts() or [len(ids) for ids in completion_ids_list]
     # TRL's test of a clipped completion: it does not end in EOS or padding
     ends = {*trainer.eos_token_ids, trainer._tokenizer.pad_token_id}
     truncated = [float(ids[-1] not in ends) for ids in completion_ids_list]
-    stopped = trainer._stopped_rows  # rows the early-stop rule ended this batch (None: the rule did not run)
-    stopped = [0.0] * len(counts) if stopped is None else stopped.float().tolist()
+    stopped = [0.0] * len(counts) if batch.stopped_rows is None else batch.stopped_rows.float().tolist()
     local = torch.tensor([counts, truncated, stopped], device=device, dtype=torch.float32).T  # (rows, 3): one gather
     lengths, truncated, stopped = trainer.accelerator.gather(local.contiguous()).unbind(dim=1)
     if lengths.numel() != rewards.numel():
@@ -70,12 +69,11 @@ def select(trainer, rewards_per_func, completions, completion_ids_list, model_to
     ops = gfpo_kernels if args.use_gfpo_kernels else gfpo_reference
     keep, advantages = ops.gfpo_filter_advantages(rewards, scores, G, k, largest=largest, scale=trainer.scale_rewards)
     if infinite.any():
-        if not getattr(trainer, "_gfpo_warned_infinite_reward", False):
-            logger.warning("gfpo: a reward was infinite; its group gets advantage 0 (as in TRL), so it trains nothing")
-            trainer._gfpo_warned_infinite_reward = True
+        trainer._warn_once("infinite reward", "gfpo: a reward was infinite; its group gets advantage 0 (as in TRL), "
+                           "so it trains nothing")
         advantages = advantages.masked_fill(infinite.view(-1, G).any(dim=1).repeat_interleave(G), 0.0)
-    return {"keep": keep, "advantages": advantages, "lengths": lengths, "truncated": truncated.bool(),
-            "rewards": rewards, "rewards_per_func": rewards_per_func, "k": k, "quartile": quartile}
+    return Selection(keep=keep, advantages=advantages, lengths=lengths, truncated=truncated.bool(), rewards=rewards,
+                     rewards_per_func=rewards_per_func, k=k, quartile=quartile)
 
 
 def _token_efficiency_rank(rewards: torch.Tensor, lengths: torch.Tensor, G: int) -> torch.Tensor:
@@ -154,12 +152,12 @@ def _check_scores(scores, num_groups: int, G: int) -> torch.Tensor:
     return scores
 
 
-def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.Tensor | None) -> None:
+def log_selection(trainer, selection: Selection, stopped: torch.Tensor | None) -> None:
     """GFPO's selection metrics: kept fraction, kept vs dropped lengths, the rewards of the kept rows (TRL's reward
     metrics cover every completion, but with the length filter: log_trl_metrics_of_kept_rows), the per-quartile k
     when adaptive."""
     metrics = trainer._metrics["train"]
-    lengths = selection["lengths"]
+    keep, lengths = selection.keep, selection.lengths
     metrics["gfpo/kept_fraction"].append(keep.float().mean().item())
     # the completion tokens generated for this batch (every process's; early-stopped ones as far as they ran, which
     # on a vLLM server is as far as the trainer received them: the server may run a cut stream a token or so on
@@ -175,7 +173,7 @@ def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.T
         metrics["gfpo/dropped_completion_length_truncated"].append(dropped_length)
         metrics["gfpo/stopped_early_fraction"].append(stopped.float().mean().item())
     # as TRL's reward, reward_std and frac_reward_zero_std, over the kept rows: the statistics the advantages used
-    kept_rewards = torch.where(keep, selection["rewards"].float(), torch.nan)
+    kept_rewards = torch.where(keep, selection.rewards.float(), torch.nan)
     group_std = nanstd(kept_rewards.view(-1, trainer.num_generations), dim=1)
     zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
     kept_per_group = keep.view(-1, trainer.num_generations).sum(dim=1)
@@ -184,8 +182,8 @@ def log_selection(trainer, selection: dict, keep: torch.Tensor, stopped: torch.T
     metrics["gfpo/kept_frac_reward_zero_std"].append(
         ((zero_std * kept_per_group).sum() / kept_per_group.sum().clamp(min=1)).item()
     )
-    if selection["quartile"] is not None:
-        quartile, k = selection["quartile"], selection["k"]
+    if selection.quartile is not None:
+        quartile, k = selection.quartile, selection.k
         for q, k_q in enumerate(trainer.args.adaptive_num_remains):
             metrics[f"gfpo/k_quartile_{q}"].append(float(k_q))
             metrics[f"gfpo/groups_quartile_{q}"].append((quartile == q).float().mean().item())
@@ -198,14 +196,15 @@ def logged_metric_counts(trainer) -> dict[str, int]:
     return {name: len(metrics.get(name, ())) for name in batch_metric_names(trainer)}
 
 
-def log_trl_metrics_of_kept_rows(trainer, selection: dict, keep: torch.Tensor, counts_before: dict[str, int]) -> None:
+def log_trl_metrics_of_kept_rows(trainer, selection: Selection, counts_before: dict[str, int]) -> None:
     """With the length filter, TRL's per-batch reward and completion metrics (batch_metric_names) describe the kept
     rows: the early-stop rule cuts the other completions short, so over every completion they would report the
     lengths and rewards of cut text (and no truncation where there was some), and differ with the rule on and off.
     The kept rows all ended on their own (or ran to max_completion_length) and are the same completions with the rule
     on or off. The values are computed as GRPOTrainer computes them, and replace the ones it logged for this batch."""
+    keep = selection.keep
     device = keep.device
-    lengths, truncated = selection["lengths"][keep], selection["truncated"][keep]
+    lengths, truncated = selection.lengths[keep], selection.truncated[keep]
     terminated = lengths[~truncated]
     if terminated.numel() == 0:  # TRL logs 0 when no completion ended
         terminated = torch.zeros(1, device=device)
@@ -215,7 +214,7 @@ def log_trl_metrics_of_kept_rows(trainer, selection: dict, keep: torch.Tensor, c
         "completions/mean_terminated_length": terminated.mean(), "completions/min_terminated_length": terminated.min(),
         "completions/max_terminated_length": terminated.max(),
     }
-    per_func = selection["rewards_per_func"]
+    per_func = selection.rewards_per_func
     for i, name in enumerate(trainer.reward_func_names):
         values[f"rewards/{name}/mean"] = torch.nanmean(per_func[keep, i])
         values[f"rewards/{name}/std"] = nanstd(per_func[keep, i])

@@ -2,7 +2,8 @@
 
 This module is the list of TRL hooks; each delegates to a module of its own: selection.py (scores, k, the kernel
 call), rows.py (exchange across processes, padding, row weights), fused_head.py (the model adapter of the fused
-loss), early_stop.py, adaptive.py; TRL differences live in _compat.py.
+loss), early_stop.py, vllm_stop.py, vllm_server.py, adaptive.py; TRL differences live in _compat.py. What the hooks
+learn about a generation batch lives in one GenerationBatch (batch.py), made by _generate_and_score_completions.
 
 How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 1. `_calculate_rewards` (wrapped): once the rewards of the global batch are known, score every completion
@@ -43,12 +44,13 @@ from ._compat import (
     check_vllm_server_generation, check_vllm_version, keep_model_forward_under_liger, tool_mask_of
 )
 from .adaptive import AdaptiveDifficulty
+from .batch import GenerationBatch
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
 from .rows import (
-    crop_to_longest_completion, no_metrics_from_padding_only, restore_shuffle_rng, take_trained_rows, weight_loss,
-    zero_gradient_skip_applies
+    crop_to_longest_completion, no_metrics_from_padding_only, plan_trained_rows, restore_shuffle_rng,
+    shuffle_replay_after_skipping, take_trained_rows, weight_loss, zero_gradient_skip_applies
 )
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
@@ -135,13 +137,11 @@ class GFPOTrainer(GRPOTrainer):
             self._server_stop_unavailable = self._probe_server_streaming()
         self.group_filter_func = group_filter_func
         self.adaptive_difficulty = AdaptiveDifficulty(args.adaptive_num_remains) if args.adaptive_difficulty else None
-        self._gfpo_selection = None  # set by _calculate_rewards, consumed by _generate_and_score_completions
-        self._deferring = False
-        self._deferred: list[tuple[torch.Tensor, object, int | None]] = []
+        # the generation batch being built or trained (made by _generate_and_score_completions; None before)
+        self._gfpo_batch: GenerationBatch | None = None
+        self._gfpo_aux_loss = None  # a micro-batch's router auxiliary loss, from TRL's log-prob pass of its loss
+        self._gfpo_warned: set[str] = set()  # the one-time warnings given (_warn_once)
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
-        self._stopped_rows: torch.Tensor | None = None  # local rows the early-stop rule ended, this batch
-        self._tool_mask: list | None = None  # this batch's tool masks (0 = tool-output token), from _generate
-        self._warned_no_early_stop = False
         if args.use_gfpo_kernels:
             install_fused_loss_forward(self.model.get_base_model() if _is_peft_model(self.model) else self.model,
                                        cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False))
@@ -155,30 +155,34 @@ class GFPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         save_gfpo_state(self, trial)
 
+    def _warn_once(self, key: str, message: str) -> None:
+        """Logs `message` as a warning the first time `key` is given, and never again for this trainer."""
+        if key not in self._gfpo_warned:
+            self._gfpo_warned.add(key)
+            logger.warning(message)
+
     # ------------------------------------------------------------------ selection
     def _filtering(self) -> bool:
         return self.args.num_remains_in_group is not None and self.model.training
 
     def _generate(self, prompts):
         result = super()._generate(prompts)
-        self._tool_mask = tool_mask_of(result)  # the filters count the model's tokens, not tool output
+        self._gfpo_batch.tool_mask = tool_mask_of(result)  # the filters count the model's tokens, not tool output
         return result
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self._filtering():
-            model_tokens = None if self._tool_mask is None else [sum(mask) for mask in self._tool_mask]
-            self._gfpo_selection = select(self, rewards_per_func, completions, completion_ids_list, model_tokens)
+        batch = self._gfpo_batch
+        if batch.filtering:
+            batch.selection = select(self, batch, rewards_per_func, completions, completion_ids_list)
         return rewards_per_func
 
     # ------------------------------------------------------------------ deferred log-prob passes
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
         extra = {k: v for k, v in kwargs.items() if v is not None and v is not False}
-        if self._deferring and not extra:
+        if self._gfpo_batch is not None and self._gfpo_batch.deferring and not extra:
             # A no-grad scoring pass (old policy or reference model): run it later, on the kept rows only.
-            placeholder = torch.zeros(input_ids.size(0), logits_to_keep, device=input_ids.device)
-            self._deferred.append((placeholder, model, batch_size))
-            return placeholder, None, None
+            return self._gfpo_batch.defer(model, input_ids, logits_to_keep, batch_size), None, None
         result = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
         )
@@ -231,10 +235,8 @@ class GFPOTrainer(GRPOTrainer):
         )
         if unsupported is None:
             return True
-        if not self._warned_no_early_stop:
-            logger.warning(f"gfpo_stop_dropped_generations is not applied with {unsupported}: every completion "
-                           "is generated to its end, as in GRPO")
-            self._warned_no_early_stop = True
+        self._warn_once("no early stop", f"gfpo_stop_dropped_generations is not applied with {unsupported}: every "
+                        "completion is generated to its end, as in GRPO")
         return False
 
     def _generate_single_turn_stopping(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
@@ -265,7 +267,7 @@ class GFPOTrainer(GRPOTrainer):
             raise TRLSurfaceError("GRPOTrainer._generate_single_turn did not generate with "
                                   "accelerator.unwrap_model(trainer.model).generate, where GFPO's early-stop rule "
                                   "(gfpo_stop_dropped_generations) is installed")
-        self._stopped_rows = stopper.stopped.to(self.accelerator.device)
+        self._gfpo_batch.stopped_rows = stopper.stopped.to(self.accelerator.device)
         return result
 
     def _generate_single_turn_vllm(self, seed, prompt_ids, images, multimodal_fields, num_generations,
@@ -306,7 +308,8 @@ class GFPOTrainer(GRPOTrainer):
                                   "not run")
         local = slice(rank_in_tp * n_local, (rank_in_tp + 1) * n_local)
         if stop:
-            self._stopped_rows = torch.tensor(plan.stopped[local], dtype=torch.bool, device=self.accelerator.device)
+            self._gfpo_batch.stopped_rows = torch.tensor(plan.stopped[local], dtype=torch.bool,
+                                                         device=self.accelerator.device)
         self._metrics["train"]["gfpo/vllm_engine_steps"].append(float(plan.engine_steps))
         return result
 
@@ -366,8 +369,8 @@ class GFPOTrainer(GRPOTrainer):
         if stopped is not None:
             n_local = len(prompt_ids)
             first = self.accelerator.process_index * n_local
-            self._stopped_rows = torch.tensor(stopped[first : first + n_local], dtype=torch.bool,
-                                              device=self.accelerator.device)
+            self._gfpo_batch.stopped_rows = torch.tensor(stopped[first : first + n_local], dtype=torch.bool,
+                                                         device=self.accelerator.device)
         return result
 
     # ------------------------------------------------------------------ filtering the generated batch
@@ -375,8 +378,8 @@ class GFPOTrainer(GRPOTrainer):
         filtering = self._filtering()
         # rows of advantage 0 leave the batch (plain GRPO too) when that changes neither loss nor gradients
         skip_zero = self.model.training and zero_gradient_skip_applies(self)
-        self._gfpo_selection, self._deferred, self._stopped_rows, self._tool_mask = None, [], None, None
-        self._deferring = (filtering or skip_zero) and self._can_defer()
+        batch = self._gfpo_batch = GenerationBatch(filtering=filtering, skip_zero=skip_zero)
+        batch.deferring = (filtering or skip_zero) and self._can_defer()
         metric_counts = logged_metric_counts(self) if filtering else None  # before TRL logs this batch
         # the completions table's advantages: TRL logs its GRPO advantages of every row into this deque; with a filter
         # they are replaced by GFPO's, so TRL writes this batch's into an empty one first (to count them)
@@ -386,57 +389,55 @@ class GFPOTrainer(GRPOTrainer):
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
-            self._deferring = False
+            batch.deferring = False
             trl_advantages, self._logs["advantages"] = self._logs["advantages"], logged_advantages
         if not (filtering or skip_zero):
             return output
-        if filtering and self._gfpo_selection is None:
+        selection = batch.selection
+        if filtering and selection is None:
             raise TRLSurfaceError("GRPOTrainer._generate_and_score_completions did not call _calculate_rewards")
-        selection, self._gfpo_selection = self._gfpo_selection, None
-        if filtering and len(trl_advantages) != selection["keep"].numel():
+        if filtering and len(trl_advantages) != selection.keep.numel():
             raise TRLSurfaceError(f"GRPOTrainer logged {len(trl_advantages)} advantages for a generation batch of "
-                                  f"{selection['keep'].numel()} completions; GFPO replaces them by its own")
-        return self._filter_output(output, selection, skip_zero, metric_counts)
+                                  f"{selection.keep.numel()} completions; GFPO replaces them by its own")
+        return self._filter_output(output, batch, metric_counts)
 
-    def _filter_output(self, output: dict, selection: dict | None, skip_zero: bool,
-                       metric_counts: dict | None = None) -> dict:
-        """The batch of the rows to train (selection None: no filter, every row with TRL's advantages).
-        `metric_counts`: how many values TRL's per-batch metrics held before this batch (with a selection)."""
+    def _filter_output(self, output: dict, batch: GenerationBatch, metric_counts: dict | None = None) -> dict:
+        """The batch of the rows to train (without a selection: every row with TRL's advantages, less the skipped
+        ones). `metric_counts`: how many values TRL's per-batch metrics held before this batch (with a selection)."""
         n_local = output["prompt_ids"].size(0)
-        deferred = {}
-        for key, value in list(output.items()):
-            for placeholder, model, batch_size in self._deferred:
-                if value is placeholder:
-                    deferred[key] = (model, batch_size)
-                    del output[key]
-        if len(deferred) != len(self._deferred):
-            raise TRLSurfaceError("a deferred log-prob pass of GRPOTrainer did not end up in its output dict")
+        deferred = batch.take_deferred(output)
         check_output(output, n_local)
         P = self.accelerator.num_processes
+        selection = batch.selection
         if selection is None:
             advantages = self.accelerator.gather(output["advantages"])
             keep = torch.ones_like(advantages, dtype=torch.bool)
         else:
-            keep, advantages = selection["keep"], selection["advantages"]
+            keep, advantages = selection.keep, selection.advantages
         if keep.numel() != n_local * P:
             raise TRLSurfaceError(f"the global batch holds {keep.numel()} rows, {P} processes x {n_local} were expected")
 
-        n_real = take_trained_rows(self, output, keep, advantages, skip_zero)
-        for key, (model, batch_size) in deferred.items():
-            output[key] = self._deferred_logps(model, batch_size, output, n_real)
+        plan = plan_trained_rows(keep, advantages, batch.skip_zero, P, self.accelerator.process_index,
+                                 self.args.steps_per_generation)
+        take_trained_rows(self, output, keep, advantages, plan)
+        if batch.skip_zero:
+            self._metrics["train"]["gfpo/skipped_zero_gradient_fraction"].append(plan.skipped_fraction)
+            batch.shuffle_replay = shuffle_replay_after_skipping(plan)
+        for key, deferred_pass in deferred.items():
+            output[key] = self._deferred_logps(deferred_pass.model, deferred_pass.batch_size, output, plan.n_real)
         if selection is None:
             return output
         stopped = None
-        if self._stopped_rows is not None:
-            stopped = self.accelerator.gather(self._stopped_rows)
+        if batch.stopped_rows is not None:
+            stopped = self.accelerator.gather(batch.stopped_rows)
             if (stopped & keep).any():  # the rule's promise; a failure here is a bug, never a silent wrong batch
                 raise RuntimeError("gfpo: a completion stopped early by gfpo_stop_dropped_generations was kept")
-        log_selection(self, selection, keep, stopped)
+        log_selection(self, selection, stopped)
         if self.args.group_filter == "length":  # whether or not the early-stop rule is on: the same rows either way
-            log_trl_metrics_of_kept_rows(self, selection, keep, metric_counts)
+            log_trl_metrics_of_kept_rows(self, selection, metric_counts)
         # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (in place of TRL's GRPO
         # advantages of every row, which _generate_and_score_completions counted and set aside)
-        self._logs["advantages"].extend(selection["advantages"].tolist())
+        self._logs["advantages"].extend(selection.advantages.tolist())
         return output
 
     def _forwards_in_lockstep(self) -> bool:
@@ -466,12 +467,16 @@ class GFPOTrainer(GRPOTrainer):
         return logps
 
     # ------------------------------------------------------------------ loss
+    def _crop_micro_batch(self, inputs: dict) -> dict:
+        """TRL pads every micro-batch to the generation batch's longest completion: this one's padding does no work
+        (rows.crop_to_longest_completion)."""
+        return crop_to_longest_completion(self, inputs)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        restore_shuffle_rng(self)  # after skipped rows, later draws as with the skip off (see rows.py)
+        restore_shuffle_rng(self._gfpo_batch)  # after skipped rows, later draws as with the skip off (see rows.py)
         if return_outputs:
             raise ValueError("The GFPOTrainer does not support returning outputs")
-        # TRL pads every micro-batch to the generation batch's longest completion: this one's padding does no work
-        inputs = crop_to_longest_completion(self, inputs)
+        inputs = self._crop_micro_batch(inputs)
         with no_metrics_from_padding_only(self, inputs):
             if self.args.use_gfpo_kernels:
                 loss, aux_term = fused_compute_loss(self, model, inputs)

@@ -65,7 +65,7 @@ def main(out_dir, model_dir, url):
     output = trainer._generate_and_score_completions(local)
     real, mask = output["gfpo_real_row"], output["completion_mask"].bool()
     result = dict(
-        local_ids=seen["ids"], all_ids=gather_object(seen["ids"]), stopped=trainer._stopped_rows.tolist(),
+        local_ids=seen["ids"], all_ids=gather_object(seen["ids"]), stopped=trainer._gfpo_batch.stopped_rows.tolist(),
         main_stopped=RecordingGeneration.made[-1].stopped if rank == 0 else None,
         kept=[output["completion_ids"][i][mask[i]].tolist() for i in range(real.numel()) if real[i]],
     )

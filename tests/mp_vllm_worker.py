@@ -43,8 +43,8 @@ def run(out_dir, model_dir, stop):
     def spy(inputs, prompts, completions, completion_ids_list):
         out = original(inputs, prompts, completions, completion_ids_list)
         seen["ids"] = gather_object([list(x) for x in completion_ids_list])
-        seen["stopped"] = gather_object(trainer._stopped_rows.tolist() if trainer._stopped_rows is not None
-                                        else [False] * len(completion_ids_list))
+        stopped = trainer._gfpo_batch.stopped_rows
+        seen["stopped"] = gather_object(stopped.tolist() if stopped is not None else [False] * len(completion_ids_list))
         seen["rewards"] = out.sum(dim=1).tolist()
         return out
 

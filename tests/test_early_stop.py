@@ -71,18 +71,19 @@ def test_length_filter_ranks_a_stopped_completion_below_a_finished_one_of_its_le
     and 3 tokens; by length alone, ties to the lower index, row 0 would be kept."""
     from types import SimpleNamespace
 
+    from gfpo_trainer.batch import GenerationBatch
     from gfpo_trainer.selection import select
 
     pad = 0
     trainer = SimpleNamespace(
         num_generations=4, args=SimpleNamespace(group_filter="length", num_remains_in_group=2, use_gfpo_kernels=False),
         reward_weights=torch.ones(1), accelerator=SimpleNamespace(gather=lambda tensor: tensor), eos_token_ids=[EOS],
-        _tokenizer=SimpleNamespace(pad_token_id=pad), adaptive_difficulty=None, scale_rewards="group",
-        _stopped_rows=torch.tensor([True, True, False, False]))
+        _tokenizer=SimpleNamespace(pad_token_id=pad), adaptive_difficulty=None, scale_rewards="group")
+    batch = GenerationBatch(filtering=True, skip_zero=False, stopped_rows=torch.tensor([True, True, False, False]))
     ids = [[3, 3, 3, 3, pad], [3, 3, 3, 3, 4], [3, 3, 3, 3, EOS], [3, 3, EOS]]
-    selection = select(trainer, torch.tensor([[0.0], [1.0], [1.0], [0.0]]), ["x"] * 4, ids)
-    assert selection["keep"].tolist() == [False, False, True, True]
-    assert selection["lengths"].tolist() == [5, 5, 5, 3]  # the metrics see the lengths as generated
+    selection = select(trainer, batch, torch.tensor([[0.0], [1.0], [1.0], [0.0]]), ["x"] * 4, ids)
+    assert selection.keep.tolist() == [False, False, True, True]
+    assert selection.lengths.tolist() == [5, 5, 5, 3]  # the metrics see the lengths as generated
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,9 @@ def test_row_weights_equal_an_even_split(P, kept_rows, spg, loss_type, monkeypat
     weight_of_row = {}
     global_rows = {"completion_mask": completion_mask, "completion_ids": torch.arange(N * 4).view(N, 4)}
     # the row exchange between processes (tested on real processes in test_row_exchange.py): the global rows
-    monkeypatch.setattr(rows, "take_global_rows", lambda trainer, key, tensor, wanted: global_rows[key][wanted])
+    monkeypatch.setattr(rows, "RowExchangePlan", lambda wanted, num_local_rows: None)
+    monkeypatch.setattr(rows, "take_global_rows",
+                        lambda trainer, key, tensor, wanted, exchange: global_rows[key][wanted])
     for rank in range(P):
         trainer = types.SimpleNamespace(
             accelerator=_FakeAccelerator(P, rank, {"mask": completion_mask, "tokens": completion_mask.sum(1),
@@ -57,7 +59,8 @@ def test_row_weights_equal_an_even_split(P, kept_rows, spg, loss_type, monkeypat
         )
         local = slice(rank * 8, (rank + 1) * 8)
         output = {"completion_mask": completion_mask[local], "completion_ids": torch.arange(N * 4).view(N, 4)[local]}
-        rows.take_trained_rows(trainer, output, keep, advantages, skip_zero=False)
+        plan = rows.plan_trained_rows(keep, advantages, False, P, rank, spg)
+        rows.take_trained_rows(trainer, output, keep, advantages, plan)
         B = output["completion_ids"].shape[0] // spg  # rows per micro-batch
         for i, row in enumerate((output["completion_ids"][:, 0] // 4).tolist()):
             if output[rows.REAL_ROW_KEY][i]:
@@ -78,7 +81,7 @@ def test_trained_rows_keep_two_columns_when_every_completion_is_one_token(monkey
     completion_mask[:, 0] = 1  # every completion is one token (an EOS)
     ids = torch.arange(40).view(8, 5)
     global_rows = {"completion_mask": completion_mask, "completion_ids": ids}
-    monkeypatch.setattr(rows, "take_global_rows", lambda trainer, key, tensor, wanted: global_rows[key][wanted])
+    monkeypatch.setattr(rows, "take_global_rows", lambda trainer, key, tensor, wanted, exchange: global_rows[key][wanted])
     trainer = types.SimpleNamespace(
         accelerator=_FakeAccelerator(1, 0, {"mask": completion_mask, "tokens": completion_mask.sum(1), "ids": ids}),
         args=types.SimpleNamespace(steps_per_generation=2), loss_type="dapo", _metrics={"train": {}},
@@ -86,7 +89,8 @@ def test_trained_rows_keep_two_columns_when_every_completion_is_one_token(monkey
     )
     keep = torch.tensor([True, True, True, False] * 2)
     output = {"completion_mask": completion_mask, "completion_ids": ids}
-    rows.take_trained_rows(trainer, output, keep, torch.where(keep, 1.0, 0.0), skip_zero=False)
+    advantages = torch.where(keep, 1.0, 0.0)
+    rows.take_trained_rows(trainer, output, keep, advantages, rows.plan_trained_rows(keep, advantages, False, 1, 0, 2))
     assert output["completion_ids"].shape == output["completion_mask"].shape == (6, 2)
     assert output["completion_mask"][:, 1].sum() == 0 and output["completion_mask"][:, 0].tolist() == [1] * 6
     # generated one token wide (max_completion_length=1, or the early-stop rule ending every group at its first
@@ -96,7 +100,8 @@ def test_trained_rows_keep_two_columns_when_every_completion_is_one_token(monkey
     trainer.accelerator = _FakeAccelerator(1, 0, {"mask": narrow_mask, "tokens": narrow_mask.sum(1), "ids": narrow_ids})
     trainer._tokenizer.pad_token_id = 99
     output = {"completion_mask": narrow_mask, "completion_ids": narrow_ids}
-    rows.take_trained_rows(trainer, output, keep, torch.where(keep, 1.0, 0.0), skip_zero=False)
+    advantages = torch.where(keep, 1.0, 0.0)
+    rows.take_trained_rows(trainer, output, keep, advantages, rows.plan_trained_rows(keep, advantages, False, 1, 0, 2))
     assert output["completion_ids"].shape == output["completion_mask"].shape == (6, 2)
     assert output["completion_ids"][:, 1].tolist() == [99] * 6 and output["completion_mask"][:, 1].sum() == 0
 

@@ -27,6 +27,7 @@ from gfpo_kernels import reference as ref  # noqa: E402
 from gfpo_trainer import GFPOTrainer, selection  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError, tool_mask_of  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
+from gfpo_trainer.batch import GenerationBatch  # noqa: E402
 
 
 def test_k_of_one_is_refused(tmp_path):
@@ -203,10 +204,11 @@ def test_length_filters_count_model_tokens_only(model_dir, tokenizer, tmp_path):
     tool_masks[6] = [1] + [0] * (len(completion_ids[6]) - 1)  # and row 6 has a single model token
     model_tokens = [sum(m) for m in tool_masks]
     rewards_per_func = torch.ones(G, 1)
-    picked = selection.select(trainer, rewards_per_func, ["x"] * G, completion_ids, model_tokens)
-    assert picked["lengths"].tolist() == [float(n) for n in model_tokens]
+    batch = GenerationBatch(filtering=True, skip_zero=False, tool_mask=tool_masks)
+    picked = selection.select(trainer, batch, rewards_per_func, ["x"] * G, completion_ids)
+    assert picked.lengths.tolist() == [float(n) for n in model_tokens]
     # the 3 shortest by model tokens: row 6 (1 token), then rows 0 and 1 (2 tokens, lower index first)
-    assert picked["keep"].nonzero().squeeze(1).tolist() == [0, 1, 6]
+    assert picked.keep.nonzero().squeeze(1).tolist() == [0, 1, 6]
 
 
 def test_tool_mask_is_read_from_generate_output():

@@ -203,14 +203,16 @@ def test_cuts_only_what_the_filter_drops(server):
             assert on["logprob_token_ids"][i] == off["logprob_token_ids"][i][: len(ids)]
         else:
             assert ids == full and on["logprobs"][i] == off["logprobs"][i]
-    # the length filter keeps the same rows of each group
-    lengths_on = torch.tensor([len(x) for x in on["completion_ids"]], dtype=torch.float32)
+    # the length filter keeps the same rows of each group (a cut row ranked one token longer than it holds, as
+    # gfpo_trainer/selection.py ranks it)
+    lengths_on = torch.tensor([len(x) + cut for x, cut in zip(on["completion_ids"], on_run.stopped)],
+                              dtype=torch.float32)
     lengths_off = torch.tensor([len(x) for x in off["completion_ids"]], dtype=torch.float32)
     assert torch.equal(ref.group_topk_mask(lengths_on, G, K, largest=False),
                        ref.group_topk_mask(lengths_off, G, K, largest=False))
     # what the trainer received, and what the server computed (a cut stream can run a token or so past its cut
     # before the server sees the client leave; never to its end)
-    received_on, received_off = sum(lengths_on.tolist()), sum(lengths_off.tolist())
+    received_on, received_off = sum(map(len, on["completion_ids"])), sum(lengths_off.tolist())
     assert off_tokens == received_off
     assert received_on <= on_tokens < received_off
     print(f"\ntokens: rule off {received_off:.0f} generated; rule on {received_on:.0f} received, {on_tokens:.0f} "
@@ -306,7 +308,7 @@ def rule_on_and_off(server, tmp_path_factory):
         server_tokens = generated_on_server(server) - before
         loss = trainer.compute_loss(trainer.model, output)
         results[stop] = SimpleNamespace(output=output, seen=seen, loss=loss, metrics=trainer._metrics["train"],
-                                        stopped=trainer._stopped_rows, server_tokens=server_tokens)
+                                        stopped=trainer._gfpo_batch.stopped_rows, server_tokens=server_tokens)
         del trainer
     return results[False], results[True]
 
@@ -351,17 +353,20 @@ def test_kept_rows_identical_with_rule_on_and_off(rule_on_and_off, no_nccl_weigh
 
 
 def test_server_path_trains_what_the_hf_path_trains(server, tmp_path, monkeypatch):
-    """The completions the server sampled with the rule on (cut ones included), given to a GFPOTrainer that
-    generates with HF generate instead: the same batch to train (rows, advantages, masks) and the same loss. (No
-    importance sampling: HF generate has no sampling log-probabilities.)"""
+    """The completions the server sampled with the rule on (cut ones included, and marked cut: the filter ranks a
+    cut row one token longer than it holds), given to a GFPOTrainer that generates with HF generate instead: the
+    same batch to train (rows, advantages, masks) and the same loss. (No importance sampling: HF generate has no
+    sampling log-probabilities.)"""
     trainer = make_trainer(server, tmp_path / "server", vllm_importance_sampling_correction=False)
     server_output, seen = scored_batch(trainer)
     server_loss = trainer.compute_loss(trainer.model, server_output)
-    assert trainer._stopped_rows.any()
+    stopped = trainer._gfpo_batch.stopped_rows.clone()
+    assert stopped.any()
     del trainer
 
     def replay(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         assert len(prompt_ids) == len(seen["ids"])
+        self._gfpo_batch.stopped_rows = stopped
         return [list(ids) for ids in seen["ids"]], None
 
     monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", replay)
@@ -382,7 +387,7 @@ def test_server_that_does_not_stream(non_streaming_server, rule_on_and_off, tmp_
         output, seen = scored_batch(trainer)
     warnings = [r.getMessage() for r in caplog.records if "gfpo_stop_dropped_generations" in r.getMessage()]
     assert len(warnings) == 1 and "does not stream" in warnings[0] and non_streaming_server.url in warnings[0]
-    assert trainer._stopped_rows is None and "gfpo/stopped_early_fraction" not in trainer._metrics["train"]
+    assert trainer._gfpo_batch.stopped_rows is None and "gfpo/stopped_early_fraction" not in trainer._metrics["train"]
     assert seen["ids"] == off.seen["ids"]
     for key in ("completion_ids", "completion_mask", "advantages", "sampling_per_token_logps"):
         assert torch.equal(output[key], off.output[key]), key
@@ -401,7 +406,7 @@ def test_neither_seeds_nor_rule_is_trls_own_request(server, tmp_path, monkeypatc
 
     monkeypatch.setattr(VLLMClient, "generate", spy)
     output, seen = scored_batch(trainer)
-    assert calls == [(2, G)] and len(seen["ids"]) == 2 * G and trainer._stopped_rows is None
+    assert calls == [(2, G)] and len(seen["ids"]) == 2 * G and trainer._gfpo_batch.stopped_rows is None
 
 
 def test_trl_not_calling_the_client_is_an_error(server, tmp_path, monkeypatch):
@@ -451,7 +456,7 @@ def test_two_processes_stopped_rows_reach_every_process(server, tmp_path):
     for i, cut in enumerate(stopped):
         if cut:
             assert len(all_ids[i]) >= _kth_shortest_finished(all_ids, stopped, i // G)
-    lengths = torch.tensor([len(ids) for ids in all_ids], dtype=torch.float32)
+    lengths = torch.tensor([len(ids) + cut for ids, cut in zip(all_ids, stopped)], dtype=torch.float32)  # as ranked
     keep = ref.group_topk_mask(lengths, G, K, largest=False)
     assert not any(cut and kept for cut, kept in zip(stopped, keep.tolist()))
     assert ranks[0]["kept"] + ranks[1]["kept"] == [all_ids[i] for i in keep.nonzero().squeeze(1).tolist()]
