@@ -45,8 +45,8 @@ def correctness_reward(prompts, completions, **kwargs) -> list[float]:
 
 @dataclasses.dataclass
 class DemoSettings:
-    """Sizes of one demo run. On 2 CPU cores shared with other jobs, a run took 4 to 7 minutes at the default sizes
-    and 1 to 7 minutes with `quick()`, depending on the load (docs/demo.md)."""
+    """Sizes of one demo run: the default, `quick()` (a smaller model and task) and `smoke()` (for tests). Run
+    times by machine and load: docs/demo.md."""
 
     max_operand: int = 50
     warmup_steps: int = 2000
