@@ -3,7 +3,8 @@
 # carries the newest; TRL is pure Python and the oldest release accepts the same transformers, accelerate and
 # torch, so only TRL itself is installed apart, into a folder (.venv-trl-oldest, git-ignored) that is put ahead of
 # .venv's site-packages: no second torch, no second build of the extension. Safe under PIP_NO_CACHE_DIR.
-# Usage: scripts/test_oldest_trl.sh [pytest args]   (GFPO_OLDEST_TRL overrides the version)
+# Usage: scripts/test_oldest_trl.sh [--setup-only | pytest args]
+#   (--setup-only: install that TRL when missing, and stop; GFPO_OLDEST_TRL overrides the version)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST_TRL="${GFPO_OLDEST_TRL:-1.14.2}"
@@ -12,6 +13,9 @@ PY=.venv/bin/python
 if ! PYTHONPATH="$TARGET" "$PY" -c "import trl, sys; sys.exit(trl.__version__ != '$OLDEST_TRL')" 2>/dev/null; then
   rm -rf "$TARGET"
   "$PY" -m pip install -q --no-deps --target "$TARGET" "trl==$OLDEST_TRL"
+fi
+if [ "${1:-}" = --setup-only ]; then
+  exit 0
 fi
 export PYTHONPATH="$PWD/$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 # the dependencies TRL declares must hold with what .venv has (pip check of the shadowing release)

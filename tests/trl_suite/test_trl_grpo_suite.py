@@ -7,6 +7,7 @@ the reason, where TRL's tests cannot be obtained (see the script's docstring for
 
 import importlib.util
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,19 @@ def trl_tests_dir():
     return tests_dir
 
 
-@pytest.mark.parametrize("mode", suite.GFPO_MODES)
-def test_trl_grpo_tests_pass_or_are_refused(trl_tests_dir, mode):
+@pytest.fixture(scope="module")
+def mode_runs(trl_tests_dir):
+    """Every mode's run of TRL's tests, started at once (each a pytest process that keeps about one core busy: on
+    2 cores the two modes take the time of one); {mode: future of run_mode's result}."""
     subset = os.environ.get("GFPO_TRL_SUITE", "ci")
-    records, _ = suite.run_mode(trl_tests_dir, mode, subset)
+    with ThreadPoolExecutor(max_workers=len(suite.GFPO_MODES)) as pool:
+        yield {mode: pool.submit(suite.run_mode, trl_tests_dir, mode, subset) for mode in suite.GFPO_MODES}
+
+
+@pytest.mark.parametrize("mode", suite.GFPO_MODES)
+def test_trl_grpo_tests_pass_or_are_refused(trl_tests_dir, mode_runs, mode):
+    subset = os.environ.get("GFPO_TRL_SUITE", "ci")
+    records, _ = mode_runs[mode].result()
     # a failure of TRL's test is allowed only as GFPO's documented refusal (a ValueError of gfpo_trainer/), or
     # where TRL's own trainer fails it too (TRL tests of another release than the installed one)
     failed = [test for test, r in records.items() if suite.classify(r, None) == "FAIL"]
