@@ -44,10 +44,8 @@ fi
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade "pip>=23.1"
-# --no-compile here and below: Python compiles each module the first time it is imported, instead of pip compiling
-# the thousands of files of torch and transformers that nothing here imports (a minute of CPU on 2 cores)
 python -c "import torch" 2>/dev/null ||
-  python -m pip install --no-compile ${GFPO_TORCH_INDEX_URL:+--index-url "$GFPO_TORCH_INDEX_URL"} torch==2.13.0
+  python -m pip install ${GFPO_TORCH_INDEX_URL:+--index-url "$GFPO_TORCH_INDEX_URL"} torch==2.13.0
 # numpy (a dependency anyway) before the build, which imports torch: torch warns "Failed to initialize NumPy" without it
 python -m pip install -q "setuptools>=77" numpy
 
@@ -64,5 +62,5 @@ fi
 
 # 3. the dependencies of the package and of the extras, read from the metadata just installed
 python scripts/requirements.py "$EXTRAS" >.venv/gfpo-requirements.txt
-python -m pip install --no-compile -r .venv/gfpo-requirements.txt
+python -m pip install -r .venv/gfpo-requirements.txt
 setup_stamp >"$SETUP_STAMP"
