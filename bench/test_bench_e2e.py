@@ -52,24 +52,32 @@ def template():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("arm", CASES)
-def test_e2e_step(benchmark, template, tmp_path, arm):
-    tokenizer, model = template
-    size = SIZES[SIZE]
-    benchmark.group = f"e2e step {SIZE}"
-    driver = StepDriver(make_trainer(arm, SIZE, copy.deepcopy(model), tokenizer, str(tmp_path)))
+def _benchmark_steps(benchmark, group: str, arm: str, size_name: str, model, tokenizer, tmp_path) -> StepDriver:
+    """Times ROUNDS training steps of `arm` (after one warm-up step) on a copy of `model`, puts their summary into
+    the benchmark's extra_info, and returns the driver with its records (its trainer released)."""
+    size = SIZES[size_name]
+    benchmark.group = f"{group} {size_name}"
+    driver = StepDriver(make_trainer(arm, size_name, copy.deepcopy(model), tokenizer, str(tmp_path)))
     try:
         benchmark.pedantic(driver.step, rounds=ROUNDS, warmup_rounds=1)
     finally:
         driver.close()
     warmup = len(driver.records) - ROUNDS if not benchmark.disabled else 0
     info = summary(driver, warmup, size.max_completion_length)
-    benchmark.extra_info.update(info, size=SIZE, eos_offset=eos_offset(size), warmup_rounds=warmup, interleaved=False)
-    record = driver.records[-1]
+    benchmark.extra_info.update(info, size=size_name, eos_offset=eos_offset(size), warmup_rounds=warmup,
+                                interleaved=False)
     driver.trainer = None
     gc.collect()
     if ON_GPU:
         torch.cuda.empty_cache()
+    return driver
+
+
+@pytest.mark.parametrize("arm", CASES)
+def test_e2e_step(benchmark, template, tmp_path, arm):
+    tokenizer, model = template
+    size = SIZES[SIZE]
+    record = _benchmark_steps(benchmark, "e2e step", arm, SIZE, model, tokenizer, tmp_path).records[-1]
 
     # the counts mean what they say (CI runs this at one step per arm)
     base = arm.partition("/")[0]
@@ -108,19 +116,8 @@ def vllm_template(tmp_path_factory):
 def test_e2e_step_vllm(benchmark, vllm_template, tmp_path, arm):
     tokenizer, model = vllm_template
     size = SIZES[VLLM_SIZE]
-    benchmark.group = f"e2e step vllm {VLLM_SIZE}"
-    driver = StepDriver(make_trainer(arm, VLLM_SIZE, copy.deepcopy(model), tokenizer, str(tmp_path)))
-    try:
-        benchmark.pedantic(driver.step, rounds=ROUNDS, warmup_rounds=1)
-    finally:
-        driver.close()
-    warmup = len(driver.records) - ROUNDS if not benchmark.disabled else 0
-    info = summary(driver, warmup, size.max_completion_length)
-    benchmark.extra_info.update(info, size=VLLM_SIZE, eos_offset=eos_offset(size), warmup_rounds=warmup,
-                                interleaved=False)
+    driver = _benchmark_steps(benchmark, "e2e step vllm", arm, VLLM_SIZE, model, tokenizer, tmp_path)
     record, lengths, stopped = driver.records[-1], driver.lengths[-1], driver.stopped[-1]
-    driver.trainer = None
-    gc.collect()
 
     # the counts mean what they say (the vLLM CI step runs this at one step per arm)
     spec = VLLM_ARMS[arm]

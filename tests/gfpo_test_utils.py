@@ -131,3 +131,10 @@ def peak_memory(fn, device) -> int:
         current += size
         peak = max(peak, current)
     return peak
+
+
+def kept_rows(output: dict) -> list[list[int]]:
+    """The completions of a GFPO batch's real rows (padding rows left out), each cut to its completion mask."""
+    real = output["gfpo_real_row"]
+    ids, mask = output["completion_ids"][real], output["completion_mask"][real].bool()
+    return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]

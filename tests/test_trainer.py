@@ -15,6 +15,7 @@ from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError, check_output, check_trl_surfaces  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
+from gfpo_test_utils import kept_rows  # noqa: E402
 
 PROMPTS = ["1+2=", "3*4=", "5-1=", "9+9=", "2*3=", "7-4=", "8+1=", "6*2="]
 
@@ -85,10 +86,7 @@ def scored_batch(trainer, seed=0):
 
 
 def real_rows(output):
-    real = output["gfpo_real_row"]
-    ids = output["completion_ids"][real]
-    mask = output["completion_mask"][real].bool()
-    return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])], output["advantages"][real]
+    return kept_rows(output), output["advantages"][output["gfpo_real_row"]]
 
 
 # --------------------------------------------------------------------------- config and construction

@@ -31,6 +31,7 @@ from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 from gfpo_trainer.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tokenizer  # noqa: E402
 from gfpo_trainer.vllm_cpu import keep_linear_weights  # noqa: E402
+from gfpo_test_utils import kept_rows  # noqa: E402
 from gfpo_trainer.vllm_stop import VLLMGroupGeneration, VLLMSurfaceError, check_vllm_surfaces, request_seeds  # noqa: E402
 
 G, K = 16, 4
@@ -87,12 +88,6 @@ def scored_batch(trainer, seed=7):
     torch.manual_seed(seed)
     output = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(G)])
     return output, seen
-
-
-def kept_rows(output):
-    real = output["gfpo_real_row"]
-    ids, mask = output["completion_ids"][real], output["completion_mask"][real].bool()
-    return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
 
 
 # --------------------------------------------------------------------------- the engine loop on a bare engine

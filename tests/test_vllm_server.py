@@ -38,7 +38,7 @@ from trl import GRPOTrainer  # noqa: E402
 from trl.generation.vllm_client import VLLMClient  # noqa: E402
 
 from gfpo_kernels import reference as ref  # noqa: E402
-from gfpo_test_utils import launch_cpu_workers, subprocess_env  # noqa: E402
+from gfpo_test_utils import kept_rows, launch_cpu_workers, subprocess_env  # noqa: E402
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError, check_vllm_server_generation  # noqa: E402
 from gfpo_trainer.tiny import make_tokenizer  # noqa: E402
@@ -287,12 +287,6 @@ def scored_batch(trainer, seed=7):
     torch.manual_seed(seed)
     output = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(G)])
     return output, seen
-
-
-def kept_rows(output):
-    real = output["gfpo_real_row"]
-    ids, mask = output["completion_ids"][real], output["completion_mask"][real].bool()
-    return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
 
 
 @pytest.fixture(scope="module")
