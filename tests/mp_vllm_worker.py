@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 
-from gfpo_test_utils import end_worker_process
+from gfpo_test_utils import end_worker_process, run_vllm_engines_eagerly
 from gfpo_trainer import GFPOConfig, GFPOTrainer
 from gfpo_trainer.tiny import make_tokenizer
 from gfpo_trainer.vllm_cpu import keep_linear_weights
@@ -66,7 +66,8 @@ def run(out_dir, model_dir, stop):
 
 def main(out_dir, model_dir):
     keep_linear_weights()
-    results = {"off": run(out_dir, model_dir, stop=False), "on": run(out_dir, model_dir, stop=True)}
+    with run_vllm_engines_eagerly():  # as in tests/test_vllm.py
+        results = {"off": run(out_dir, model_dir, stop=False), "on": run(out_dir, model_dir, stop=True)}
     with open(os.path.join(out_dir, f"rank{results['on']['rank']}.json"), "w") as f:
         json.dump(results, f)
 

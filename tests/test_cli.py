@@ -345,28 +345,28 @@ def test_warnings_of_a_good_config_are_still_shown(monkeypatch, tmp_path):
         assert main(["train", "--config", str(config_file)]) == 0 and trained == [True]
 
 
-def test_config_errors_are_one_line_and_exit_2(model_dir, dataset_file, tmp_path):
+# (in this process: what the whole process prints, library warnings included, and its exit status are checked by
+# test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn, which starts the CLI as a user does)
+def test_config_errors_are_one_line_and_exit_2(model_dir, dataset_file, tmp_path, capsys):
     config = _config(model_dir, dataset_file, tmp_path, args={"num_remains_in_group": 1, "group_filter": "length"})
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "train", "--config", str(config_file)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 2
-    assert "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert main(["train", "--config", str(config_file)]) == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert errors == [errors[0]] and "num_remains_in_group=1" in errors[0]
 
 
 @pytest.mark.parametrize("args", [["output_dir", "out"], "out"])
-def test_config_errors_in_args_are_one_line(tmp_path, args):
+def test_config_errors_in_args_are_one_line(tmp_path, args, capsys):
     """A wrong `args` is an `error:` line with exit status 2 like every other config mistake, not a traceback."""
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(dict(model=str(tmp_path), dataset="x.jsonl", reward_funcs=["m:f"],
                                                args=args)))
-    done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "train", "--config", str(config_file)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == f"error: args must be a mapping of GFPOConfig fields (field: value), got {args!r}"
+    assert main(["train", "--config", str(config_file)]) == 2
+    assert capsys.readouterr().err.strip() == \
+        f"error: args must be a mapping of GFPOConfig fields (field: value), got {args!r}"
 
 
 def _run_setup_script(tmp_path, has_torch: bool, index_url: str | None) -> list[str]:

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +87,17 @@ def test_report_without_trl_says_vllm_was_not_checked(monkeypatch):
     real_version = env_report._version
     monkeypatch.setattr(env_report, "_version", lambda name: "not installed" if name == "trl" else real_version(name))
     assert _vllm_line() == "vllm: not checked (the check needs TRL, which is not installed)"
+
+
+def test_the_vllm_ci_step_fails_where_vllm_does_not_import(tmp_path):
+    """scripts/test_vllm_cpu.sh sets GFPO_REQUIRE_VLLM=1: a vLLM that fails to import must fail that run (exit 4,
+    naming the error), where the vLLM tests would otherwise all be skipped and the step pass."""
+    (tmp_path / "vllm.py").write_text("raise ImportError('this vLLM is broken')\n")
+    env = subprocess_env(GFPO_REQUIRE_VLLM="1")
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                           "tests/test_env_report.py"], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
+    assert ("GFPO_REQUIRE_VLLM=1, but the vLLM tests cannot run here: ImportError('this vLLM is broken')"
+            in done.stderr)

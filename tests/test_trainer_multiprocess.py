@@ -1,5 +1,6 @@
 """Two CPU processes (torchrun, gloo): groups straddle processes; every process must run equal micro-batches
-holding exactly the global top-k rows, and training must not hang."""
+holding exactly the global top-k rows, and training must not hang. The scenarios the selected tests read run in one
+launch of the worker (the `runs` fixture): each test marks the scenarios it reads."""
 
 import json
 
@@ -14,11 +15,27 @@ from gfpo_kernels import reference as ref  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
 
-def _launch(tmp_path, model_dir, use_kernels, stop_dropped, name, *extra):
-    out_dir = tmp_path / name
-    out_dir.mkdir()
-    launch_cpu_workers("mp_gfpo_worker.py", 2, out_dir, model_dir, use_kernels, stop_dropped, *extra)
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
+# what the worker runs (tests/mp_gfpo_worker.py): name -> use_gfpo_kernels, gfpo_stop_dropped_generations, variant
+SCENARIOS = {
+    "plain": ("0", "0", "none"),
+    "kernels": ("1", "0", "none"),
+    "stop": ("0", "1", "none"),
+    "random_filter": ("0", "0", "random_filter"),
+    "skip_on": ("0", "0", "skip_on"),
+    "skip_off": ("0", "0", "skip_off"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, warm_model_dir):
+    """Every scenario that the selected tests of this module read (their `scenarios` marks), run in one launch of
+    two processes; scenario name -> the two processes' results."""
+    wanted = sorted({name for item in request.session.items if item.module is request.module
+                     for mark in item.iter_markers("scenarios") for name in mark.args})
+    out_dir = tmp_path_factory.mktemp("multiprocess")
+    specs = [":".join((name, *SCENARIOS[name])) for name in wanted]
+    launch_cpu_workers("mp_gfpo_worker.py", 2, out_dir, warm_model_dir, *specs, timeout=900)
+    return {name: [json.loads((out_dir / name / f"rank{r}.json").read_text()) for r in range(2)] for name in wanted}
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +71,17 @@ def _check_global_top_k(results):
     assert [r["logp_rows"] for r in results] == [5, 4]
 
 
-@pytest.mark.parametrize("use_kernels", ["0", "1"])
-def test_two_processes_straddling_groups(tmp_path, warm_model_dir, use_kernels):
-    _check_global_top_k(_launch(tmp_path, warm_model_dir, use_kernels, "0", "out"))
+@pytest.mark.parametrize("scenario", [pytest.param(name, marks=pytest.mark.scenarios(name))
+                                      for name in ("plain", "kernels")])
+def test_two_processes_straddling_groups(runs, scenario):
+    _check_global_top_k(runs[scenario])
 
 
-def test_early_stop_changes_nothing_across_processes(tmp_path, warm_model_dir):
+@pytest.mark.scenarios("plain", "stop")
+def test_early_stop_changes_nothing_across_processes(runs):
     """Groups straddle the two processes; the rule (on by default with the length filter) stops dropped
     completions early, and the kept rows, advantages, reference log-probs and training losses are identical."""
-    off = _launch(tmp_path, warm_model_dir, "0", "0", "off")
-    on = _launch(tmp_path, warm_model_dir, "0", "1", "on")
+    off, on = runs["plain"], runs["stop"]
     _check_global_top_k(on)
     for a, b in zip(on, off):
         for key in ("rows", "advantages", "ref_logps", "losses"):
@@ -79,10 +97,11 @@ def test_early_stop_changes_nothing_across_processes(tmp_path, warm_model_dir):
     assert on[0]["trl_metrics"]["completions/mean_length"] == pytest.approx(lengths[keep].mean().item())
 
 
-def test_non_deterministic_filter_func_gives_one_selection(tmp_path, warm_model_dir):
+@pytest.mark.scenarios("random_filter")
+def test_non_deterministic_filter_func_gives_one_selection(runs):
     """group_filter_func draws different random scores on each process; it is called on the main process only and
     its scores are shared, so together the processes train exactly the top-k of those scores."""
-    results = _launch(tmp_path, warm_model_dir, "0", "0", "random", "random_filter")
+    results = runs["random_filter"]
     assert len(results[0]["filter_scores"]) == 1 and results[1]["filter_scores"] == []
     scores = torch.tensor(results[0]["filter_scores"][0]).flatten()
     keep = ref.group_topk_mask(scores, 8, 3)
@@ -91,12 +110,12 @@ def test_non_deterministic_filter_func_gives_one_selection(tmp_path, warm_model_
     assert results[0]["train_steps"] == results[1]["train_steps"] == 2
 
 
-def test_skipping_zero_gradient_rows_across_processes(tmp_path, warm_model_dir):
+@pytest.mark.scenarios("skip_on", "skip_off")
+def test_skipping_zero_gradient_rows_across_processes(runs):
     """Two processes, a zero-variance group straddling them: skipping its rows trains the same parameters (each
     process's gradient is weighted against the global row count, so DDP's average is unchanged). One generation
     batch: a later one samples differently, since TRL's shuffle draws a permutation of the rows it was given."""
-    on = _launch(tmp_path, warm_model_dir, "0", "0", "skip_on", "skip_on")
-    off = _launch(tmp_path, warm_model_dir, "0", "0", "skip_off", "skip_off")
+    on, off = runs["skip_on"], runs["skip_off"]
     assert on[0]["skipped"][0] > 0 and off[0]["skipped"] == [None]
     assert on[0]["num_rows"] < off[0]["num_rows"]
     for a, b in zip(on, off):

