@@ -141,7 +141,6 @@ def kept_rows(output: dict) -> list[list[int]]:
     return [ids[i][mask[i]].tolist() for i in range(ids.shape[0])]
 
 
-
 @contextlib.contextmanager
 def run_vllm_engines_eagerly():
     """vLLM engines built inside it get `enforce_eager=True` where their caller does not say (TRL's colocate mode
