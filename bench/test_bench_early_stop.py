@@ -12,7 +12,8 @@ from datasets import Dataset  # noqa: E402
 
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer.batch import GenerationBatch  # noqa: E402
-from gfpo_trainer.demo import DemoSettings, correctness_reward, warm_up  # noqa: E402
+from gfpo_trainer.demo import correctness_reward  # noqa: E402
+from gfpo_trainer.tiny import warm_up_on_pair_sums  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
 from bench_utils import ON_GPU, sync  # noqa: E402
@@ -23,10 +24,10 @@ PROMPTS = [f"{a}+{b}=" for a in range(10) for b in range(10)]
 @pytest.fixture(scope="module")
 def warm_model(tmp_path_factory):
     tokenizer = make_tokenizer()
-    settings = DemoSettings(warmup_steps=300 if ON_GPU else 150, max_operand=10, hidden_size=64)
     device = "cuda" if ON_GPU else "cpu"
     model = make_tiny_model(tokenizer, hidden_size=64).to(device)
-    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)], settings, device)
+    warm_up_on_pair_sums(model, tokenizer, [(a, b) for a in range(10) for b in range(10)], 300 if ON_GPU else 150,
+                         device)
     path = tmp_path_factory.mktemp("warm")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

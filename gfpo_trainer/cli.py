@@ -254,14 +254,49 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
+def _demo(options) -> int:
+    from .demo import ARMS, DEMO_ARMS, STUDY_ARMS, DemoSettings, run_demo, run_study
+
+    if options.arms == "list":
+        for name, arm in ARMS.items():
+            print(f"{name}: {arm}")
+        return 0
+    arms = DEMO_ARMS if options.seeds is None else STUDY_ARMS
+    if options.arms is not None:
+        arms = tuple(a.strip() for a in options.arms.split(",") if a.strip())
+        unknown = [a for a in arms if a not in ARMS]
+        if unknown or not arms:
+            print(f"error: --arms={options.arms!r}: unknown arm {', '.join(map(repr, unknown)) or '(none given)'}; "
+                  f"choices: {', '.join(ARMS)}", file=sys.stderr)
+            return 2
+    if options.seeds is not None and options.seeds < 2:
+        print(f"error: --seeds={options.seeds}: the study needs at least 2 seeds for its intervals (leave --seeds out "
+              "for one run)", file=sys.stderr)
+        return 2
+    settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
+    common = dict(use_kernels=not options.no_kernels, verbose=options.verbose, arms=arms)
+    if options.seeds is None:
+        run_demo(settings, output_dir=options.output_dir or "gfpo_demo_output", **common)
+    else:
+        run_study(settings, range(options.seeds), output_dir=options.output_dir or "gfpo_study_output", **common)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gfpo_trainer", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="GRPO vs GFPO on a synthetic task with a tiny model (no downloads)")
-    demo.add_argument("--quick", action="store_true",
-                      help="a smaller model and task (on 2 shared CPU cores: 1 to 7 minutes; the default 4 to 7)")
-    demo.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # seconds; for tests
-    demo.add_argument("--output-dir", default="gfpo_demo_output", help="where the plot, results and models go")
+    demo = commands.add_parser("demo", help="GRPO vs GFPO on a task where RL lengthens answers, with a tiny model "
+                               "(no downloads)")
+    sizes = demo.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="a smaller model, fewer steps (docs/demo.md: times)")
+    sizes.add_argument("--smoke", action="store_true",
+                       help="every stage at toy sizes, in seconds; the figures mean nothing (for tests)")
+    demo.add_argument("--seeds", type=int, default=None, metavar="N",
+                      help="the study: every arm of --arms on seeds 0..N-1 (N >= 2), with 95%% intervals over seeds")
+    demo.add_argument("--arms", default=None, help="comma-separated arms (default: grpo, shortest-8of16, "
+                      "token-efficiency-8of16; with --seeds every arm); `--arms list` prints them")
+    demo.add_argument("--output-dir", default=None,
+                      help="where the plot, results and models go (default gfpo_demo_output, gfpo_study_output)")
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
     demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
     train = commands.add_parser("train", help="train with GFPO from a YAML config")
@@ -270,7 +305,8 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     try:  # the commands need the trainer extra, which `pip install --no-build-isolation .` alone does not bring
         if options.command == "demo":
-            from .demo import DemoSettings, run_demo
+            from . import demo  # noqa: F401 (TRL, transformers, datasets: the runs import them)
+            from .trainer import GFPOTrainer  # noqa: F401
         else:
             from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)
     except ModuleNotFoundError as error:
@@ -280,9 +316,7 @@ def main(argv=None) -> int:
         return 2
 
     if options.command == "demo":
-        settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
-        run_demo(settings, output_dir=options.output_dir, use_kernels=not options.no_kernels, verbose=options.verbose)
-        return 0
+        return _demo(options)
 
     import yaml
 

@@ -1,14 +1,15 @@
-"""`python -m gfpo_trainer demo`: GRPO against GFPO on a synthetic task, from scratch, on CPU, without downloads.
+"""`python -m gfpo_trainer demo`: GRPO against GFPO where RL lengthens answers, from scratch, on CPU, no downloads.
 
-The task: "a+b=" -> the sum. A completion is correct when the last number in it is the sum, so an answer can be
-short (" 17") or padded with filler reasoning (" ok ok so 17"): room for length inflation. A tiny Qwen2-style
-model with a character tokenizer is warmed up by supervised training on both forms, then trained from the same
-weights, with the same seed and the same number of steps and prompts, by
-- GRPO (8 completions per prompt),
-- GFPO with the length filter (16 sampled, the 8 shortest trained on),
-- GFPO with the token-efficiency filter (16 sampled, the 8 with the most reward per token trained on).
-It prints accuracy (greedy, held-out prompts), mean completion length, length inflation against the warm-up
-model, generated tokens per second and wall time, and saves a plot of reward and completion length per step.
+The task (gfpo_trainer/sums_task.py): sums of 2 to 4 small numbers, answered at once (" 17") or step by step with
+filler words (" 3+5=8, hmm 8+9=17, so 17"). A tiny Qwen2-style model is warmed up (supervised) on both forms; the
+steps make it more accurate on longer sums, so RL rewarding correct answers lengthens its answers, as RL lengthens a
+verbose SFT model's reasoning. Each arm (ARMS) then trains from the same warm-up weights with the same prompts,
+steps and seed, and is evaluated on held-out prompts: accuracy and length of sampled answers, and the paper's excess
+length reduction ELR = (L_GRPO - L_arm) / (L_GRPO - L_warm-up).
+
+One seed (`demo`): GRPO, GFPO Shortest 8/16 and GFPO token efficiency 8/16, a table, a plot and a verdict in words.
+Several seeds (`demo --seeds N`): the study (STUDY_ARMS, the paper's Tables 1-2 arms), each figure with a 95%
+bootstrap interval over the seeds, the paired accuracy difference against GRPO, and the paper's figures beside them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import math
 import os
 import platform
 import random
-import re
 import subprocess
 import time
 import warnings
@@ -28,178 +28,95 @@ import warnings
 import torch
 from tqdm.auto import tqdm
 
+from .sums_task import SumsTask, correctness_reward, evaluate, signed_correctness_reward, warm_up
 from .tiny import make_tiny_model, make_tokenizer
 
-_NUMBER = re.compile(r"\d+")
+__all__ = ["ARMS", "DEMO_ARMS", "STUDY_ARMS", "Arm", "DemoSettings", "correctness_reward", "run_demo", "run_study"]
+
+REWARDS = {"correct": correctness_reward, "signed": signed_correctness_reward}
 
 
-def correctness_reward(prompts, completions, **kwargs) -> list[float]:
-    """1.0 when the last number of the completion is the sum asked for in the prompt ("a+b="), else 0.0."""
-    rewards = []
-    for prompt, completion in zip(prompts, completions, strict=True):
-        a, b = (int(x) for x in _NUMBER.findall(prompt)[:2])
-        numbers = _NUMBER.findall(completion)
-        rewards.append(1.0 if numbers and int(numbers[-1]) == a + b else 0.0)
-    return rewards
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One trained configuration.
+
+    Args:
+        name: its label in tables, plots and output folders.
+        num_generations: G, completions sampled per prompt.
+        num_remains_in_group: k, completions kept per group (None: GRPO).
+        group_filter: GFPOConfig.group_filter.
+        adaptive_num_remains: k per difficulty quartile, hardest first (adaptive difficulty); None: fixed k.
+        reward: "correct" (1 right, 0 wrong) or "signed" (1 right, -1 wrong: the paper's range).
+        paper: the arm's key in the paper's tables (docs/demo/gfpo-paper-tables.json), None where it has none.
+    """
+
+    name: str
+    num_generations: int
+    num_remains_in_group: int | None = None
+    group_filter: str | None = None
+    adaptive_num_remains: tuple[int, ...] | None = None
+    reward: str = "correct"
+    paper: str | None = None
+
+    def config_fields(self) -> dict:
+        """The GFPOConfig fields this arm sets."""
+        fields = dict(num_generations=self.num_generations, num_remains_in_group=self.num_remains_in_group,
+                      group_filter=self.group_filter)
+        if self.adaptive_num_remains is not None:
+            fields.update(adaptive_difficulty=True, adaptive_num_remains=list(self.adaptive_num_remains))
+        return fields
+
+
+ARMS = {arm.name: arm for arm in (
+    Arm("grpo", 8, paper="GRPO"),
+    Arm("shortest-8of16", 16, 8, "length", paper="8/16"),
+    Arm("shortest-4of16", 16, 4, "length", paper="4/16"),
+    Arm("shortest-6of8", 8, 6, "length", paper="6/8"),  # the paper's control: filtering without sampling more
+    Arm("token-efficiency-8of16", 16, 8, "token_efficiency", paper="token_efficiency_8/16"),
+    Arm("token-efficiency-8of16-signed", 16, 8, "token_efficiency", reward="signed", paper="token_efficiency_8/16"),
+    # the paper's k per difficulty, easy to very hard 4, 6, 8, 8 (here hardest first)
+    Arm("adaptive-16", 16, 8, "length", adaptive_num_remains=(8, 8, 6, 4), paper="adaptive_16"),
+)}
+DEMO_ARMS = ("grpo", "shortest-8of16", "token-efficiency-8of16")
+STUDY_ARMS = tuple(ARMS)
 
 
 @dataclasses.dataclass
 class DemoSettings:
-    """Sizes of one demo run: the default, `quick()` (a smaller model and task) and `smoke()` (for tests). Run
-    times by machine and load: docs/demo.md."""
+    """Sizes of a run: the default, `quick()` (a smaller model, fewer steps) and `smoke()` (seconds: every stage
+    runs, the figures mean nothing; for tests). Times by machine and load: docs/demo.md."""
 
-    max_operand: int = 50
-    warmup_steps: int = 2000
+    task: SumsTask = SumsTask()
+    warmup_steps: int = 1500
     warmup_batch: int = 64
     rl_steps: int = 300
     prompts_per_step: int = 4
-    grpo_generations: int = 8
-    gfpo_generations: int = 16
-    gfpo_keep: int = 8
-    max_completion_length: int = 24
-    eval_prompts: int = 200
+    max_completion_length: int = 48
+    eval_prompts: int = 40  # held-out prompts per number of terms
+    eval_samples: int = 8  # sampled answers per held-out prompt at the end of a run
+    eval_temperature: float = 0.8  # the paper's evaluation temperature (training samples at 1.0)
+    eval_every: int = 50  # held-out length and accuracy during training, every this many steps (2 samples a prompt)
     hidden_size: int = 128
     num_layers: int = 4
     learning_rate: float = 1e-4
-    seed: int = 0
+    held_out_seed: int = 1234  # which prompts are held out: the same for every seed and arm
 
     @classmethod
     def quick(cls) -> DemoSettings:
-        return cls(max_operand=30, warmup_steps=800, rl_steps=200, eval_prompts=100, hidden_size=64, num_layers=2)
+        return cls(warmup_steps=800, rl_steps=200, hidden_size=64, num_layers=2)
 
     @classmethod
     def smoke(cls) -> DemoSettings:
-        """For tests: every stage runs, in seconds."""
-        return cls(warmup_steps=5, rl_steps=2, eval_prompts=4, prompts_per_step=1, gfpo_generations=4, gfpo_keep=2,
-                   grpo_generations=2, max_completion_length=8, hidden_size=32)
+        return cls(task=SumsTask(max_terms=3, max_term=5), warmup_steps=5, rl_steps=2, prompts_per_step=1,
+                   max_completion_length=8, eval_prompts=2, eval_samples=1, eval_every=1, hidden_size=32)
 
 
-def _split_prompts(settings: DemoSettings):
-    pairs = [(a, b) for a in range(settings.max_operand) for b in range(settings.max_operand)]
-    random.Random(settings.seed).shuffle(pairs)
-    n_eval = min(settings.eval_prompts, len(pairs) // 4)
-    return pairs[n_eval:], pairs[:n_eval]
-
-
-def _warmup_text(a: int, b: int, rng: random.Random) -> tuple[str, str]:
-    """Prompt and completion: half short answers, half padded with 1-3 filler words."""
-    filler = "" if rng.random() < 0.5 else " ok" * rng.randint(1, 3) + " so"
-    return f"{a}+{b}=", f"{filler} {a + b}"
-
-
-def warm_up(model, tokenizer, train_pairs, settings: DemoSettings, device) -> list[float]:
-    """Supervised warm-up on prompt -> completion + <eos> (loss on the completion only)."""
-    rng = random.Random(settings.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    losses = []
-    for _ in tqdm(range(settings.warmup_steps), desc="warm-up (supervised)"):
-        batch = [_warmup_text(*rng.choice(train_pairs), rng) for _ in range(settings.warmup_batch)]
-        ids, labels = [], []
-        for prompt, completion in batch:
-            p = tokenizer(prompt, add_special_tokens=False).input_ids
-            c = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-            ids.append(p + c)
-            labels.append([-100] * len(p) + c)
-        width = max(map(len, ids))
-        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids], device=device)
-        label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels], device=device)
-        attention = (torch.arange(width, device=device)[None, :] < torch.tensor([len(x) for x in ids], device=device)[:, None]).long()
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, pairs, settings: DemoSettings, device, desc: str) -> dict:
-    """Greedy completions of held-out prompts: accuracy and mean completion length (tokens, <eos> included)."""
-    model.eval()
-    prompts = [f"{a}+{b}=" for a, b in pairs]
-    correct, lengths = [], []
-    for start in tqdm(range(0, len(prompts), 32), desc=desc, leave=False):
-        chunk = prompts[start : start + 32]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        out = model.generate(**enc, max_new_tokens=settings.max_completion_length, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        completion_ids = out[:, enc.input_ids.shape[1] :]
-        for prompt, ids in zip(chunk, completion_ids.tolist(), strict=True):
-            if tokenizer.eos_token_id in ids:
-                ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
-            lengths.append(len(ids))
-            correct.append(correctness_reward([prompt], [tokenizer.decode(ids, skip_special_tokens=True)])[0])
-    return {"accuracy": sum(correct) / len(correct), "mean_length": sum(lengths) / len(lengths)}
-
-
-# The figures the demo's progress bar shows per run: (label, metric logged by the trainer, format). Add a line here
-# to show one more; a metric a run does not log is left out of its bar.
-PROGRESS_FIGURES = (
-    ("reward", "gfpo/kept_reward_mean", "{:.2f}"),
-    ("reward", "reward", "{:.2f}"),
-    ("kept len", "gfpo/kept_completion_length", "{:.1f}"),
-    ("len", "completions/mean_length", "{:.1f}"),
-    ("skipped", "gfpo/skipped_zero_gradient_fraction", "{:.0%}"),
-)
-
-
-def sampled_completion_length(log: dict) -> float:
-    """The mean length of every completion a step generated (cut short ones as generated). With the length filter
-    TRL's completions/mean_length describes the kept rows only; GFPO logs the kept and dropped means."""
-    if "gfpo/kept_fraction" not in log:
-        return log["completions/mean_length"]
-    kept = log["gfpo/kept_fraction"]
-    dropped = log.get("gfpo/dropped_completion_length", log.get("gfpo/dropped_completion_length_truncated"))
-    return kept * log["gfpo/kept_completion_length"] + (1 - kept) * dropped
-
-
-def _progress_callback(name: str, total_steps: int, tokens_per_step: int):
-    """A TrainerCallback drawing one compact tqdm bar for a run, in place of TRL's metrics dict at every step."""
-    from transformers import TrainerCallback
-
-    class DemoProgress(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=total_steps, desc=name, unit="step", dynamic_ncols=True)
-            self.start = time.perf_counter()
-            self.tokens = 0.0
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            logs = logs or {}
-            if "reward" not in logs:  # the end-of-training summary: keep the last step's figures
-                return
-            self.tokens += sampled_completion_length(logs) * tokens_per_step
-            figures, shown = {}, set()
-            for label, key, fmt in PROGRESS_FIGURES:
-                if key in logs and label not in shown:  # the first metric of a label that the run logs
-                    figures[label] = fmt.format(logs[key])
-                    shown.add(label)
-            figures["tok/s"] = f"{self.tokens / max(time.perf_counter() - self.start, 1e-9):.0f}"
-            self.bar.set_postfix(figures, refresh=False)
-            self.bar.update(state.global_step - self.bar.n)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.bar.close()
-
-    return DemoProgress()
-
-
-def run_rl(name, start_dir, tokenizer, train_pairs, settings: DemoSettings, output_dir, use_kernels, verbose=False,
-           **gfpo) -> dict:
-    """One RL run from the warm-up weights; returns its per-step history and wall time and saves the final model
-    (with the tokenizer) into `output_dir/name`. Shows one progress bar with the key figures, or with `verbose` TRL's
-    metrics dict at every step."""
-    from datasets import Dataset
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
+def _arm_config(arm: Arm, settings: DemoSettings, output_dir: str, seed: int, use_kernels: bool, verbose: bool):
     from .config import GFPOConfig
-    from .trainer import GFPOTrainer
 
-    G = gfpo.pop("num_generations")
-    args = GFPOConfig(
-        output_dir=os.path.join(output_dir, name),
-        per_device_train_batch_size=settings.prompts_per_step * G,
-        num_generations=G,
+    return GFPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=settings.prompts_per_step * arm.num_generations,
         max_completion_length=settings.max_completion_length,
         max_steps=settings.rl_steps,
         learning_rate=settings.learning_rate,
@@ -207,89 +124,310 @@ def run_rl(name, start_dir, tokenizer, train_pairs, settings: DemoSettings, outp
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        seed=settings.seed,
+        seed=seed,
         use_cpu=not torch.cuda.is_available(),
         bf16=False,
         loss_type="dapo",
         beta=0.0,
         temperature=1.0,
+        shuffle_dataset=False,  # every arm sees the same prompts at the same steps
         use_gfpo_kernels=use_kernels,
         disable_tqdm=not verbose,
-        **gfpo,
+        **arm.config_fields(),
     )
-    rng = random.Random(settings.seed)
-    prompts = [f"{a}+{b}=" for a, b in rng.sample(train_pairs, len(train_pairs))]
-    trainer = GFPOTrainer(model=start_dir, reward_funcs=correctness_reward, args=args,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), processing_class=tokenizer)
+
+
+def _training_prompts(task: SumsTask, train, settings: DemoSettings, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [task.prompt(task.draw(train, rng)) for _ in range(settings.rl_steps * settings.prompts_per_step)]
+
+
+def _callbacks(name: str, settings: DemoSettings, evaluate_held_out, verbose: bool):
+    """A compact progress bar for the run, and the held-out evaluation every settings.eval_every steps."""
+    from transformers import TrainerCallback
+
+    class DemoProgress(TrainerCallback):
+        def __init__(self):
+            self.curve = []  # (step, held-out accuracy, held-out length)
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.bar = None if verbose else tqdm(total=settings.rl_steps, desc=name, unit="step", dynamic_ncols=True)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % settings.eval_every == 0 or state.global_step == settings.rl_steps:
+                figures = evaluate_held_out(model, samples=2)
+                model.train()
+                self.curve.append((state.global_step, figures["accuracy"], figures["mean_length"]))
+                if self.bar is not None:
+                    self.bar.set_postfix({"held-out acc": f"{figures['accuracy']:.2f}",
+                                          "len": f"{figures['mean_length']:.1f}"}, refresh=False)
+            if self.bar is not None:
+                self.bar.update(state.global_step - self.bar.n)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.bar is not None:
+                self.bar.close()
+
+    return DemoProgress()
+
+
+def _generated_tokens(log: dict, rows: int) -> float:
+    """The completion tokens a step generated, every sampled completion as far as it ran (GFPO logs it; GRPO's
+    completions/mean_length covers every completion)."""
+    return log["gfpo/generated_tokens"] if "gfpo/generated_tokens" in log else log["completions/mean_length"] * rows
+
+
+def run_arm(arm: Arm, start_dir: str, tokenizer, task: SumsTask, train, held_out, settings: DemoSettings,
+            output_dir: str, seed: int, use_kernels: bool = True, verbose: bool = False) -> dict:
+    """Trains `arm` from the warm-up model in `start_dir` and evaluates it on the held-out prompts. Saves the final
+    model (with the tokenizer) into `output_dir`. Returns the held-out figures ("final"), the held-out curve during
+    training, and per step the generated tokens and the step's time."""
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from .trainer import GFPOTrainer
+
+    args = _arm_config(arm, settings, output_dir, seed, use_kernels, verbose)
+    dataset = Dataset.from_list([{"prompt": p} for p in _training_prompts(task, train, settings, seed)])
+
+    def evaluate_held_out(model, samples):
+        return evaluate(model, tokenizer, task, held_out, settings.max_completion_length, model.device,
+                        samples=samples, temperature=settings.eval_temperature, seed=seed, desc=f"evaluate {arm.name}")
+
+    progress = _callbacks(arm.name, settings, evaluate_held_out, verbose)
+    trainer = GFPOTrainer(model=start_dir, reward_funcs=REWARDS[arm.reward], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[progress])
     if not verbose:
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(_progress_callback(name, settings.rl_steps, args.per_device_train_batch_size))
-    start = time.perf_counter()
     trainer.train()
-    wall = time.perf_counter() - start
-    trainer.save_model()  # the runs train with save_strategy="no": this is each run's one model on disk
+    trainer.save_model()  # save_strategy="no": this is the run's one model on disk
     history = [h for h in trainer.state.log_history if "reward" in h]
-    generated = sum(sampled_completion_length(h) * args.per_device_train_batch_size for h in history)
-    return {"trainer": trainer, "history": history, "wall_time": wall, "tokens_per_second": generated / wall}
+    final = evaluate_held_out(trainer.model, settings.eval_samples)
+    return {"final": final, "curve": progress.curve,
+            "generated_tokens": [_generated_tokens(h, args.per_device_train_batch_size) for h in history],
+            "step_time": [h["step_time"] for h in history],
+            "train_reward": [h.get("gfpo/kept_reward_mean", h["reward"]) for h in history]}
 
 
-def _moving_average(values: list[float], window: int = 10) -> list[float]:
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
+def run_seed(settings: DemoSettings, seed: int, arms, output_dir: str, use_kernels: bool = True,
+             verbose: bool = False) -> dict:
+    """Warm-up with `seed`, then every arm from its weights. Writes `output_dir/warmup_model` and
+    `output_dir/<arm>`; returns {"warm-up": figures, "arms": {name: run_arm's result}, "load": ...}."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    task = settings.task
+    tokenizer = make_tokenizer()
+    train, held_out = task.split(settings.eval_prompts, settings.held_out_seed)
+    model = make_tiny_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
+                            seed=seed).to(device)
+    start = time.perf_counter()
+    warm_up(model, tokenizer, task, train, settings.warmup_steps, settings.warmup_batch, seed, device,
+            desc=f"warm-up, seed {seed}")
+    warmup_time = time.perf_counter() - start
+    start_dir = os.path.join(output_dir, "warmup_model")
+    model.save_pretrained(start_dir)
+    tokenizer.save_pretrained(start_dir)
+    warm = evaluate(model, tokenizer, task, held_out, settings.max_completion_length, device,
+                    samples=settings.eval_samples, temperature=settings.eval_temperature, seed=seed,
+                    desc="evaluate warm-up")
+    result = {"seed": seed, "warm-up": warm, "warmup_time": warmup_time, "arms": {}}
+    for name in arms:
+        torch.manual_seed(seed)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        run = run_arm(ARMS[name], start_dir, tokenizer, task, train, held_out, settings,
+                      os.path.join(output_dir, name), seed, use_kernels, verbose)
+        run["load_average_1min_at_start"] = load
+        result["arms"][name] = run
+    return result
 
 
-def _plot(runs: dict, path: str) -> None:
-    """Reward and length per step of the completions each run trained on (moving averages over 10 steps): GRPO's
-    are all it sampled, GFPO's the kept ones. GFPO's dropped completions are left out: with the early-stop rule
-    they are cut short before they answer, so their length and reward say nothing about the policy. Where TRL's
-    metrics cover every sampled completion (filters other than length, whose metrics describe the kept rows), GFPO's
-    mean over them is drawn faint and dotted."""
+# ------------------------------------------------------------------ statistics over seeds
+
+def bootstrap_interval(values_per_seed, statistic, resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of `statistic(sample)` over resamples of the seeds (a sample is a list of
+    per-seed values, drawn with replacement). A resample where the statistic is undefined (None) is left out."""
+    rng = random.Random(seed)
+    n = len(values_per_seed)
+    stats = []
+    for _ in range(resamples):
+        value = statistic([values_per_seed[rng.randrange(n)] for _ in range(n)])
+        if value is not None and math.isfinite(value):
+            stats.append(value)
+    stats.sort()
+    if not stats:
+        return (math.nan, math.nan)
+    return stats[int(0.025 * (len(stats) - 1))], stats[int(math.ceil(0.975 * (len(stats) - 1)))]
+
+
+def _mean(values):
+    return sum(values) / len(values)
+
+
+def excess_length_reduction(grpo_length: float, arm_length: float, warmup_length: float) -> float | None:
+    """The paper's Eq. 4: (L_GRPO - L_arm) / (L_GRPO - L_warm-up); None where GRPO did not lengthen answers."""
+    excess = grpo_length - warmup_length
+    return None if excess <= 0 else (grpo_length - arm_length) / excess
+
+
+def summarize(seed_results: list[dict], arms) -> dict:
+    """Per arm, over the seeds: mean and 95% bootstrap interval of held-out accuracy and length, ELR, the paired
+    accuracy difference against GRPO, generated tokens and time per step (each also as a paired ratio to GRPO's)."""
+    per_seed = []  # one dict per seed: the figures every statistic reads
+    for result in seed_results:
+        row = {"warm-up": result["warm-up"]}
+        for name in arms:
+            run = result["arms"][name]
+            row[name] = {"accuracy": run["final"]["accuracy"], "mean_length": run["final"]["mean_length"],
+                         "tokens_per_step": _mean(run["generated_tokens"]), "seconds_per_step": _mean(run["step_time"])}
+        per_seed.append(row)
+
+    def interval(extract):
+        values = [extract(s) for s in per_seed]
+        return {"mean": _mean(values), "ci95": bootstrap_interval(values, _mean), "per_seed": values}
+
+    summary = {"warm-up": {key: interval(lambda s, key=key: s["warm-up"][key]) for key in ("accuracy", "mean_length")},
+               "arms": {}}
+    for name in arms:
+        figures = {key: interval(lambda s, key=key: s[name][key])
+                   for key in ("accuracy", "mean_length", "tokens_per_step", "seconds_per_step")}
+        if "grpo" in arms:
+            def elr(sample, name=name):
+                return excess_length_reduction(_mean([s["grpo"]["mean_length"] for s in sample]),
+                                               _mean([s[name]["mean_length"] for s in sample]),
+                                               _mean([s["warm-up"]["mean_length"] for s in sample]))
+
+            figures["elr"] = {"mean": elr(per_seed), "ci95": bootstrap_interval(per_seed, elr)}
+            figures["accuracy_minus_grpo"] = interval(lambda s, name=name: s[name]["accuracy"] - s["grpo"]["accuracy"])
+            for key in ("tokens_per_step", "seconds_per_step"):
+                figures[f"{key}_over_grpo"] = interval(lambda s, name=name, key=key: s[name][key] / s["grpo"][key])
+        summary["arms"][name] = figures
+    return summary
+
+
+# ------------------------------------------------------------------ output
+
+def _fmt_interval(figure: dict, fmt: str) -> str:
+    low, high = figure["ci95"]
+    if figure["mean"] is None:
+        return "-"
+    return f"{fmt.format(figure['mean'])} [{fmt.format(low)}, {fmt.format(high)}]"
+
+
+def study_table(summary: dict) -> str:
+    """The study as a markdown table: every figure a mean over seeds with its 95% bootstrap interval."""
+    header = ["arm", "held-out accuracy", "accuracy - GRPO (paired)", "held-out length (tokens)", "ELR",
+              "tokens generated / step vs GRPO", "time / step vs GRPO"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    warm = summary["warm-up"]
+    lines.append(" | ".join(["warm-up", _fmt_interval(warm["accuracy"], "{:.3f}"), "-",
+                             _fmt_interval(warm["mean_length"], "{:.1f}"), "-", "-", "-"]))
+    for name, f in summary["arms"].items():
+        lines.append(" | ".join([
+            name, _fmt_interval(f["accuracy"], "{:.3f}"),
+            "-" if name == "grpo" else _fmt_interval(f["accuracy_minus_grpo"], "{:+.3f}"),
+            _fmt_interval(f["mean_length"], "{:.1f}"),
+            "-" if name == "grpo" or f["elr"]["mean"] is None else _fmt_interval(f["elr"], "{:.0%}"),
+            "-" if name == "grpo" else _fmt_interval(f["tokens_per_step_over_grpo"], "{:.2f}x"),
+            "-" if name == "grpo" else _fmt_interval(f["seconds_per_step_over_grpo"], "{:.2f}x"),
+        ]))
+    return "\n".join(lines)
+
+
+def demo_table(result: dict) -> str:
+    """One seed's runs as a markdown table (held-out figures; generated tokens and time depend on the machine)."""
+    header = ["run", "held-out accuracy", "held-out length (tokens)", "length vs warm-up", "ELR",
+              "tokens generated / step", "time / step (s)"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    warm = result["warm-up"]
+    lines.append(" | ".join(["warm-up", f"{warm['accuracy']:.3f}", f"{warm['mean_length']:.1f}", "-", "-", "-", "-"]))
+    grpo = result["arms"].get("grpo")
+    for name, run in result["arms"].items():
+        final = run["final"]
+        elr = None if grpo is None or name == "grpo" else excess_length_reduction(
+            grpo["final"]["mean_length"], final["mean_length"], warm["mean_length"])
+        lines.append(" | ".join([
+            name, f"{final['accuracy']:.3f}", f"{final['mean_length']:.1f}",
+            f"{final['mean_length'] / warm['mean_length'] - 1:+.0%}", "-" if elr is None else f"{elr:.0%}",
+            f"{_mean(run['generated_tokens']):.0f}", f"{_mean(run['step_time']):.2f}",
+        ]))
+    return "\n".join(lines)
+
+
+def demo_verdict(result: dict) -> str:
+    """One line in words: did GRPO lengthen answers, and how much of that did each GFPO arm avoid, at what accuracy."""
+    warm, arms = result["warm-up"], result["arms"]
+    grpo = arms["grpo"]["final"]
+    grew = grpo["mean_length"] / warm["mean_length"] - 1
+    words = [f"GRPO took held-out accuracy from {warm['accuracy']:.2f} to {grpo['accuracy']:.2f} and answers "
+             f"{'longer' if grew > 0 else 'shorter'} by {abs(grew):.0%}"]
+    for name, run in arms.items():
+        if name == "grpo":
+            continue
+        final = run["final"]
+        elr = excess_length_reduction(grpo["mean_length"], final["mean_length"], warm["mean_length"])
+        change = final["mean_length"] / warm["mean_length"] - 1
+        words.append(f"{name} {'+' if change >= 0 else '-'}{abs(change):.0%} at accuracy {final['accuracy']:.2f}"
+                     + ("" if elr is None else f" ({elr:.0%} of GRPO's extra length avoided)"))
+    return "; ".join(words) + "."
+
+
+def _plot_demo(result: dict, settings: DemoSettings, path: str) -> None:
+    """Held-out answer length and accuracy over training, per arm (the warm-up model at step 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_reward, ax_length) = plt.subplots(1, 2, figsize=(11, 4.6))
-    for name, run in runs.items():
-        history = run["history"]
-        steps = [h["step"] for h in history]
-        gfpo = "gfpo/kept_reward_mean" in history[0]
-        reward_key, length_key = ("gfpo/kept_reward_mean", "gfpo/kept_completion_length") if gfpo else (
-            "reward", "completions/mean_length")
-        line = ax_reward.plot(steps, _moving_average([h[reward_key] for h in history]), label=name)[0]
-        ax_length.plot(steps, _moving_average([h[length_key] for h in history]), color=line.get_color())
-        if gfpo and run["trainer"].args.group_filter != "length":  # TRL's metrics: every sampled completion
-            label = f"{name}, all sampled"
-            for ax, key in ((ax_reward, "reward"), (ax_length, "completions/mean_length")):
-                ax.plot(steps, _moving_average([h[key] for h in history]), color=line.get_color(), linestyle=":",
-                        alpha=0.5, label=label if ax is ax_reward else None)
-    ax_reward.set(title="reward of the trained completions (10-step mean)", xlabel="step", ylabel="reward")
-    ax_length.set(title="length of the trained completions (10-step mean)", xlabel="step", ylabel="tokens")
-    for ax in (ax_reward, ax_length):
+    fig, (ax_length, ax_accuracy) = plt.subplots(1, 2, figsize=(11, 4.4))
+    warm = result["warm-up"]
+    for name, run in result["arms"].items():
+        steps = [0] + [c[0] for c in run["curve"]]
+        line = ax_length.plot(steps, [warm["mean_length"]] + [c[2] for c in run["curve"]], marker="o", label=name)[0]
+        ax_accuracy.plot(steps, [warm["accuracy"]] + [c[1] for c in run["curve"]], marker="o", color=line.get_color())
+    ax_length.set(title="held-out answer length (sampled, tokens)", xlabel="RL step", ylabel="tokens")
+    ax_accuracy.set(title="held-out accuracy (sampled)", xlabel="RL step", ylabel="accuracy")
+    for ax in (ax_length, ax_accuracy):
         ax.grid(alpha=0.3)
-    handles, labels = ax_reward.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)  # below the axes, off the data
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.legend(loc="lower center", ncol=len(result["arms"]), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def format_table(rows: list[dict]) -> str:
-    header = ["run", "accuracy", "mean length", "length inflation", "tokens/s", "wall time (s)",
-              "zero-gradient rows skipped"]
-    lines = [" | ".join(header), " | ".join("---" for _ in header)]
-    for r in rows:
-        lines.append(" | ".join([
-            r["run"], f"{r['accuracy']:.3f}", f"{r['mean_length']:.2f}", f"{r['inflation']:+.1%}",
-            "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.0f}",
-            "-" if r["wall_time"] is None else f"{r['wall_time']:.1f}",
-            "-" if r.get("skipped_fraction") is None else f"{r['skipped_fraction']:.0%}",
-        ]))
-    return "\n".join(lines)
+def _plot_study(seed_results: list[dict], summary: dict, path: str) -> None:
+    """Left: held-out length against accuracy per arm (means over seeds, 95% intervals); right: held-out length over
+    training per arm (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_final, ax_curve) = plt.subplots(1, 2, figsize=(12, 4.8))
+    warm = summary["warm-up"]
+    ax_final.errorbar(warm["mean_length"]["mean"], warm["accuracy"]["mean"], fmt="s", color="gray", label="warm-up",
+                      xerr=[[warm["mean_length"]["mean"] - warm["mean_length"]["ci95"][0]],
+                            [warm["mean_length"]["ci95"][1] - warm["mean_length"]["mean"]]],
+                      yerr=[[warm["accuracy"]["mean"] - warm["accuracy"]["ci95"][0]],
+                            [warm["accuracy"]["ci95"][1] - warm["accuracy"]["mean"]]])
+    for name, f in summary["arms"].items():
+        length, accuracy = f["mean_length"], f["accuracy"]
+        bar = ax_final.errorbar(length["mean"], accuracy["mean"], fmt="o", label=name, capsize=3,
+                                xerr=[[length["mean"] - length["ci95"][0]], [length["ci95"][1] - length["mean"]]],
+                                yerr=[[accuracy["mean"] - accuracy["ci95"][0]], [accuracy["ci95"][1] - accuracy["mean"]]])
+        curves = [r["arms"][name]["curve"] for r in seed_results]
+        steps = [0] + [c[0] for c in curves[0]]
+        warm_length = _mean([r["warm-up"]["mean_length"] for r in seed_results])
+        mean_curve = [warm_length] + [_mean([c[i][2] for c in curves]) for i in range(len(curves[0]))]
+        ax_curve.plot(steps, mean_curve, marker="o", color=bar[0].get_color())
+    ax_final.set(title="held-out: length and accuracy after RL (95% intervals over seeds)",
+                 xlabel="mean answer length (tokens)", ylabel="accuracy")
+    ax_curve.set(title="held-out answer length over training (mean over seeds)", xlabel="RL step", ylabel="tokens")
+    for ax in (ax_final, ax_curve):
+        ax.grid(alpha=0.3)
+    fig.legend(loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _git_commit() -> str | None:
@@ -332,58 +470,82 @@ def run_environment(device: torch.device) -> dict:
             "versions": {name: _version(name) for name in _PACKAGES}, "machine": machine}
 
 
+def _announce_overwrite(output_dir: str) -> None:
+    """Says, before anything is written, that an earlier run's results in `output_dir` will be replaced."""
+    previous = os.path.join(output_dir, "results.json")
+    if not os.path.exists(previous):
+        return
+    try:
+        with open(previous) as f:
+            environment = json.load(f).get("environment", {})
+        what = f"of {environment.get('date', 'an unknown date')}, commit {environment.get('commit')}"
+    except (OSError, ValueError):
+        what = "that could not be read"
+    print(f"gfpo demo: replacing the earlier run in {output_dir}/ (its results.json {what}); --output-dir keeps both")
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+
+
 def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_kernels: bool = True,
-             verbose: bool = False) -> dict:
-    """Warm-up, then GRPO and the two GFPO filters; prints the table, writes demo.png, results.json, the warm-up
-    model (`warmup_model/`) and each run's final model (`grpo/`, `gfpo-length/`, `gfpo-token-efficiency/`)."""
+             verbose: bool = False, seed: int = 0, arms=DEMO_ARMS) -> dict:
+    """One seed: warm-up, then `arms` from its weights; prints the table and a verdict, writes demo.png,
+    results.json, the warm-up model (`warmup_model/`) and each arm's final model (`<arm>/`)."""
+    _announce_overwrite(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     if not verbose:  # transformers' deprecation notices about TRL's calls would bury the progress bars
         warnings.filterwarnings("ignore", category=FutureWarning)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    environment = run_environment(device)
-    torch.manual_seed(settings.seed)
-    tokenizer = make_tokenizer()
-    train_pairs, eval_pairs = _split_prompts(settings)
-    model = make_tiny_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
-                            seed=settings.seed).to(device)
-    t0 = time.perf_counter()
-    warm_up(model, tokenizer, train_pairs, settings, device)
-    warmup_time = time.perf_counter() - t0
-    start_dir = os.path.join(output_dir, "warmup_model")
-    model.save_pretrained(start_dir)
-    tokenizer.save_pretrained(start_dir)
-    base = evaluate(model, tokenizer, eval_pairs, settings, device, "evaluate warm-up model")
-
-    s = settings
-    configs = {
-        "grpo": dict(num_generations=s.grpo_generations),
-        "gfpo-length": dict(num_generations=s.gfpo_generations, num_remains_in_group=s.gfpo_keep, group_filter="length"),
-        "gfpo-token-efficiency": dict(num_generations=s.gfpo_generations, num_remains_in_group=s.gfpo_keep,
-                                      group_filter="token_efficiency"),
-    }
-    runs, rows = {}, [dict(run="warm-up", **base, inflation=0.0, tokens_per_second=None, wall_time=warmup_time)]
-    for name, gfpo in configs.items():
-        if verbose:
-            print(f"\n== {name}: {gfpo}")
-        torch.manual_seed(settings.seed)
-        run = run_rl(name, start_dir, tokenizer, train_pairs, settings, output_dir, use_kernels, verbose, **dict(gfpo))
-        result = evaluate(run["trainer"].model, tokenizer, eval_pairs, settings, device, f"evaluate {name}")
-        runs[name] = run
-        skipped = [h["gfpo/skipped_zero_gradient_fraction"] for h in run["history"]
-                   if "gfpo/skipped_zero_gradient_fraction" in h]
-        rows.append(dict(run=name, **result, inflation=result["mean_length"] / base["mean_length"] - 1,
-                         tokens_per_second=run["tokens_per_second"], wall_time=run["wall_time"],
-                         skipped_fraction=sum(skipped) / len(skipped) if skipped else None))
-    table = format_table(rows)
-    print("\n" + table)
+    environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    result = run_seed(settings, seed, arms, output_dir, use_kernels, verbose)
+    table, verdict = demo_table(result), demo_verdict(result) if "grpo" in arms else ""
+    print("\n" + table + "\n\n" + verdict)
     plot_path = os.path.join(output_dir, "demo.png")
-    _plot(runs, plot_path)
-    results = {"environment": environment, "settings": dataclasses.asdict(settings), "rows": rows,
-               "history": {name: run["history"] for name, run in runs.items()}}
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+    _plot_demo(result, settings, plot_path)
+    _write_json(os.path.join(output_dir, "results.json"),
+                {"environment": environment, "settings": dataclasses.asdict(settings), "result": result})
     versions = environment["versions"]
     print(f"\nplot: {plot_path}\nresults: {os.path.join(output_dir, 'results.json')} (commit {environment['commit']}, "
           f"torch {versions['torch']}, trl {versions['trl']}, {environment['machine']['device']} on "
-          f"{environment['machine']['cpu_cores']} cores of {environment['machine']['cpu']})")
-    return {"rows": rows, "table": table, "plot": plot_path}
+          f"{environment['machine']['cpu_cores']} cores of {environment['machine']['cpu']}; tokens and times "
+          "depend on the machine and its load)")
+    return {"result": result, "table": table, "verdict": verdict, "plot": plot_path}
+
+
+def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_output", arms=STUDY_ARMS,
+              use_kernels: bool = True, verbose: bool = False) -> dict:
+    """Every arm on every seed (warm-up per seed, arms in turn, so they share the machine's load), then the summary
+    over seeds; writes study.json, study.md (the table) and study.png into `output_dir`."""
+    seeds = list(seeds)
+    if len(seeds) < 2:
+        raise ValueError(f"the study needs at least 2 seeds for its intervals, got seeds={seeds}")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arms {unknown}; choices: {list(ARMS)}")
+    _announce_overwrite(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    if not verbose:
+        warnings.filterwarnings("ignore", category=FutureWarning)
+    environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    start = time.perf_counter()
+    seed_results = []
+    for seed in tqdm(seeds, desc="study: seeds", unit="seed"):
+        seed_results.append(run_seed(settings, seed, arms, os.path.join(output_dir, f"seed-{seed}"), use_kernels,
+                                     verbose))
+        _write_json(os.path.join(output_dir, "study.json"),  # after every seed: an interrupted study keeps its runs
+                    {"environment": environment, "settings": dataclasses.asdict(settings), "seeds": seeds,
+                     "arms": list(arms), "seed_results": seed_results})
+    summary = summarize(seed_results, arms)
+    environment["wall_time_seconds"] = round(time.perf_counter() - start, 1)
+    if hasattr(os, "getloadavg"):
+        environment["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
+    table = study_table(summary)
+    print("\n" + table)
+    _write_json(os.path.join(output_dir, "study.json"),
+                {"environment": environment, "settings": dataclasses.asdict(settings), "seeds": seeds,
+                 "arms": list(arms), "summary": summary, "seed_results": seed_results})
+    with open(os.path.join(output_dir, "study.md"), "w") as f:
+        f.write(table + "\n")
+    _plot_study(seed_results, summary, os.path.join(output_dir, "study.png"))
+    return {"summary": summary, "table": table, "seed_results": seed_results}

@@ -47,3 +47,34 @@ def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+def warm_up_on_pair_sums(model, tokenizer, pairs, steps: int, device, batch_size: int = 64, seed: int = 0) -> None:
+    """Supervised warm-up of `model` on "a+b=" prompts over `pairs`, answered " 17" or with 1-3 filler words
+    (" ok ok so 17"), half each: a model whose completions end at varied lengths, for tests and benchmarks of the
+    length filter and its early stop (the demo's task is gfpo_trainer/sums_task.py)."""
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        ids, labels = [], []
+        for _ in range(batch_size):
+            a, b = rng.choice(pairs)
+            filler = "" if rng.random() < 0.5 else " ok" * rng.randint(1, 3) + " so"
+            p = tokenizer(f"{a}+{b}=", add_special_tokens=False).input_ids
+            c = tokenizer(f"{filler} {a + b}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            ids.append(p + c)
+            labels.append([-100] * len(p) + c)
+        width = max(map(len, ids))
+        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids], device=device)
+        label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels], device=device)
+        lengths = torch.tensor([len(x) for x in ids], device=device)
+        attention = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()

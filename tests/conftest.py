@@ -25,15 +25,13 @@ def pytest_report_header(config):
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory):
     """For the vLLM tests: a tiny Qwen2 whose head dimension vLLM's CPU attention supports (hidden 64, one head),
-    warmed up on the demo task so that completions end at varied lengths (3 to about 20 tokens), saved to disk as
+    warmed up on pair sums with filler (gfpo_trainer.tiny) so that completions end at varied lengths (3 to about 20 tokens), saved to disk as
     vLLM loads it. Built once a session (the warm-up is the costly part)."""
-    from gfpo_trainer.demo import DemoSettings, warm_up
-    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer, warm_up_on_pair_sums
 
     tokenizer = make_tokenizer()
     model = make_tiny_model(tokenizer, hidden_size=64, num_heads=1)
-    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)],
-            DemoSettings(warmup_steps=80, hidden_size=64, max_operand=10), "cpu")
+    warm_up_on_pair_sums(model, tokenizer, [(a, b) for a in range(10) for b in range(10)], 80, "cpu")
     path = tmp_path_factory.mktemp("warm-vllm")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

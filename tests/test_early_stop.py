@@ -10,7 +10,8 @@ from datasets import Dataset  # noqa: E402
 
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import batch_metric_names  # noqa: E402
-from gfpo_trainer.demo import DemoSettings, correctness_reward, warm_up  # noqa: E402
+from gfpo_trainer.demo import correctness_reward  # noqa: E402
+from gfpo_trainer.tiny import warm_up_on_pair_sums  # noqa: E402
 from gfpo_trainer.early_stop import StopDroppedCompletions  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
@@ -88,11 +89,10 @@ def test_length_filter_ranks_a_stopped_completion_below_a_finished_one_of_its_le
 
 @pytest.fixture(scope="module")
 def warm_model_dir(tmp_path_factory):
-    """A tiny model warmed up on the demo task, so completions end at varied lengths (the rule has work to do)."""
+    """A tiny model warmed up on pair sums with filler, so completions end at varied lengths (the rule has work to do)."""
     tokenizer = make_tokenizer()
-    settings = DemoSettings(warmup_steps=80, hidden_size=32, max_operand=10)
     model = make_tiny_model(tokenizer, hidden_size=32)
-    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)], settings, "cpu")
+    warm_up_on_pair_sums(model, tokenizer, [(a, b) for a in range(10) for b in range(10)], 80, "cpu")
     path = tmp_path_factory.mktemp("warm")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

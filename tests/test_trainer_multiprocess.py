@@ -40,13 +40,12 @@ def runs(request, tmp_path_factory, warm_model_dir):
 
 @pytest.fixture(scope="module")
 def warm_model_dir(tmp_path_factory):
-    """Warmed up on the demo task so completions end at varied lengths (early stopping has work to do)."""
-    from gfpo_trainer.demo import DemoSettings, warm_up
+    """Warmed up on pair sums with filler so completions end at varied lengths (early stopping has work to do)."""
+    from gfpo_trainer.tiny import warm_up_on_pair_sums
 
     tokenizer = make_tokenizer()
     model = make_tiny_model(tokenizer)
-    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)],
-            DemoSettings(warmup_steps=80, max_operand=10), "cpu")
+    warm_up_on_pair_sums(model, tokenizer, [(a, b) for a in range(10) for b in range(10)], 80, "cpu")
     path = tmp_path_factory.mktemp("warm-model")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

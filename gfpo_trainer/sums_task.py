@@ -1,0 +1,179 @@
+"""The demo's and the length study's task: sums of several small numbers, answered at once or step by step.
+
+A toy analog of the paper's setting (a verbose SFT model that RL makes longer): the prompt is "a+b+c=" with 2 to
+`max_terms` terms; a completion is correct when its last number is the sum. The warm-up (supervised) data answers
+each prompt in one of two forms, chosen at random whatever the prompt:
+- at once: " 17";
+- step by step, a running sum per term, with filler words between the steps: " 3+5=8, hmm 8+9=17, so 17".
+A small model adds two numbers well and several at once badly, so the steps genuinely raise accuracy on prompts with
+more terms; the filler never changes the answer. RL that rewards correct answers then moves towards the steps and
+lengthens the answers (with the filler they carry along), as RL lengthens a verbose SFT model's reasoning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+
+import torch
+from tqdm.auto import tqdm
+
+_NUMBER = re.compile(r"\d+")
+
+
+@dataclasses.dataclass(frozen=True)
+class SumsTask:
+    """The task's distribution.
+
+    Args:
+        min_terms, max_terms: how many numbers a prompt adds (uniform in [min_terms, max_terms]).
+        max_term: each number is in [0, max_term).
+        steps_probability: the share of warm-up answers written step by step (the rest answer at once).
+        filler_probability: the chance that filler precedes each step and the closing "so" of a stepwise answer.
+        filler_words: the filler words, one drawn per gap that gets filler.
+    """
+
+    min_terms: int = 2
+    max_terms: int = 4
+    max_term: int = 10
+    steps_probability: float = 0.5
+    filler_probability: float = 0.5
+    filler_words: tuple[str, ...] = ("hmm", "wait", "ok")
+
+    def prompts(self) -> list[tuple[int, ...]]:
+        """Every distinct prompt's terms, in a fixed order."""
+        import itertools
+
+        out = []
+        for n in range(self.min_terms, self.max_terms + 1):
+            out.extend(itertools.product(range(self.max_term), repeat=n))
+        return out
+
+    def split(self, eval_prompts: int, seed: int) -> tuple[list[list[tuple[int, ...]]], list[tuple[int, ...]]]:
+        """(train, held-out): the held-out prompts, `eval_prompts` per number of terms drawn with `seed`, and the
+        training prompts by number of terms (one list each, shuffled), none of them held out. Training draws a
+        number of terms uniformly first (`draw`), so prompts with few terms are as frequent as those with many."""
+        rng = random.Random(seed)
+        train, held_out = [], []
+        prompts = self.prompts()
+        for n in range(self.min_terms, self.max_terms + 1):
+            same = [p for p in prompts if len(p) == n]
+            rng.shuffle(same)
+            held_out.extend(same[:eval_prompts])
+            train.append(same[eval_prompts:])
+        return train, held_out
+
+    @staticmethod
+    def draw(train: list[list[tuple[int, ...]]], rng: random.Random) -> tuple[int, ...]:
+        """A training prompt: a number of terms uniformly, then a prompt of that many terms uniformly."""
+        return rng.choice(rng.choice(train))
+
+    @staticmethod
+    def prompt(terms: tuple[int, ...]) -> str:
+        return "+".join(map(str, terms)) + "="
+
+    def warmup_completion(self, terms: tuple[int, ...], rng: random.Random) -> str:
+        """One warm-up answer to `terms`: at once or step by step (with filler), as the task's probabilities say."""
+        total = sum(terms)
+        if rng.random() >= self.steps_probability:
+            return f" {total}"
+        parts, running = [], terms[0]
+        for term in terms[1:]:
+            parts.append(self._filler(rng) + f" {running}+{term}={running + term},")
+            running += term
+        return "".join(parts) + self._filler(rng) + f" so {total}"
+
+    def _filler(self, rng: random.Random) -> str:
+        return f" {rng.choice(self.filler_words)}" if rng.random() < self.filler_probability else ""
+
+
+def correctness_reward(prompts, completions, **kwargs) -> list[float]:
+    """1.0 when the last number of the completion is the sum of the numbers in the prompt ("a+b+c="), else 0.0."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        numbers = _NUMBER.findall(completion)
+        rewards.append(1.0 if numbers and int(numbers[-1]) == sum(map(int, _NUMBER.findall(prompt))) else 0.0)
+    return rewards
+
+
+def signed_correctness_reward(prompts, completions, **kwargs) -> list[float]:
+    """The paper's reward range: 1.0 for a correct answer, -1.0 for a wrong one."""
+    return [2.0 * r - 1.0 for r in correctness_reward(prompts, completions)]
+
+
+def warm_up(model, tokenizer, task: SumsTask, train_prompts, steps: int, batch_size: int, seed: int, device,
+            learning_rate: float = 3e-3, desc: str = "warm-up (supervised)") -> list[float]:
+    """Supervised warm-up on prompt -> warm-up answer + <eos> (loss on the answer only). Returns the losses."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    model.train()
+    losses = []
+    for _ in tqdm(range(steps), desc=desc):
+        ids, labels = [], []
+        for _ in range(batch_size):
+            terms = task.draw(train_prompts, rng)
+            p = tokenizer(task.prompt(terms), add_special_tokens=False).input_ids
+            c = tokenizer(task.warmup_completion(terms, rng), add_special_tokens=False).input_ids
+            c = c + [tokenizer.eos_token_id]
+            ids.append(p + c)
+            labels.append([-100] * len(p) + c)
+        width = max(map(len, ids))
+        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids], device=device)
+        label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels], device=device)
+        lengths = torch.tensor([len(x) for x in ids], device=device)
+        attention = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def answer_form(completion: str) -> tuple[bool, int]:
+    """(whether the answer is written step by step, how many filler words it holds), read from its text."""
+    words = completion.replace(",", " ").split()
+    return "+" in completion, sum(w in SumsTask.filler_words for w in words)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, device, *, samples: int = 4,
+             temperature: float = 0.8, seed: int = 0, desc: str = "evaluate") -> dict:
+    """Held-out figures of `model`: `samples` sampled answers per prompt at `temperature` (the paper's pass@1: the
+    mean accuracy of sampled answers), seeded with `seed`.
+
+    Returns accuracy, mean length (tokens, <eos> included), the share of answers written step by step and the filler
+    words per answer, overall and per number of terms ("by_terms")."""
+    model.eval()
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    rows = []  # (terms count, correct, length, stepwise, filler)
+    texts = [task.prompt(p) for p in prompts for _ in range(samples)]
+    for start in tqdm(range(0, len(texts), 64), desc=desc, leave=False):
+        chunk = texts[start : start + 64]
+        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
+                             top_p=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        for prompt, ids in zip(chunk, out[:, enc.input_ids.shape[1] :].tolist(), strict=True):
+            if tokenizer.eos_token_id in ids:
+                ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
+            else:
+                ids = [i for i in ids if i != tokenizer.pad_token_id]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            stepwise, filler = answer_form(text)
+            rows.append((prompt.count("+") + 1, correctness_reward([prompt], [text])[0], len(ids), stepwise, filler))
+    torch.random.set_rng_state(generator_state)
+
+    def summary(selected):
+        n = max(len(selected), 1)
+        stepwise = [r for r in selected if r[3]]
+        at_once = [r for r in selected if not r[3]]
+        return {"accuracy": sum(r[1] for r in selected) / n, "mean_length": sum(r[2] for r in selected) / n,
+                "stepwise_fraction": len(stepwise) / n, "filler_per_answer": sum(r[4] for r in selected) / n,
+                "accuracy_stepwise": sum(r[1] for r in stepwise) / len(stepwise) if stepwise else None,
+                "accuracy_at_once": sum(r[1] for r in at_once) / len(at_once) if at_once else None}
+
+    result = summary(rows)
+    result["by_terms"] = {str(n): summary([r for r in rows if r[0] == n]) for n in sorted({r[0] for r in rows})}
+    return result
