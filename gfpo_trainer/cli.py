@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     demo = commands.add_parser("demo", help="GRPO vs GFPO on a task where RL lengthens answers, with a tiny model "
                                "(no downloads)")
     sizes = demo.add_mutually_exclusive_group()
-    sizes.add_argument("--quick", action="store_true", help="a smaller model, fewer steps (docs/demo.md: times)")
+    sizes.add_argument("--quick", action="store_true", help="fewer warm-up and RL steps (docs/demo.md: times)")
     sizes.add_argument("--smoke", action="store_true",
                        help="every stage at toy sizes, in seconds; the figures mean nothing (for tests)")
     demo.add_argument("--seeds", type=int, default=None, metavar="N",

@@ -83,11 +83,11 @@ STUDY_ARMS = tuple(ARMS)
 
 @dataclasses.dataclass
 class DemoSettings:
-    """Sizes of a run: the default, `quick()` (a smaller model, fewer steps) and `smoke()` (seconds: every stage
-    runs, the figures mean nothing; for tests). Times by machine and load: docs/demo.md."""
+    """Sizes of a run: the default, `quick()` (fewer warm-up and RL steps: the study's sizes) and `smoke()` (seconds:
+    every stage runs, the figures mean nothing; for tests). Times by machine and load: docs/demo.md."""
 
     task: SumsTask = SumsTask()
-    warmup_steps: int = 1500
+    warmup_steps: int = 1200
     warmup_batch: int = 64
     rl_steps: int = 300
     prompts_per_step: int = 4
@@ -96,14 +96,14 @@ class DemoSettings:
     eval_samples: int = 8  # sampled answers per held-out prompt at the end of a run
     eval_temperature: float = 0.8  # the paper's evaluation temperature (training samples at 1.0)
     eval_every: int = 50  # held-out length and accuracy during training, every this many steps (2 samples a prompt)
-    hidden_size: int = 128
-    num_layers: int = 4
+    hidden_size: int = 64
+    num_layers: int = 2
     learning_rate: float = 1e-4
     held_out_seed: int = 1234  # which prompts are held out: the same for every seed and arm
 
     @classmethod
     def quick(cls) -> DemoSettings:
-        return cls(warmup_steps=800, rl_steps=200, hidden_size=64, num_layers=2)
+        return cls(warmup_steps=800, rl_steps=200)
 
     @classmethod
     def smoke(cls) -> DemoSettings:

@@ -1,9 +1,8 @@
-"""The command line: the demo (smoke sizes) and `train --config` with its errors."""
+"""The command line: `train --config` with its errors, the commands' help and missing dependencies (the demo:
+tests/test_demo.py)."""
 
 import json
 import os
-import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -14,10 +13,8 @@ import pytest
 trl = pytest.importorskip("trl")
 yaml = pytest.importorskip("yaml")
 
-import torch  # noqa: E402
-
 from gfpo_trainer.cli import ConfigError, build_trainer, load_reward_func, main  # noqa: E402
-from gfpo_trainer.demo import correctness_reward, format_table  # noqa: E402
+from gfpo_trainer.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
 REPO = Path(__file__).parents[1]
@@ -27,42 +24,6 @@ def test_correctness_reward():
     prompts = ["12+7=", "3+4=", "3+4=", "3+4=", "3+4="]
     completions = [" 19", " hmm hmm so 7", " 8", "", " 7 or 17"]
     assert correctness_reward(prompts, completions) == [1.0, 1.0, 0.0, 0.0, 0.0]
-
-
-def test_format_table():
-    table = format_table([dict(run="grpo", accuracy=0.5, mean_length=4.0, inflation=0.25, tokens_per_second=100.0,
-                               wall_time=2.0)])
-    assert table.splitlines()[2] == "grpo | 0.500 | 4.00 | +25.0% | 100 | 2.0 | -"
-    table = format_table([dict(run="gfpo", accuracy=0.5, mean_length=4.0, inflation=0.25, tokens_per_second=100.0,
-                               wall_time=2.0, skipped_fraction=0.375)])
-    assert table.splitlines()[2] == "gfpo | 0.500 | 4.00 | +25.0% | 100 | 2.0 | 38%"
-
-
-def test_demo_smoke(tmp_path):
-    """Every stage of `python -m gfpo_trainer demo` at toy sizes: warm-up, three RL runs, table, plot."""
-    out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "demo", "--smoke", "--output-dir", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "run | accuracy | mean length | length inflation | tokens/s | wall time (s) | zero-gradient rows skipped" \
-        in done.stdout
-    for run in ("warm-up", "grpo", "gfpo-length", "gfpo-token-efficiency"):
-        assert f"\n{run} | " in done.stdout
-    results = json.loads((out / "results.json").read_text())
-    assert [r["run"] for r in results["rows"]] == ["warm-up", "grpo", "gfpo-length", "gfpo-token-efficiency"]
-    assert len(results["history"]["gfpo-length"]) == 2
-    # what the figures depend on: versions, commit, machine (docs/demo.md labels recorded runs with them)
-    environment = results["environment"]
-    assert environment["versions"]["torch"] == torch.__version__ and environment["versions"]["trl"] == trl.__version__
-    if (REPO / ".git").exists():  # a checkout (a worktree's .git is a file); a copied tree records None
-        assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", environment["commit"])
-    else:
-        assert environment["commit"] is None
-    assert environment["machine"]["device"] == "cpu" and environment["machine"]["cpu_cores"] >= 1
-    assert environment["machine"]["cpu"] and environment["python"] == platform.python_version()
-    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for model in ("warmup_model", "grpo", "gfpo-length", "gfpo-token-efficiency"):  # what docs/demo.md says is written
-        assert (out / model / "model.safetensors").exists() and (out / model / "tokenizer_config.json").exists()
 
 
 @pytest.fixture(scope="module")
