@@ -10,7 +10,8 @@ from trl import GRPOConfig
 from gfpo_kernels.grpo_loss_math import check_loss_kind
 from gfpo_kernels.loss_types import loss_spec
 
-GROUP_FILTERS = ("length", "token_efficiency")
+from .filters import GROUP_FILTER_SPECS, group_filter_spec
+
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -27,9 +28,10 @@ class GFPOConfig(GRPOConfig):
             (2 <= k < num_generations: with k = 1 every advantage would be 0, as TRL refuses num_generations < 2).
             `None` disables filtering (plain GRPO).
         group_filter (`str` or `None`, *optional*, defaults to `None`):
-            Built-in filter scored on device: `"length"` keeps the k completions with the fewest tokens,
-            `"token_efficiency"` the k with the highest reward per completion token. With `num_remains_in_group`
-            set, exactly one of `group_filter` and the trainer's `group_filter_func` is required.
+            Built-in filter scored on device, one of `GROUP_FILTERS` (gfpo_trainer/filters.py; docs/trainer.md
+            describes each): `"length"` keeps the k completions with the fewest tokens, `"token_efficiency"` the k
+            with the highest reward per completion token. With `num_remains_in_group` set, exactly one of
+            `group_filter` and the trainer's `group_filter_func` is required.
         use_gfpo_kernels (`bool`, *optional*, defaults to `False`):
             Put the fused kernels on the hot path: the fused filter + advantage kernel, and the fused linear GRPO
             loss through the model's LM head (no (tokens x vocab) logits). `False` runs the reference
@@ -78,7 +80,8 @@ class GFPOConfig(GRPOConfig):
     )
     group_filter: str | None = field(
         default=None,
-        metadata={"help": "Built-in filter: 'length' (fewest tokens kept) or 'token_efficiency' (reward per token)."},
+        metadata={"help": "Built-in filter: " + "; ".join(f"{name!r} keeps {spec.summary}"
+                                                          for name, spec in GROUP_FILTER_SPECS.items()) + "."},
     )
     use_gfpo_kernels: bool = field(
         default=False,
@@ -132,8 +135,7 @@ class GFPOConfig(GRPOConfig):
                 f"num_remains_in_group must be an int with 2 <= k < num_generations={G} (with k = 1 every advantage is 0), "
                 f"got num_remains_in_group={k!r}"
             )
-        if self.group_filter is not None and self.group_filter not in GROUP_FILTERS:
-            raise ValueError(f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={self.group_filter!r}")
+        filter_spec = group_filter_spec(self.group_filter)  # ValueError naming the choices
         if self.adaptive_difficulty:
             if k is None:
                 raise ValueError("adaptive_difficulty=True needs num_remains_in_group (it turns filtering on)")
@@ -169,7 +171,7 @@ class GFPOConfig(GRPOConfig):
                 f"{self.per_device_train_batch_size} * {k} and {G}), and no adaptive_difficulty (got "
                 f"{self.adaptive_difficulty}); change one of them, or the loss options"
             )
-        if k is not None and self.use_vllm and self.group_filter == "length":
+        if k is not None and self.use_vllm and filter_spec is not None and filter_spec.own_generation:
             generation_kwargs = self.generation_kwargs or {}
             if self.gfpo_vllm_request_seeds and generation_kwargs.get("seed") is not None:
                 raise ValueError(

@@ -28,6 +28,7 @@ import warnings
 import torch
 from tqdm.auto import tqdm
 
+from .filters import group_filter_spec
 from .tiny import make_tiny_model, make_tokenizer
 
 _NUMBER = re.compile(r"\d+")
@@ -262,7 +263,7 @@ def _plot(runs: dict, path: str) -> None:
             "reward", "completions/mean_length")
         line = ax_reward.plot(steps, _moving_average([h[reward_key] for h in history]), label=name)[0]
         ax_length.plot(steps, _moving_average([h[length_key] for h in history]), color=line.get_color())
-        if gfpo and run["trainer"].args.group_filter != "length":  # TRL's metrics: every sampled completion
+        if gfpo and not group_filter_spec(run["trainer"].args.group_filter).trl_metrics_over_kept_rows:  # all rows
             label = f"{name}, all sampled"
             for ax, key in ((ax_reward, "reward"), (ax_length, "completions/mean_length")):
                 ax.plot(steps, _moving_average([h[key] for h in history]), color=line.get_color(), linestyle=":",

@@ -47,6 +47,7 @@ from .adaptive import AdaptiveDifficulty
 from .batch import GenerationBatch
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
+from .filters import GroupFilterSpec, group_filter_spec
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
 from .rows import (
     crop_to_longest_completion, no_metrics_from_padding_only, plan_trained_rows, restore_shuffle_rng,
@@ -129,10 +130,11 @@ class GFPOTrainer(GRPOTrainer):
             **grpo_kwargs,
         )
         check_trainer_attributes(self)
-        if self.use_vllm and self.vllm_mode == "colocate" and args.group_filter == "length":
+        own_generation = self._filter is not None and self._filter.own_generation
+        if self.use_vllm and self.vllm_mode == "colocate" and own_generation:
             check_vllm_generation(self)
         self._server_stop_unavailable: str | None = None  # why the vLLM server cannot run the early-stop rule
-        if self.use_vllm and self.vllm_mode == "server" and args.group_filter == "length":
+        if self.use_vllm and self.vllm_mode == "server" and own_generation:
             check_vllm_server_generation(self)
             self._server_stop_unavailable = self._probe_server_streaming()
         self.group_filter_func = group_filter_func
@@ -165,6 +167,11 @@ class GFPOTrainer(GRPOTrainer):
     def _filtering(self) -> bool:
         return self.args.num_remains_in_group is not None and self.model.training
 
+    @property
+    def _filter(self) -> GroupFilterSpec | None:
+        """The built-in filter's spec (gfpo_trainer/filters.py); None with a group_filter_func or no filter."""
+        return group_filter_spec(self.args.group_filter)
+
     def _generate(self, prompts):
         result = super()._generate(prompts)
         self._gfpo_batch.tool_mask = tool_mask_of(result)  # the filters count the model's tokens, not tool output
@@ -196,7 +203,7 @@ class GFPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ stopping completions that will be dropped
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not (self._filtering() and self.args.group_filter == "length"):
+        if not (self._filtering() and self._filter is not None and self._filter.own_generation):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
         # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
@@ -221,10 +228,17 @@ class GFPOTrainer(GRPOTrainer):
                 torch.cuda.default_generators[device.index or 0].manual_seed(seed)
             yield
 
+    def _early_stop_configured(self) -> bool:
+        """Whether the options ask for the early-stop rule: gfpo_stop_dropped_generations, a filter that allows it
+        (GroupFilterSpec.early_stop), no adaptive difficulty (whose difficulty reads every completion's reward)."""
+        spec = self._filter
+        return (self.args.gfpo_stop_dropped_generations and spec is not None and spec.early_stop
+                and not self.args.adaptive_difficulty)
+
     def _early_stop_wanted(self) -> bool:
-        """Whether the early-stop rule should run on this batch (the length filter is on); logs once, and returns
-        False, where this generation path cannot run it."""
-        if not self.args.gfpo_stop_dropped_generations or self.args.adaptive_difficulty:
+        """Whether the early-stop rule should run on this batch; logs once, and returns False, where this generation
+        path cannot run it."""
+        if not self._early_stop_configured():
             return False
         unsupported = (
             "tool calling" if self.tools
@@ -317,7 +331,7 @@ class GFPOTrainer(GRPOTrainer):
         """With the early-stop rule asked for in server mode: whether the server streams what the rule reads (asked
         once, by the main process, the one that talks to the server, and told to every process). Where it does not,
         the rule is off for this trainer, with one warning saying why, and this returns that reason."""
-        if not self.args.gfpo_stop_dropped_generations or self.args.adaptive_difficulty:
+        if not self._early_stop_configured():
             return None
         box = [None]
         if self.accelerator.is_main_process:
@@ -433,7 +447,7 @@ class GFPOTrainer(GRPOTrainer):
             if (stopped & keep).any():  # the rule's promise; a failure here is a bug, never a silent wrong batch
                 raise RuntimeError("gfpo: a completion stopped early by gfpo_stop_dropped_generations was kept")
         log_selection(self, selection, stopped)
-        if self.args.group_filter == "length":  # whether or not the early-stop rule is on: the same rows either way
+        if self._filter is not None and self._filter.trl_metrics_over_kept_rows:  # rule on or off: the same rows
             log_trl_metrics_of_kept_rows(self, selection, metric_counts)
         # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (in place of TRL's GRPO
         # advantages of every row, which _generate_and_score_completions counted and set aside)

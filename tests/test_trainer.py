@@ -1,6 +1,7 @@
 """GFPOTrainer on a tiny Qwen2-style model and a character tokenizer made in code (no downloads), on CPU."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from datasets import Dataset  # noqa: E402
 
 import gfpo_kernels  # noqa: E402
 from gfpo_kernels import reference as ref  # noqa: E402
-from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
+from gfpo_trainer import GROUP_FILTERS, GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError, check_output, check_trl_surfaces  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
@@ -99,7 +100,8 @@ def real_rows(output):
         (dict(num_remains_in_group=0), r"got num_remains_in_group=0"),
         (dict(num_remains_in_group=1), r"2 <= k < num_generations=8 .*got num_remains_in_group=1"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[4, 3, 2, 1]), r"2 <= k <= num_generations=8, got adaptive_num_remains=\[4, 3, 2, 1\]"),
-        (dict(group_filter="shortest"), r"group_filter must be None or one of \('length', 'token_efficiency'\)"),
+        (dict(group_filter="shortest"), re.escape(f"group_filter must be None or one of {GROUP_FILTERS}, got "
+                                                  "group_filter='shortest'")),
         (dict(adaptive_difficulty=True), r"adaptive_num_remains must be 4 ints"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[8, 6, 4]), r"got adaptive_num_remains=\[8, 6, 4\]"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[9, 6, 4, 2]), r"2 <= k <= num_generations=8"),
