@@ -69,21 +69,33 @@ def length_score(x: FilterInputs) -> torch.Tensor:
 
 
 def token_efficiency_score(x: FilterInputs) -> torch.Tensor:
-    """Each row's rank inside its group by (reward / length descending, length ascending, index ascending), as
-    -position (largest kept). With 0/1 rewards every wrong completion scores 0 per token, and this sends the shorter
-    of them through. Unscorable rows (NaN reward) get NaN: they rank last."""
-    rewards, lengths, G = x.rewards, x.lengths, x.group_size
+    """Each row's rank inside its group by reward / length, largest kept. Exact ties go to the shorter completion where
+    the reward is > 0 and to the longer where it is <= 0 (the limit of reward / length as the reward approaches 0 from
+    below: with 0/1 rewards the wrong answers kept, and trained against, are the long ones, as with negative rewards),
+    then to the lower index. Unscorable rows (NaN reward) get NaN: they rank last. The ratio is taken in float64,
+    where a float32 reward over a token count is neither rounded to a false tie nor to 0."""
+    rewards, lengths = x.rewards.double(), x.lengths.double()
     efficiency = rewards / lengths.clamp(min=1.0)
-    efficiency = torch.nan_to_num(efficiency, nan=-torch.inf)  # NaN sorts above +inf; unscorable must rank last
-    # stable sorts, least significant key first: index (given), length ascending, efficiency descending, group
-    order = torch.argsort(lengths, stable=True)
-    order = order[torch.argsort(efficiency[order], descending=True, stable=True)]
-    group = torch.div(order, G, rounding_mode="floor")
-    order = order[torch.argsort(group, stable=True)]
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device) % G
-    # unscorable rows keep NaN so the kernels rank them last whatever their position
+    descending_efficiency = torch.nan_to_num(-efficiency, nan=torch.inf)  # NaN would sort first; it ranks last
+    tie_break = torch.where(rewards > 0, lengths, -lengths)  # -0.0 and NaN rewards: <= 0 is not > 0
+    position = rank_in_group([descending_efficiency, tie_break], x.group_size)
     return torch.where(torch.isnan(rewards), torch.nan, -position.to(torch.float64))
+
+
+def rank_in_group(keys: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Each row's position inside its group (rows [g * G, (g + 1) * G)) when the group is sorted by `keys`, each (N,)
+    and ascending, the first the most significant, then by index. Returns (N,) int64 in [0, G).
+
+    Stable sorts, least significant key first. -0.0 is folded into 0.0 (a radix sort, as on CUDA, orders their bits
+    apart); keys must hold no NaN."""
+    order = torch.arange(keys[0].numel(), device=keys[0].device)
+    for key in reversed(keys):
+        key = key + 0.0  # -0.0 + 0.0 = 0.0
+        order = order[torch.argsort(key[order], stable=True)]
+    order = order[torch.argsort(torch.div(order, group_size, rounding_mode="floor"), stable=True)]
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device) % group_size
+    return position
 
 
 GROUP_FILTER_SPECS: dict[str, GroupFilterSpec] = {spec.name: spec for spec in (

@@ -29,6 +29,7 @@ from gfpo_trainer._compat import TRLSurfaceError, tool_mask_of  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 from gfpo_trainer.batch import GenerationBatch  # noqa: E402
 from gfpo_trainer.filters import GROUP_FILTER_SPECS, FilterInputs  # noqa: E402
+from test_filters import token_efficiency_keep_by_loop  # noqa: E402
 
 token_efficiency = GROUP_FILTER_SPECS["token_efficiency"]
 
@@ -85,17 +86,10 @@ def test_infinite_reward_gives_its_group_zero_advantage(model_dir, tokenizer, tm
                                         if p.grad is not None)
 
 
-def _brute_force_token_efficiency_keep(rewards, lengths, G, k):
-    keep = torch.zeros(len(rewards), dtype=torch.bool)
-    for g in range(len(rewards) // G):
-        rows = list(range(g * G, (g + 1) * G))
-        rows.sort(key=lambda i: (-(rewards[i] / max(lengths[i], 1.0)), lengths[i], i))
-        keep[rows[:k]] = True
-    return keep
-
-
 @pytest.mark.parametrize("use_kernels", [False, True])
-def test_token_efficiency_ties_go_to_the_shorter_completion(use_kernels):
+def test_token_efficiency_ties_follow_the_sign_rule(use_kernels):
+    """0/1 rewards with many exact ties: the kept rows are the plain-Python ranking's (tests/test_filters.py), with the
+    fused kernel and the reference alike."""
     torch.manual_seed(0)
     G, k = 8, 3
     rewards = torch.randint(0, 2, (32 * G,)).float()  # 0/1 rewards: every wrong answer scores 0 per token
@@ -104,9 +98,9 @@ def test_token_efficiency_ties_go_to_the_shorter_completion(use_kernels):
     scores = token_efficiency.score(FilterInputs(rewards, lengths, torch.zeros_like(lengths), G))
     ops = gfpo_kernels if use_kernels else ref
     keep, _ = ops.gfpo_filter_advantages(rewards, scores, G, k, largest=True)
-    assert torch.equal(keep, _brute_force_token_efficiency_keep(rewards.tolist(), lengths.tolist(), G, k))
-    # the all-wrong groups keep their shortest completions, not their first ones
-    assert lengths[:G][keep[:G]].max() <= lengths[:G][~keep[:G]].min()
+    assert torch.equal(keep, token_efficiency_keep_by_loop(rewards.tolist(), lengths.tolist(), G, k))
+    # the all-wrong groups keep their longest completions, not their first ones
+    assert lengths[:G][keep[:G]].min() >= lengths[:G][~keep[:G]].max()
 
 
 def test_token_efficiency_rank_puts_unscorable_rows_last():
