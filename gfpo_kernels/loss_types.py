@@ -283,31 +283,34 @@ class TrainedRowsNormalisation(NamedTuple):
 
 
 def trained_rows_normalisation(spec: LossTypeSpec, keep: torch.Tensor, row_tokens: torch.Tensor, real: torch.Tensor,
-                               num_processes: int) -> TrainedRowsNormalisation:
+                               num_processes: int, *, rejected_in_loss: bool = False) -> TrainedRowsNormalisation:
     """The normaliser of a loss over a subset of a generation batch's rows, so that every row weighs what it would in
-    TRL's loss over the `keep` rows divided evenly: the subset is what a trainer trains (the kept rows, less those it
-    skips as zero-gradient, padded with masked rows so that every process holds `real.numel()` rows and every
-    micro-batch as many).
+    TRL's loss over the rows in the loss divided evenly: the subset is what a trainer trains (the rows in the loss,
+    less those it skips as zero-gradient, padded with masked rows so that every process holds `real.numel()` rows
+    and every micro-batch as many). Two cases of rows in the loss: the `keep` rows (GFPO trains the kept rows only),
+    or every row (`rejected_in_loss`, the paper's objective: the rejected rows are in the loss with advantage 0, as in
+    TRL's loss over all rows with their advantages zeroed).
 
-    Skipped rows still count: a token_count normaliser divides by the tokens of every `keep` row (padding rows hold
-    none; vespo's weight phi reads its own row only), so its rows weigh 1. A per_sequence
-    normaliser divides each micro-batch by its row count B = B_real + padding, where an even split of the K kept rows
-    would have K / (P * steps_per_generation): every real row gets the factor P * (rows per process) / K. A
-    micro_batch_tokens normaliser (bnpo) cannot be corrected per row: the trainer neither pads nor skips for it, and
-    its rows weigh 1.
+    Skipped rows still count: a token_count normaliser divides by the tokens of every row in the loss (padding rows
+    hold none; vespo's weight phi reads its own row only), so its rows weigh 1. A per_sequence normaliser divides
+    each micro-batch by its row count B = B_real + padding, where an even split of the K rows in the loss would have
+    K / (P * steps_per_generation): every real row gets the factor P * (rows per process) / K. A micro_batch_tokens
+    normaliser (bnpo) cannot be corrected per row: the trainer neither pads nor skips for it, and its rows weigh 1.
 
     Args:
         spec: the loss type's spec (LOSS_SPECS).
-        keep: (N,) bool, the rows of the global batch the loss covers.
+        keep: (N,) bool, the kept rows of the global batch.
         row_tokens: (N,) integer, each global row's loss tokens (completion mask x tool mask, summed).
         real: (B,) bool, this process's trained rows: True for a real row, False for a padding row.
         num_processes: P, the processes sharing the global batch.
+        rejected_in_loss: every row of the global batch is in the loss, not the `keep` rows only.
     Returns:
         TrainedRowsNormalisation: num_items_in_batch (), row_weights (B,) float32.
     """
-    num_kept = int(keep.sum())
-    weight = num_processes * real.numel() / max(num_kept, 1) if spec.normaliser.per_sequence else 1.0
-    return TrainedRowsNormalisation(num_items_in_batch=row_tokens[keep].sum(), row_weights=real.float() * weight)
+    in_loss = torch.ones_like(keep) if rejected_in_loss else keep
+    num_in_loss = int(in_loss.sum())
+    weight = num_processes * real.numel() / max(num_in_loss, 1) if spec.normaliser.per_sequence else 1.0
+    return TrainedRowsNormalisation(num_items_in_batch=row_tokens[in_loss].sum(), row_weights=real.float() * weight)
 
 
 CLIPPED, CISPO, SAPO, VESPO = ClippedTerm(), CispoTerm(), SapoTerm(), VespoTerm()

@@ -71,7 +71,17 @@ class GFPOConfig(GRPOConfig):
             with dropout active in the policy (`disable_dropout=False` on a model with dropout, or
             attention dropout applied inline: a shorter batch draws differently); there every row is trained, as in
             GRPO. With skipping, TRL's entropy and clip-ratio metrics cover the trained rows;
-            `gfpo/skipped_zero_gradient_fraction` logs the share of kept rows skipped.
+            `gfpo/skipped_zero_gradient_fraction` logs the share of the rows in the loss skipped.
+        loss_includes_rejected (`bool`, *optional*, defaults to `False`):
+            The paper's objective (arXiv 2508.09726, Eq. 2, DAPO token-level aggregation as in verl): the completions
+            the filter rejects stay in the loss with advantage 0, so the loss is TRL's over every sampled completion
+            with the rejected advantages zeroed: the token-level normaliser counts every sampled completion (the
+            per-sequence losses every row), and the KL and entropy terms reach the rejected rows. `False` (as TRL's
+            GFPOTrainer did) trains the kept rows only, and divides by their tokens. With `beta == 0` and no entropy
+            term the rejected rows carry no gradient and are counted, not trained (`skip_zero_gradient_rows`);
+            otherwise they are trained with advantage 0. The early-stop rule is off with it, with one warning: it
+            would cut rejected completions short, and the loss counts their full lengths. Without
+            `num_remains_in_group` every completion is in the loss anyway.
     """
 
     num_remains_in_group: int | None = field(
@@ -107,6 +117,11 @@ class GFPOConfig(GRPOConfig):
         metadata={"help": "With vLLM and the length filter, seed every completion's request from the trainer's "
                           "random stream (the same completions with early stop on or off)."},
     )
+    loss_includes_rejected: bool = field(
+        default=False,
+        metadata={"help": "The paper's objective: rejected completions stay in the loss with advantage 0 (its "
+                          "normaliser counts every sampled completion; the KL and entropy terms reach them)."},
+    )
 
     def __post_init__(self):
         # TRL takes any value here and fails only at the first training step (GFPO's kernels then name `scale`);
@@ -136,6 +151,9 @@ class GFPOConfig(GRPOConfig):
                 f"got num_remains_in_group={k!r}"
             )
         filter_spec = group_filter_spec(self.group_filter)  # ValueError naming the choices
+        if not isinstance(self.loss_includes_rejected, bool):
+            raise ValueError(f"loss_includes_rejected must be one of (True, False), got "
+                             f"loss_includes_rejected={self.loss_includes_rejected!r}")
         if self.adaptive_difficulty:
             if k is None:
                 raise ValueError("adaptive_difficulty=True needs num_remains_in_group (it turns filtering on)")
@@ -153,7 +171,9 @@ class GFPOConfig(GRPOConfig):
         elif self.adaptive_num_remains is not None:
             raise ValueError("adaptive_num_remains is set but adaptive_difficulty=False; set adaptive_difficulty=True")
         entropy_coef, adaptive_entropy = getattr(self, "entropy_coef", 0.0), getattr(self, "use_adaptive_entropy", False)
-        uneven = self.adaptive_difficulty or (k is not None and self.per_device_train_batch_size * k % G != 0)
+        # with the rejected rows in the loss every row is trained where these terms are on (no row is skipped)
+        uneven = not self.loss_includes_rejected and (
+            self.adaptive_difficulty or (k is not None and self.per_device_train_batch_size * k % G != 0))
         # The kept rows then need padding rows to fill equal micro-batches, and weights for the per-sequence losses
         # (gfpo_trainer/rows.py). Terms normalised per micro-batch inside TRL's loss cannot be kept as an even split
         # would have them: the entropy bonus (a mean over a micro-batch's tokens) and bnpo (a micro-batch's token

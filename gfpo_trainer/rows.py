@@ -9,7 +9,8 @@ unequal sizes). Missing rows are copies of a trained row with an all-zero comple
 ratio 1.
 
 Row weights and the loss's token count: a row must weigh in the loss what it would in an evenly divided batch of all
-the rows the loss covers (the kept rows, skipped ones included): gfpo_kernels.loss_types.trained_rows_normalisation
+the rows the loss covers: the kept rows, skipped ones included (with GFPOConfig.loss_includes_rejected every sampled
+row, the rejected ones at advantage 0, skipped or trained as such). gfpo_kernels.loss_types.trained_rows_normalisation
 computes both from the kept mask, the rows' tokens and this process's share, and `weight_loss` applies the row
 weight (one factor per micro-batch, since the rows of one batch share it). bnpo divides by the tokens of its own
 micro-batch and by gradient_accumulation_steps: a micro-batch of padding rows only would shrink the step's gradient,
@@ -98,45 +99,51 @@ def _dropout_in_the_way(trainer) -> bool:
 @dataclass
 class TrainedRows:
     """Which rows of the global batch this process trains: `rows`, global indices, the first `n_real` real and the
-    rest padding (copies of a kept row). Every process holds `share` rows, an equal, steps_per_generation-divisible
-    share of the `trained` rows (the `kept` ones, less those of advantage 0 where skipped)."""
+    rest padding (copies of a row in the loss). Every process holds `share` rows, an equal, steps_per_generation-
+    divisible share of the `trained` rows (the `in_loss` ones, less those of advantage 0 where skipped). The loss
+    covers the kept rows, or every sampled row where `rejected_in_loss` (GFPOConfig.loss_includes_rejected)."""
 
     rows: torch.Tensor
     n_real: int
     share: int
-    kept: int
+    in_loss: int
     trained: int
     unskipped_share: int  # the share had no row been skipped
+    rejected_in_loss: bool = False
 
     @property
     def skipped_fraction(self) -> float:
-        return 1.0 - self.trained / max(self.kept, 1)
+        return 1.0 - self.trained / max(self.in_loss, 1)
 
 
 def plan_trained_rows(keep: torch.Tensor, advantages: torch.Tensor, skip_zero: bool, num_processes: int,
-                      process_index: int, steps_per_generation: int) -> TrainedRows:
-    """The rows process `process_index` of `num_processes` trains: the kept rows (`keep`, the global batch's), less
-    those of advantage exactly 0 when `skip_zero`, divided evenly in global order, padded to the share."""
-    kept = keep.nonzero().squeeze(1)
-    trained = kept[advantages[kept] != 0] if skip_zero else kept
+                      process_index: int, steps_per_generation: int, rejected_in_loss: bool = False) -> TrainedRows:
+    """The rows process `process_index` of `num_processes` trains: the rows in the loss (`keep`, the global batch's,
+    or every row where `rejected_in_loss`), less those of advantage exactly 0 when `skip_zero`, divided evenly in
+    global order, padded to the share."""
+    in_loss = (torch.ones_like(keep) if rejected_in_loss else keep).nonzero().squeeze(1)
+    trained = in_loss[advantages[in_loss] != 0] if skip_zero else in_loss
     share = _share_per_process(trained.numel(), num_processes, steps_per_generation)
     mine = trained[process_index * share : (process_index + 1) * share]
-    # padding rows copy a kept row (a valid forward) and are masked out by take_trained_rows
-    rows = torch.cat([mine, kept[:1].expand(share - mine.numel())])
-    return TrainedRows(rows=rows, n_real=mine.numel(), share=share, kept=kept.numel(), trained=trained.numel(),
-                       unskipped_share=_share_per_process(kept.numel(), num_processes, steps_per_generation))
+    # padding rows copy a row in the loss (a valid forward) and are masked out by take_trained_rows
+    rows = torch.cat([mine, in_loss[:1].expand(share - mine.numel())])
+    return TrainedRows(rows=rows, n_real=mine.numel(), share=share, in_loss=in_loss.numel(), trained=trained.numel(),
+                       unskipped_share=_share_per_process(in_loss.numel(), num_processes, steps_per_generation),
+                       rejected_in_loss=rejected_in_loss)
 
 
 def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: torch.Tensor, plan: TrainedRows) -> None:
     """Replaces the per-row tensors of `output` (TRL's dict of this process's rows) by the rows of `plan`, their
-    padding masked out, with their loss weights and the loss's token count over the `keep` rows (the global batch's,
-    as `advantages`), cropped to the longest trained completion."""
+    padding masked out, with their loss weights and the loss's token count over the rows in the loss (the `keep`
+    rows of the global batch, or all of them where plan.rejected_in_loss; `advantages` are the global batch's),
+    cropped to the longest trained completion."""
     row_tokens = _global_row_tokens(trainer, output)  # before the exchange: every process's rows, in global order
     _exchange_rows(trainer, output, advantages, plan.rows)
     real = torch.arange(plan.share, device=plan.rows.device) < plan.n_real
     _mask_padding_rows(output, real)
     normalisation = trained_rows_normalisation(LOSS_SPECS[trainer.loss_type], keep, row_tokens, real,
-                                               trainer.accelerator.num_processes)
+                                               trainer.accelerator.num_processes,
+                                               rejected_in_loss=plan.rejected_in_loss)
     output[REAL_ROW_KEY] = real
     output[ROW_WEIGHT_KEY] = normalisation.row_weights
     output["num_items_in_batch"] = normalisation.num_items_in_batch

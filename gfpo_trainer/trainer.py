@@ -13,8 +13,8 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 2. `_get_per_token_logps_and_entropies` (wrapped): during scoring, the no-grad passes of the old policy and the
    reference model are deferred and later run on the kept rows only.
 3. `_generate_and_score_completions` (post-processed): its dict keeps only the rows to train (the kept rows with
-   GFPO's advantages; less those of advantage exactly 0 where skip_zero_gradient_rows applies, also without a
-   filter), rebalanced so every process holds the same number of rows and that number divides by
+   GFPO's advantages, or every row with loss_includes_rejected, the rejected at advantage 0; less those of
+   advantage exactly 0 where skip_zero_gradient_rows applies, also without a filter), rebalanced so every process holds the same number of rows and that number divides by
    steps_per_generation (TRL's split_tensor_dict would drop a remainder; its loss gathers per-sequence metrics
    across processes and hangs on unequal sizes). Missing rows are copies of a kept row with an all-zero
    completion mask and advantage 0; every row is weighed as in an evenly divided batch (rows.py).
@@ -144,6 +144,12 @@ class GFPOTrainer(GRPOTrainer):
         self._gfpo_aux_loss = None  # a micro-batch's router auxiliary loss, from TRL's log-prob pass of its loss
         self._gfpo_warned: set[str] = set()  # the one-time warnings given (_warn_once)
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
+        spec = self._filter
+        if (args.loss_includes_rejected and args.num_remains_in_group is not None and spec is not None
+                and spec.early_stop and args.gfpo_stop_dropped_generations and not args.adaptive_difficulty):
+            logger.warning("gfpo_stop_dropped_generations is not applied with loss_includes_rejected=True: the rule "
+                           "cuts the completions the filter rejects short, and the loss then covers them, so it "
+                           "would train on cut text and count cut lengths; every completion is generated to its end")
         if args.use_gfpo_kernels:
             install_fused_loss_forward(self.model.get_base_model() if _is_peft_model(self.model) else self.model,
                                        cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False))
@@ -230,10 +236,11 @@ class GFPOTrainer(GRPOTrainer):
 
     def _early_stop_configured(self) -> bool:
         """Whether the options ask for the early-stop rule: gfpo_stop_dropped_generations, a filter that allows it
-        (GroupFilterSpec.early_stop), no adaptive difficulty (whose difficulty reads every completion's reward)."""
+        (GroupFilterSpec.early_stop), no adaptive difficulty (whose difficulty reads every completion's reward), the
+        rejected rows not in the loss (it would cut them short: see __init__'s warning)."""
         spec = self._filter
         return (self.args.gfpo_stop_dropped_generations and spec is not None and spec.early_stop
-                and not self.args.adaptive_difficulty)
+                and not self.args.adaptive_difficulty and not self.args.loss_includes_rejected)
 
     def _early_stop_wanted(self) -> bool:
         """Whether the early-stop rule should run on this batch; logs once, and returns False, where this generation
@@ -432,7 +439,8 @@ class GFPOTrainer(GRPOTrainer):
             raise TRLSurfaceError(f"the global batch holds {keep.numel()} rows, {P} processes x {n_local} were expected")
 
         plan = plan_trained_rows(keep, advantages, batch.skip_zero, P, self.accelerator.process_index,
-                                 self.args.steps_per_generation)
+                                 self.args.steps_per_generation,
+                                 rejected_in_loss=selection is not None and self.args.loss_includes_rejected)
         take_trained_rows(self, output, keep, advantages, plan)
         if batch.skip_zero:
             self._metrics["train"]["gfpo/skipped_zero_gradient_fraction"].append(plan.skipped_fraction)
