@@ -76,8 +76,8 @@ class GFPOConfig(GRPOConfig):
             The paper's objective (arXiv 2508.09726, Eq. 2, DAPO token-level aggregation as in verl): the completions
             the filter rejects stay in the loss with advantage 0, so the loss is TRL's over every sampled completion
             with the rejected advantages zeroed: the token-level normaliser counts every sampled completion (the
-            per-sequence losses every row), and the KL and entropy terms reach the rejected rows. `False` (as TRL's
-            GFPOTrainer did) trains the kept rows only, and divides by their tokens. With `beta == 0` and no entropy
+            per-sequence losses every row), and the KL and entropy terms reach the rejected rows. `False` trains the
+            kept rows only, and divides by their tokens. With `beta == 0` and no entropy
             term the rejected rows carry no gradient and are counted, not trained (`skip_zero_gradient_rows`);
             otherwise they are trained with advantage 0. The early-stop rule is off with it, with one warning: it
             would cut rejected completions short, and the loss counts their full lengths. Without

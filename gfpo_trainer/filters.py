@@ -64,7 +64,9 @@ class GroupFilterSpec:
 def length_score(x: FilterInputs) -> torch.Tensor:
     """The completion's length, plus one where the early-stop rule cut it: a cut row would have held at least one
     more token than it holds (on vLLM it is aborted, without EOS, once it holds as many tokens as the k-th shortest
-    finished one of its group: vllm_stop.py), so it ranks below those k, ties included. Smallest kept."""
+    finished one of its group: vllm_stop.py), so it ranks below those k, ties included. Smallest kept.
+
+    Returns: (N,) float32."""
     return x.lengths + x.stopped
 
 
@@ -73,7 +75,9 @@ def token_efficiency_score(x: FilterInputs) -> torch.Tensor:
     the reward is > 0 and to the longer where it is <= 0 (the limit of reward / length as the reward approaches 0 from
     below: with 0/1 rewards the wrong answers kept, and trained against, are the long ones, as with negative rewards),
     then to the lower index. Unscorable rows (NaN reward) get NaN: they rank last. The ratio is taken in float64,
-    where a float32 reward over a token count is neither rounded to a false tie nor to 0."""
+    where a float32 reward over a token count is neither rounded to a false tie nor to 0.
+
+    Returns: (N,) float64, -(position in the group), NaN for unscorable rows."""
     rewards, lengths = x.rewards.double(), x.lengths.double()
     efficiency = rewards / lengths.clamp(min=1.0)
     descending_efficiency = torch.nan_to_num(-efficiency, nan=torch.inf)  # NaN would sort first; it ranks last

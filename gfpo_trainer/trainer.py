@@ -14,10 +14,11 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
    reference model are deferred and later run on the kept rows only.
 3. `_generate_and_score_completions` (post-processed): its dict keeps only the rows to train (the kept rows with
    GFPO's advantages, or every row with loss_includes_rejected, the rejected at advantage 0; less those of
-   advantage exactly 0 where skip_zero_gradient_rows applies, also without a filter), rebalanced so every process holds the same number of rows and that number divides by
-   steps_per_generation (TRL's split_tensor_dict would drop a remainder; its loss gathers per-sequence metrics
-   across processes and hangs on unequal sizes). Missing rows are copies of a kept row with an all-zero
-   completion mask and advantage 0; every row is weighed as in an evenly divided batch (rows.py).
+   advantage exactly 0 where skip_zero_gradient_rows applies, also without a filter), rebalanced so every process
+   holds the same number of rows and that number divides by steps_per_generation (TRL's split_tensor_dict would
+   drop a remainder; its loss gathers per-sequence metrics across processes and hangs on unequal sizes). Missing
+   rows are copies of a trained row with an all-zero completion mask and advantage 0; every row is weighed as in an
+   evenly divided batch (rows.py).
 4. `compute_loss` (overridden): the micro-batch cropped to its longest completion (TRL pads every micro-batch to
    the generation batch's longest), then TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
    model's LM head.
@@ -130,7 +131,7 @@ class GFPOTrainer(GRPOTrainer):
             **grpo_kwargs,
         )
         check_trainer_attributes(self)
-        own_generation = self._filter is not None and self._filter.own_generation
+        own_generation = self._filter_spec is not None and self._filter_spec.own_generation
         if self.use_vllm and self.vllm_mode == "colocate" and own_generation:
             check_vllm_generation(self)
         self._server_stop_unavailable: str | None = None  # why the vLLM server cannot run the early-stop rule
@@ -144,7 +145,7 @@ class GFPOTrainer(GRPOTrainer):
         self._gfpo_aux_loss = None  # a micro-batch's router auxiliary loss, from TRL's log-prob pass of its loss
         self._gfpo_warned: set[str] = set()  # the one-time warnings given (_warn_once)
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
-        spec = self._filter
+        spec = self._filter_spec
         if (args.loss_includes_rejected and args.num_remains_in_group is not None and spec is not None
                 and spec.early_stop and args.gfpo_stop_dropped_generations and not args.adaptive_difficulty):
             logger.warning("gfpo_stop_dropped_generations is not applied with loss_includes_rejected=True: the rule "
@@ -174,7 +175,7 @@ class GFPOTrainer(GRPOTrainer):
         return self.args.num_remains_in_group is not None and self.model.training
 
     @property
-    def _filter(self) -> GroupFilterSpec | None:
+    def _filter_spec(self) -> GroupFilterSpec | None:
         """The built-in filter's spec (gfpo_trainer/filters.py); None with a group_filter_func or no filter."""
         return group_filter_spec(self.args.group_filter)
 
@@ -209,7 +210,7 @@ class GFPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ stopping completions that will be dropped
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not (self._filtering() and self._filter is not None and self._filter.own_generation):
+        if not (self._filtering() and self._filter_spec is not None and self._filter_spec.own_generation):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
         # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
@@ -238,7 +239,7 @@ class GFPOTrainer(GRPOTrainer):
         """Whether the options ask for the early-stop rule: gfpo_stop_dropped_generations, a filter that allows it
         (GroupFilterSpec.early_stop), no adaptive difficulty (whose difficulty reads every completion's reward), the
         rejected rows not in the loss (it would cut them short: see __init__'s warning)."""
-        spec = self._filter
+        spec = self._filter_spec
         return (self.args.gfpo_stop_dropped_generations and spec is not None and spec.early_stop
                 and not self.args.adaptive_difficulty and not self.args.loss_includes_rejected)
 
@@ -455,7 +456,7 @@ class GFPOTrainer(GRPOTrainer):
             if (stopped & keep).any():  # the rule's promise; a failure here is a bug, never a silent wrong batch
                 raise RuntimeError("gfpo: a completion stopped early by gfpo_stop_dropped_generations was kept")
         log_selection(self, selection, stopped)
-        if self._filter is not None and self._filter.trl_metrics_over_kept_rows:  # rule on or off: the same rows
+        if self._filter_spec is not None and self._filter_spec.trl_metrics_over_kept_rows:  # rule on or off alike
             log_trl_metrics_of_kept_rows(self, selection, metric_counts)
         # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (in place of TRL's GRPO
         # advantages of every row, which _generate_and_score_completions counted and set aside)
