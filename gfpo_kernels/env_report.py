@@ -1,9 +1,10 @@
-"""The environment report for bug reports: `python -m gfpo_kernels`.
+"""The kernel package's environment report for bug reports: `python -m gfpo_kernels`.
 
-Versions (and the commit gfpo was built from), vLLM's and whether the installed TRL generates with it, devices, the
-extension (loaded or why not, and what it was built against), and the backend each op family would use for CPU and
-CUDA tensors (asked of `_dispatch`, the one place that decides). Needs neither TRL nor a GPU: without TRL the vLLM
-line says it was not checked.
+Versions (and the commit gfpo was built from), devices, the extension (loaded or why not, and what it was built
+against), and the backend each op family would use for CPU and CUDA tensors (asked of `_dispatch`, the one place that
+decides). Needs neither TRL nor a GPU. What only the trainer knows (whether the installed TRL is supported, and the
+vLLM it generates with) is added by `python -m gfpo_trainer env` (gfpo_trainer/env_report.py): this package imports
+nothing from gfpo_trainer.
 """
 
 from __future__ import annotations
@@ -28,41 +29,12 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def vllm_report(trl_version: str) -> str:
-    """The vLLM installed (gfpo_trainer._compat.vllm_version) and whether TRL `trl_version` generates with it (its
-    range: gfpo_trainer._compat.VLLM_RANGE_BY_TRL); the trainer refuses use_vllm=True outside that range."""
-    from gfpo_trainer import _compat  # imports TRL: the caller has checked that it is installed
-
-    found, bounds = _compat.vllm_version(), _compat.supported_vllm(trl_version)
-    if bounds is None:
-        known = ", ".join(sorted(_compat.VLLM_RANGE_BY_TRL))
-        return (f"{found or 'not installed'} (trl {trl_version} is not a release gfpo knows the vLLM range of: "
-                f"trl {known})")
-    supported = f"trl {trl_version} generates with vllm {bounds[0]} to {bounds[1]}"
-    if found is None:
-        return f"not installed ({supported}; pip install 'gfpo[vllm]' installs one)"
-    if _compat.is_supported_vllm(found, trl_version):
-        return f"{found}, supported ({supported})"
-    return f"{found}, NOT supported ({supported}; pip install 'gfpo[vllm]' installs one)"
-
-
-def _vllm_line() -> str:
-    trl_version = _version("trl")
-    if trl_version == "not installed":
-        return "vllm: not checked (the check needs TRL, which is not installed)"
-    try:
-        return f"vllm: {vllm_report(trl_version)}"
-    except ImportError as error:  # a TRL or transformers that does not import: the rest of the report still prints
-        return f"vllm: not checked (importing gfpo_trainer._compat failed: {type(error).__name__}: {error})"
-
-
 def environment_report() -> str:
     """A plain-text report of what gfpo_kernels runs on, one `name: value` per line."""
     extension = _dispatch.EXTENSION
     lines = [f"python: {sys.version.split()[0]} ({platform.platform()})", f"gfpo: {_version('gfpo')}",
              f"gfpo commit: {extension.build.get('COMMIT', 'unknown (no build record)')}"]
     lines += [f"{name}: {_version(name)}" for name in _PACKAGES]
-    lines.append(_vllm_line())
     lines.append(f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}")
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):

@@ -10,7 +10,8 @@ A loss type is two parts that vary independently:
 
 Readers: grpo_loss_math (the loss, its closed-form gradient, the zero-gradient tokens), linear_grpo_triton's dispatch
 (LossTypeSpec.term.triton_branch), scripts/triton_aot.py (one compiled configuration per branch), the trainer's row
-weights and skipping (gfpo_trainer/rows.py) and its config checks (gfpo_trainer/config.py, fused_head.py).
+weights and skipping (trained_rows_normalisation, called by gfpo_trainer/rows.py) and its config checks
+(gfpo_trainer/config.py, fused_head.py).
 
 Adding a loss type: a row in LOSS_SPECS; with a new policy term, a PolicyTerm subclass here and its branch in
 linear_grpo_triton._token_loss_gradient (the kernel's `LOSS` constant is the term's triton_branch).
@@ -271,6 +272,45 @@ class SequenceSumMean(Normaliser):
 
     def reduce(self, per_token_loss, mask, o, num_items_in_batch):
         return (per_token_loss * mask).sum(-1).mean()
+
+
+class TrainedRowsNormalisation(NamedTuple):
+    """What a loss over a trainer's chosen rows divides by, and what each of its rows weighs (see
+    trained_rows_normalisation)."""
+
+    num_items_in_batch: torch.Tensor  # (), the token count a token_count normaliser divides by (TRL's key)
+    row_weights: torch.Tensor  # (B,) float32, a factor on each trained row's loss: 0 for padding rows
+
+
+def trained_rows_normalisation(spec: LossTypeSpec, keep: torch.Tensor, row_tokens: torch.Tensor, real: torch.Tensor,
+                               num_processes: int, *, rejected_in_loss: bool = False) -> TrainedRowsNormalisation:
+    """The normaliser of a loss over a subset of a generation batch's rows, so that every row weighs what it would in
+    TRL's loss over the rows in the loss divided evenly: the subset is what a trainer trains (the rows in the loss,
+    less those it skips as zero-gradient, padded with masked rows so that every process holds `real.numel()` rows
+    and every micro-batch as many). Two cases of rows in the loss: the `keep` rows (GFPO trains the kept rows only),
+    or every row (`rejected_in_loss`, the paper's objective: the rejected rows are in the loss with advantage 0, as in
+    TRL's loss over all rows with their advantages zeroed).
+
+    Skipped rows still count: a token_count normaliser divides by the tokens of every row in the loss (padding rows
+    hold none; vespo's weight phi reads its own row only), so its rows weigh 1. A per_sequence normaliser divides
+    each micro-batch by its row count B = B_real + padding, where an even split of the K rows in the loss would have
+    K / (P * steps_per_generation): every real row gets the factor P * (rows per process) / K. A micro_batch_tokens
+    normaliser (bnpo) cannot be corrected per row: the trainer neither pads nor skips for it, and its rows weigh 1.
+
+    Args:
+        spec: the loss type's spec (LOSS_SPECS).
+        keep: (N,) bool, the kept rows of the global batch.
+        row_tokens: (N,) integer, each global row's loss tokens (completion mask x tool mask, summed).
+        real: (B,) bool, this process's trained rows: True for a real row, False for a padding row.
+        num_processes: P, the processes sharing the global batch.
+        rejected_in_loss: every row of the global batch is in the loss, not the `keep` rows only.
+    Returns:
+        TrainedRowsNormalisation: num_items_in_batch (), row_weights (B,) float32.
+    """
+    in_loss = torch.ones_like(keep) if rejected_in_loss else keep
+    num_in_loss = int(in_loss.sum())
+    weight = num_processes * real.numel() / max(num_in_loss, 1) if spec.normaliser.per_sequence else 1.0
+    return TrainedRowsNormalisation(num_items_in_batch=row_tokens[in_loss].sum(), row_weights=real.float() * weight)
 
 
 CLIPPED, CISPO, SAPO, VESPO = ClippedTerm(), CispoTerm(), SapoTerm(), VespoTerm()

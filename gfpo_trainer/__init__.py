@@ -3,7 +3,8 @@
 - GFPOConfig: GRPOConfig plus num_remains_in_group, group_filter, use_gfpo_kernels, adaptive_difficulty,
   adaptive_num_remains, skip_zero_gradient_rows, gfpo_stop_dropped_generations.
 - GFPOTrainer: GRPOTrainer that trains on the top-k completions of every group.
-- GROUP_FILTERS: the names of the built-in filters GFPOConfig.group_filter takes.
+- GROUP_FILTERS: the names of the built-in filters GFPOConfig.group_filter takes (the keys of
+  gfpo_trainer.filters.GROUP_FILTER_SPECS).
 
 The names load TRL on first use, not on `import gfpo_trainer`: `python -m gfpo_trainer --help` stays instant.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"GFPOConfig": ".config", "GROUP_FILTERS": ".config", "GFPOTrainer": ".trainer"}
+_LAZY = {"GFPOConfig": ".config", "GROUP_FILTERS": ".filters", "GFPOTrainer": ".trainer"}
 
 __all__ = ["GFPOConfig", "GFPOTrainer", "GROUP_FILTERS"]
 

@@ -1,4 +1,5 @@
-"""The command line: `python -m gfpo_trainer demo [--quick]` and `python -m gfpo_trainer train --config FILE.yaml`.
+"""The command line: `python -m gfpo_trainer demo [--quick]`, `python -m gfpo_trainer train --config FILE.yaml` and
+`python -m gfpo_trainer env` (the environment report for a bug report).
 
 A training config (YAML):
 
@@ -302,7 +303,14 @@ def main(argv=None) -> int:
     train = commands.add_parser("train", help="train with GFPO from a YAML config")
     train.add_argument("--config", required=True, help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
                        "and optionally dataset_split (default train)")
+    commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
+                        "extension, backends, and whether the installed TRL and vLLM are supported")
     options = parser.parse_args(argv)
+    if options.command == "env":  # needs no TRL: a bug report must be possible from a broken install
+        from .env_report import environment_report
+
+        print(environment_report())
+        return 0
     try:  # the commands need the trainer extra, which `pip install --no-build-isolation .` alone does not bring
         if options.command == "demo":
             from . import demo  # noqa: F401 (TRL, transformers, datasets: the runs import them)

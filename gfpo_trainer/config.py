@@ -10,7 +10,8 @@ from trl import GRPOConfig
 from gfpo_kernels.grpo_loss_math import check_loss_kind
 from gfpo_kernels.loss_types import loss_spec
 
-GROUP_FILTERS = ("length", "token_efficiency")
+from .filters import GROUP_FILTER_SPECS, group_filter_spec
+
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -27,9 +28,10 @@ class GFPOConfig(GRPOConfig):
             (2 <= k < num_generations: with k = 1 every advantage would be 0, as TRL refuses num_generations < 2).
             `None` disables filtering (plain GRPO).
         group_filter (`str` or `None`, *optional*, defaults to `None`):
-            Built-in filter scored on device: `"length"` keeps the k completions with the fewest tokens,
-            `"token_efficiency"` the k with the highest reward per completion token. With `num_remains_in_group`
-            set, exactly one of `group_filter` and the trainer's `group_filter_func` is required.
+            Built-in filter scored on device, one of `GROUP_FILTERS` (gfpo_trainer/filters.py; docs/trainer.md
+            describes each): `"length"` keeps the k completions with the fewest tokens, `"token_efficiency"` the k
+            with the highest reward per completion token. With `num_remains_in_group` set, exactly one of
+            `group_filter` and the trainer's `group_filter_func` is required.
         use_gfpo_kernels (`bool`, *optional*, defaults to `False`):
             Put the fused kernels on the hot path: the fused filter + advantage kernel, and the fused linear GRPO
             loss through the model's LM head (no (tokens x vocab) logits). `False` runs the reference
@@ -69,7 +71,17 @@ class GFPOConfig(GRPOConfig):
             with dropout active in the policy (`disable_dropout=False` on a model with dropout, or
             attention dropout applied inline: a shorter batch draws differently); there every row is trained, as in
             GRPO. With skipping, TRL's entropy and clip-ratio metrics cover the trained rows;
-            `gfpo/skipped_zero_gradient_fraction` logs the share of kept rows skipped.
+            `gfpo/skipped_zero_gradient_fraction` logs the share of the rows in the loss skipped.
+        loss_includes_rejected (`bool`, *optional*, defaults to `False`):
+            The paper's objective (arXiv 2508.09726, Eq. 2, DAPO token-level aggregation as in verl): the completions
+            the filter rejects stay in the loss with advantage 0, so the loss is TRL's over every sampled completion
+            with the rejected advantages zeroed: the token-level normaliser counts every sampled completion (the
+            per-sequence losses every row), and the KL and entropy terms reach the rejected rows. `False` trains the
+            kept rows only, and divides by their tokens. With `beta == 0` and no entropy
+            term the rejected rows carry no gradient and are counted, not trained (`skip_zero_gradient_rows`);
+            otherwise they are trained with advantage 0. The early-stop rule is off with it, with one warning: it
+            would cut rejected completions short, and the loss counts their full lengths. Without
+            `num_remains_in_group` every completion is in the loss anyway.
     """
 
     num_remains_in_group: int | None = field(
@@ -78,7 +90,8 @@ class GFPOConfig(GRPOConfig):
     )
     group_filter: str | None = field(
         default=None,
-        metadata={"help": "Built-in filter: 'length' (fewest tokens kept) or 'token_efficiency' (reward per token)."},
+        metadata={"help": "Built-in filter: " + "; ".join(f"{name!r} keeps {spec.summary}"
+                                                          for name, spec in GROUP_FILTER_SPECS.items()) + "."},
     )
     use_gfpo_kernels: bool = field(
         default=False,
@@ -103,6 +116,11 @@ class GFPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "With vLLM and the length filter, seed every completion's request from the trainer's "
                           "random stream (the same completions with early stop on or off)."},
+    )
+    loss_includes_rejected: bool = field(
+        default=False,
+        metadata={"help": "The paper's objective: rejected completions stay in the loss with advantage 0 (its "
+                          "normaliser counts every sampled completion; the KL and entropy terms reach them)."},
     )
 
     def __post_init__(self):
@@ -132,8 +150,10 @@ class GFPOConfig(GRPOConfig):
                 f"num_remains_in_group must be an int with 2 <= k < num_generations={G} (with k = 1 every advantage is 0), "
                 f"got num_remains_in_group={k!r}"
             )
-        if self.group_filter is not None and self.group_filter not in GROUP_FILTERS:
-            raise ValueError(f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={self.group_filter!r}")
+        filter_spec = group_filter_spec(self.group_filter)  # ValueError naming the choices
+        if not isinstance(self.loss_includes_rejected, bool):
+            raise ValueError(f"loss_includes_rejected must be one of (True, False), got "
+                             f"loss_includes_rejected={self.loss_includes_rejected!r}")
         if self.adaptive_difficulty:
             if k is None:
                 raise ValueError("adaptive_difficulty=True needs num_remains_in_group (it turns filtering on)")
@@ -151,7 +171,9 @@ class GFPOConfig(GRPOConfig):
         elif self.adaptive_num_remains is not None:
             raise ValueError("adaptive_num_remains is set but adaptive_difficulty=False; set adaptive_difficulty=True")
         entropy_coef, adaptive_entropy = getattr(self, "entropy_coef", 0.0), getattr(self, "use_adaptive_entropy", False)
-        uneven = self.adaptive_difficulty or (k is not None and self.per_device_train_batch_size * k % G != 0)
+        # with the rejected rows in the loss every row is trained where these terms are on (no row is skipped)
+        uneven = not self.loss_includes_rejected and (
+            self.adaptive_difficulty or (k is not None and self.per_device_train_batch_size * k % G != 0))
         # The kept rows then need padding rows to fill equal micro-batches, and weights for the per-sequence losses
         # (gfpo_trainer/rows.py). Terms normalised per micro-batch inside TRL's loss cannot be kept as an even split
         # would have them: the entropy bonus (a mean over a micro-batch's tokens) and bnpo (a micro-batch's token
@@ -169,7 +191,7 @@ class GFPOConfig(GRPOConfig):
                 f"{self.per_device_train_batch_size} * {k} and {G}), and no adaptive_difficulty (got "
                 f"{self.adaptive_difficulty}); change one of them, or the loss options"
             )
-        if k is not None and self.use_vllm and self.group_filter == "length":
+        if k is not None and self.use_vllm and filter_spec is not None and filter_spec.own_generation:
             generation_kwargs = self.generation_kwargs or {}
             if self.gfpo_vllm_request_seeds and generation_kwargs.get("seed") is not None:
                 raise ValueError(

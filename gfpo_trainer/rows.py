@@ -8,17 +8,14 @@ Every process takes an equal, steps_per_generation-divisible share of the rows t
 unequal sizes). Missing rows are copies of a trained row with an all-zero completion mask, advantage 0 and vLLM
 ratio 1.
 
-Row weights with global normalisers: a row must weigh in the loss what it would in an evenly divided batch of all
-K rows that would be trained without skipping (K = the kept rows). TRL's per-sequence losses (grpo, sapo, luspo,
-dr_grpo) weigh a row 1 / (P * gradient_accumulation_steps * B) with B the rows of its micro-batch; in an even split
-B = K / (P * steps_per_generation). Every micro-batch here has B = share / steps_per_generation rows, so every
-trained row gets the same factor P * share / K over TRL's weight: `weight_loss` applies it (one factor per micro-
-batch, since the rows of one batch share it; it holds with beta != 0 too). dapo and cispo already divide by the
-tokens of the whole generation batch (num_items_in_batch, which keeps counting skipped rows), and so does vespo,
-whose per-row weight phi depends on that row alone; padding rows hold no token. bnpo divides by the tokens of its
-own micro-batch and by gradient_accumulation_steps: a micro-batch of padding rows only would shrink the step's
-gradient, and which rows share a micro-batch changes every row's weight, so GFPOConfig refuses bnpo where the kept
-rows need padding, and rows are not skipped for bnpo.
+Row weights and the loss's token count: a row must weigh in the loss what it would in an evenly divided batch of all
+the rows the loss covers: the kept rows, skipped ones included (with GFPOConfig.loss_includes_rejected every sampled
+row, the rejected ones at advantage 0, skipped or trained as such). gfpo_kernels.loss_types.trained_rows_normalisation
+computes both from the kept mask, the rows' tokens and this process's share, and `weight_loss` applies the row
+weight (one factor per micro-batch, since the rows of one batch share it). bnpo divides by the tokens of its own
+micro-batch and by gradient_accumulation_steps: a micro-batch of padding rows only would shrink the step's gradient,
+and which rows share a micro-batch changes every row's weight, so GFPOConfig refuses bnpo where the kept rows need
+padding, and rows are not skipped for bnpo.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gfpo_kernels.loss_types import LOSS_SPECS
+from gfpo_kernels.loss_types import LOSS_SPECS, trained_rows_normalisation
 
 from ._compat import PROMPT_COMPLETION_KEYS, ROW_KEYS, TOKEN_MEAN_METRICS, TRLSurfaceError
 from .batch import GenerationBatch, ShuffleReplay
@@ -102,65 +99,85 @@ def _dropout_in_the_way(trainer) -> bool:
 @dataclass
 class TrainedRows:
     """Which rows of the global batch this process trains: `rows`, global indices, the first `n_real` real and the
-    rest padding (copies of a kept row). Every process holds `share` rows, an equal, steps_per_generation-divisible
-    share of the `trained` rows (the `kept` ones, less those of advantage 0 where skipped)."""
+    rest padding (copies of a row in the loss). Every process holds `share` rows, an equal, steps_per_generation-
+    divisible share of the `trained` rows (the `in_loss` ones, less those of advantage 0 where skipped). The loss
+    covers the kept rows, or every sampled row where `rejected_in_loss` (GFPOConfig.loss_includes_rejected)."""
 
     rows: torch.Tensor
     n_real: int
     share: int
-    kept: int
+    in_loss: int
     trained: int
     unskipped_share: int  # the share had no row been skipped
+    rejected_in_loss: bool = False
 
     @property
     def skipped_fraction(self) -> float:
-        return 1.0 - self.trained / max(self.kept, 1)
+        return 1.0 - self.trained / max(self.in_loss, 1)
 
 
 def plan_trained_rows(keep: torch.Tensor, advantages: torch.Tensor, skip_zero: bool, num_processes: int,
-                      process_index: int, steps_per_generation: int) -> TrainedRows:
-    """The rows process `process_index` of `num_processes` trains: the kept rows (`keep`, the global batch's), less
-    those of advantage exactly 0 when `skip_zero`, divided evenly in global order, padded to the share."""
-    kept = keep.nonzero().squeeze(1)
-    trained = kept[advantages[kept] != 0] if skip_zero else kept
+                      process_index: int, steps_per_generation: int, rejected_in_loss: bool = False) -> TrainedRows:
+    """The rows process `process_index` of `num_processes` trains: the rows in the loss (`keep`, the global batch's,
+    or every row where `rejected_in_loss`), less those of advantage exactly 0 when `skip_zero`, divided evenly in
+    global order, padded to the share."""
+    in_loss = (torch.ones_like(keep) if rejected_in_loss else keep).nonzero().squeeze(1)
+    trained = in_loss[advantages[in_loss] != 0] if skip_zero else in_loss
     share = _share_per_process(trained.numel(), num_processes, steps_per_generation)
     mine = trained[process_index * share : (process_index + 1) * share]
-    # padding rows copy a kept row (a valid forward) and are masked out by take_trained_rows
-    rows = torch.cat([mine, kept[:1].expand(share - mine.numel())])
-    return TrainedRows(rows=rows, n_real=mine.numel(), share=share, kept=kept.numel(), trained=trained.numel(),
-                       unskipped_share=_share_per_process(kept.numel(), num_processes, steps_per_generation))
+    # padding rows copy a row in the loss (a valid forward) and are masked out by take_trained_rows
+    rows = torch.cat([mine, in_loss[:1].expand(share - mine.numel())])
+    return TrainedRows(rows=rows, n_real=mine.numel(), share=share, in_loss=in_loss.numel(), trained=trained.numel(),
+                       unskipped_share=_share_per_process(in_loss.numel(), num_processes, steps_per_generation),
+                       rejected_in_loss=rejected_in_loss)
 
 
 def take_trained_rows(trainer, output: dict, keep: torch.Tensor, advantages: torch.Tensor, plan: TrainedRows) -> None:
     """Replaces the per-row tensors of `output` (TRL's dict of this process's rows) by the rows of `plan`, their
-    padding masked out (completion mask 0, advantage 0, vLLM ratio 1), with their loss weights, and with the
-    generation batch's token count over the `keep` rows; `advantages` are the global batch's."""
-    P = trainer.accelerator.num_processes
-    # TRL's token normaliser, over every kept row (skipped ones included) of every process
-    loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-    row_tokens = trainer.accelerator.gather(loss_mask.sum(dim=1))
-    rows = plan.rows
-    # every process holds the global advantages already; the other row tensors are exchanged, with one plan
-    output["advantages"] = advantages[rows]
-    row_keys = [k for k in output if k in ROW_KEYS and k != "advantages" and isinstance(output[k], torch.Tensor)]
-    exchange = RowExchangePlan(rows, output["completion_ids"].size(0)) if P > 1 and row_keys else None
-    for key in row_keys:
-        output[key] = take_global_rows(trainer, key, output[key], rows, exchange)
-    real = torch.arange(plan.share, device=rows.device) < plan.n_real
-    output["completion_mask"] = output["completion_mask"] * real.unsqueeze(1).to(output["completion_mask"].dtype)
-    output["advantages"] = torch.where(real, output["advantages"], 0.0)
-    if "importance_sampling_ratio" in output:
-        # vLLM's ratio of a padding row: 1 (no correction), not the copied row's. TRL's vespo sums log(ratio) over
-        # every position, masked or not, into its logged weight phi; the fused loss keeps masked positions out
-        is_ratio = output["importance_sampling_ratio"]
-        output["importance_sampling_ratio"] = torch.where(real.view(-1, *[1] * (is_ratio.dim() - 1)), is_ratio, 1.0)
+    padding masked out, with their loss weights and the loss's token count over the rows in the loss (the `keep`
+    rows of the global batch, or all of them where plan.rejected_in_loss; `advantages` are the global batch's),
+    cropped to the longest trained completion."""
+    row_tokens = _global_row_tokens(trainer, output)  # before the exchange: every process's rows, in global order
+    _exchange_rows(trainer, output, advantages, plan.rows)
+    real = torch.arange(plan.share, device=plan.rows.device) < plan.n_real
+    _mask_padding_rows(output, real)
+    normalisation = trained_rows_normalisation(LOSS_SPECS[trainer.loss_type], keep, row_tokens, real,
+                                               trainer.accelerator.num_processes,
+                                               rejected_in_loss=plan.rejected_in_loss)
     output[REAL_ROW_KEY] = real
-    weight = P * plan.share / max(plan.kept, 1) if trainer.loss_type in PER_SEQUENCE_LOSSES else 1.0
-    output[ROW_WEIGHT_KEY] = real.float() * weight
-    output["num_items_in_batch"] = row_tokens[keep].sum()
+    output[ROW_WEIGHT_KEY] = normalisation.row_weights
+    output["num_items_in_batch"] = normalisation.num_items_in_batch
     # less work in the old/reference passes and the loss, and the batch no longer depends on how long the dropped
     # completions ran (see gfpo_stop_dropped_generations); compute_loss crops each micro-batch further
     output.update(crop_to_longest_completion(trainer, output))
+
+
+def _global_row_tokens(trainer, output: dict) -> torch.Tensor:
+    """(N,) the loss tokens (completion mask x tool mask) of every row of the global batch."""
+    loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+    return trainer.accelerator.gather(loss_mask.sum(dim=1))
+
+
+def _exchange_rows(trainer, output: dict, advantages: torch.Tensor, rows: torch.Tensor) -> None:
+    """`output`'s per-row tensors become the global rows `rows`: the advantages from the global ones every process
+    holds, the others through one exchange plan across processes."""
+    output["advantages"] = advantages[rows]
+    row_keys = [k for k in output if k in ROW_KEYS and k != "advantages" and isinstance(output[k], torch.Tensor)]
+    P = trainer.accelerator.num_processes
+    exchange = RowExchangePlan(rows, output["completion_ids"].size(0)) if P > 1 and row_keys else None
+    for key in row_keys:
+        output[key] = take_global_rows(trainer, key, output[key], rows, exchange)
+
+
+def _mask_padding_rows(output: dict, real: torch.Tensor) -> None:
+    """Padding rows (`real` False) train nothing: completion mask 0, advantage 0, and vLLM's ratio 1 (no correction,
+    not the copied row's: TRL's vespo sums log(ratio) over every position, masked or not, into its logged weight
+    phi; the fused loss keeps masked positions out)."""
+    output["completion_mask"] = output["completion_mask"] * real.unsqueeze(1).to(output["completion_mask"].dtype)
+    output["advantages"] = torch.where(real, output["advantages"], 0.0)
+    if "importance_sampling_ratio" in output:
+        is_ratio = output["importance_sampling_ratio"]
+        output["importance_sampling_ratio"] = torch.where(real.view(-1, *[1] * (is_ratio.dim() - 1)), is_ratio, 1.0)
 
 
 def shuffle_replay_after_skipping(plan: TrainedRows) -> ShuffleReplay | None:

@@ -19,6 +19,7 @@ from gfpo_kernels import reference as gfpo_reference
 
 from ._compat import TRLSurfaceError, batch_metric_names
 from .batch import GenerationBatch, Selection
+from .filters import FilterInputs, group_filter_spec
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +50,9 @@ def select(trainer, batch: GenerationBatch, rewards_per_func, completions, compl
         raise TRLSurfaceError(
             f"GRPOTrainer._calculate_rewards returned {rewards.numel()} rows, the batch holds {lengths.numel()}"
         )
-    if args.group_filter == "length":
-        # a completion the early-stop rule cut would have held at least one more token than it holds (on vLLM it is
-        # aborted, without EOS, once it holds as many tokens as the k-th shortest finished one of its group:
-        # gfpo_trainer/vllm_stop.py): ranked so, it falls below those k, ties included (on HF generate, where the
-        # rule forces EOS one token later, it falls below them either way)
-        scores, largest = lengths + stopped, False
-    elif args.group_filter == "token_efficiency":
-        scores, largest = _token_efficiency_rank(rewards, lengths, G), True
+    spec = group_filter_spec(args.group_filter)
+    if spec is not None:
+        scores, largest = spec.score(FilterInputs(rewards, lengths, stopped, G)), spec.largest
     else:
         scores, largest = _scores_from_func(trainer, completions, completion_ids_list, rewards), True
 
@@ -74,23 +70,6 @@ def select(trainer, batch: GenerationBatch, rewards_per_func, completions, compl
         advantages = advantages.masked_fill(infinite.view(-1, G).any(dim=1).repeat_interleave(G), 0.0)
     return Selection(keep=keep, advantages=advantages, lengths=lengths, truncated=truncated.bool(), rewards=rewards,
                      rewards_per_func=rewards_per_func, k=k, quartile=quartile)
-
-
-def _token_efficiency_rank(rewards: torch.Tensor, lengths: torch.Tensor, G: int) -> torch.Tensor:
-    """Exact score for the token-efficiency filter: a row's rank inside its group by (reward / length descending,
-    length ascending, index ascending), higher kept. With 0/1 rewards every wrong completion scores 0 per token,
-    and this sends the shorter of them through, as DESIGN asks. Unscorable rows (NaN reward) rank last."""
-    efficiency = rewards / lengths.clamp(min=1.0)
-    efficiency = torch.nan_to_num(efficiency, nan=-torch.inf)  # NaN sorts above +inf; unscorable must rank last
-    # stable sorts, least significant key first: index (given), length ascending, efficiency descending, group
-    order = torch.argsort(lengths, stable=True)
-    order = order[torch.argsort(efficiency[order], descending=True, stable=True)]
-    group = torch.div(order, G, rounding_mode="floor")
-    order = order[torch.argsort(group, stable=True)]
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device) % G
-    # unscorable rows keep NaN so the kernels rank them last whatever their position
-    return torch.where(torch.isnan(rewards), torch.nan, -position.to(torch.float64))
 
 
 def _accepts_completion_ids(func) -> bool:

@@ -13,11 +13,12 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 2. `_get_per_token_logps_and_entropies` (wrapped): during scoring, the no-grad passes of the old policy and the
    reference model are deferred and later run on the kept rows only.
 3. `_generate_and_score_completions` (post-processed): its dict keeps only the rows to train (the kept rows with
-   GFPO's advantages; less those of advantage exactly 0 where skip_zero_gradient_rows applies, also without a
-   filter), rebalanced so every process holds the same number of rows and that number divides by
-   steps_per_generation (TRL's split_tensor_dict would drop a remainder; its loss gathers per-sequence metrics
-   across processes and hangs on unequal sizes). Missing rows are copies of a kept row with an all-zero
-   completion mask and advantage 0; every row is weighed as in an evenly divided batch (rows.py).
+   GFPO's advantages, or every row with loss_includes_rejected, the rejected at advantage 0; less those of
+   advantage exactly 0 where skip_zero_gradient_rows applies, also without a filter), rebalanced so every process
+   holds the same number of rows and that number divides by steps_per_generation (TRL's split_tensor_dict would
+   drop a remainder; its loss gathers per-sequence metrics across processes and hangs on unequal sizes). Missing
+   rows are copies of a trained row with an all-zero completion mask and advantage 0; every row is weighed as in an
+   evenly divided batch (rows.py).
 4. `compute_loss` (overridden): the micro-batch cropped to its longest completion (TRL pads every micro-batch to
    the generation batch's longest), then TRL's loss, or with use_gfpo_kernels the fused linear GRPO loss through the
    model's LM head.
@@ -47,6 +48,7 @@ from .adaptive import AdaptiveDifficulty
 from .batch import GenerationBatch
 from .config import GFPOConfig
 from .early_stop import StopDroppedCompletions
+from .filters import GroupFilterSpec, group_filter_spec
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
 from .rows import (
     crop_to_longest_completion, no_metrics_from_padding_only, plan_trained_rows, restore_shuffle_rng,
@@ -129,10 +131,11 @@ class GFPOTrainer(GRPOTrainer):
             **grpo_kwargs,
         )
         check_trainer_attributes(self)
-        if self.use_vllm and self.vllm_mode == "colocate" and args.group_filter == "length":
+        own_generation = self._filter_spec is not None and self._filter_spec.own_generation
+        if self.use_vllm and self.vllm_mode == "colocate" and own_generation:
             check_vllm_generation(self)
         self._server_stop_unavailable: str | None = None  # why the vLLM server cannot run the early-stop rule
-        if self.use_vllm and self.vllm_mode == "server" and args.group_filter == "length":
+        if self.use_vllm and self.vllm_mode == "server" and own_generation:
             check_vllm_server_generation(self)
             self._server_stop_unavailable = self._probe_server_streaming()
         self.group_filter_func = group_filter_func
@@ -142,6 +145,12 @@ class GFPOTrainer(GRPOTrainer):
         self._gfpo_aux_loss = None  # a micro-batch's router auxiliary loss, from TRL's log-prob pass of its loss
         self._gfpo_warned: set[str] = set()  # the one-time warnings given (_warn_once)
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
+        spec = self._filter_spec
+        if (args.loss_includes_rejected and args.num_remains_in_group is not None and spec is not None
+                and spec.early_stop and args.gfpo_stop_dropped_generations and not args.adaptive_difficulty):
+            logger.warning("gfpo_stop_dropped_generations is not applied with loss_includes_rejected=True: the rule "
+                           "cuts the completions the filter rejects short, and the loss then covers them, so it "
+                           "would train on cut text and count cut lengths; every completion is generated to its end")
         if args.use_gfpo_kernels:
             install_fused_loss_forward(self.model.get_base_model() if _is_peft_model(self.model) else self.model,
                                        cast_lm_head_to_fp32=getattr(args, "cast_lm_head_to_fp32", False))
@@ -164,6 +173,11 @@ class GFPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ selection
     def _filtering(self) -> bool:
         return self.args.num_remains_in_group is not None and self.model.training
+
+    @property
+    def _filter_spec(self) -> GroupFilterSpec | None:
+        """The built-in filter's spec (gfpo_trainer/filters.py); None with a group_filter_func or no filter."""
+        return group_filter_spec(self.args.group_filter)
 
     def _generate(self, prompts):
         result = super()._generate(prompts)
@@ -196,7 +210,7 @@ class GFPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ stopping completions that will be dropped
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not (self._filtering() and self.args.group_filter == "length"):
+        if not (self._filtering() and self._filter_spec is not None and self._filter_spec.own_generation):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
         # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
@@ -221,10 +235,18 @@ class GFPOTrainer(GRPOTrainer):
                 torch.cuda.default_generators[device.index or 0].manual_seed(seed)
             yield
 
+    def _early_stop_configured(self) -> bool:
+        """Whether the options ask for the early-stop rule: gfpo_stop_dropped_generations, a filter that allows it
+        (GroupFilterSpec.early_stop), no adaptive difficulty (whose difficulty reads every completion's reward), the
+        rejected rows not in the loss (it would cut them short: see __init__'s warning)."""
+        spec = self._filter_spec
+        return (self.args.gfpo_stop_dropped_generations and spec is not None and spec.early_stop
+                and not self.args.adaptive_difficulty and not self.args.loss_includes_rejected)
+
     def _early_stop_wanted(self) -> bool:
-        """Whether the early-stop rule should run on this batch (the length filter is on); logs once, and returns
-        False, where this generation path cannot run it."""
-        if not self.args.gfpo_stop_dropped_generations or self.args.adaptive_difficulty:
+        """Whether the early-stop rule should run on this batch; logs once, and returns False, where this generation
+        path cannot run it."""
+        if not self._early_stop_configured():
             return False
         unsupported = (
             "tool calling" if self.tools
@@ -317,7 +339,7 @@ class GFPOTrainer(GRPOTrainer):
         """With the early-stop rule asked for in server mode: whether the server streams what the rule reads (asked
         once, by the main process, the one that talks to the server, and told to every process). Where it does not,
         the rule is off for this trainer, with one warning saying why, and this returns that reason."""
-        if not self.args.gfpo_stop_dropped_generations or self.args.adaptive_difficulty:
+        if not self._early_stop_configured():
             return None
         box = [None]
         if self.accelerator.is_main_process:
@@ -418,7 +440,8 @@ class GFPOTrainer(GRPOTrainer):
             raise TRLSurfaceError(f"the global batch holds {keep.numel()} rows, {P} processes x {n_local} were expected")
 
         plan = plan_trained_rows(keep, advantages, batch.skip_zero, P, self.accelerator.process_index,
-                                 self.args.steps_per_generation)
+                                 self.args.steps_per_generation,
+                                 rejected_in_loss=selection is not None and self.args.loss_includes_rejected)
         take_trained_rows(self, output, keep, advantages, plan)
         if batch.skip_zero:
             self._metrics["train"]["gfpo/skipped_zero_gradient_fraction"].append(plan.skipped_fraction)
@@ -433,7 +456,7 @@ class GFPOTrainer(GRPOTrainer):
             if (stopped & keep).any():  # the rule's promise; a failure here is a bug, never a silent wrong batch
                 raise RuntimeError("gfpo: a completion stopped early by gfpo_stop_dropped_generations was kept")
         log_selection(self, selection, stopped)
-        if self.args.group_filter == "length":  # whether or not the early-stop rule is on: the same rows either way
+        if self._filter_spec is not None and self._filter_spec.trl_metrics_over_kept_rows:  # rule on or off alike
             log_trl_metrics_of_kept_rows(self, selection, metric_counts)
         # the completions table shows what was trained: GFPO's advantages, 0 for dropped rows (in place of TRL's GRPO
         # advantages of every row, which _generate_and_score_completions counted and set aside)

@@ -11,6 +11,7 @@ import sys
 import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
 
 from gfpo_test_utils import end_worker_process
 from gfpo_trainer import GFPOConfig, GFPOTrainer
@@ -29,13 +30,18 @@ def constant_first_group(prompts, completions, **kwargs):
     return [1.0 if p == PROMPTS[0] else r for p, r in zip(prompts, digit_reward(completions))]
 
 
-def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False, skip=None):
+def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False, skip=None, rejected_in_loss=None):
+    """rejected_in_loss: None, or "skip" (beta 0: the rejected rows counted, not trained) or "kl" (beta 0.04: the
+    KL reaches them, trained at advantage 0): one batch's loss and gradients with loss_includes_rejected, and TRL's
+    over every row; no training."""
+    if rejected_in_loss is not None:
+        skip = rejected_in_loss == "skip"
     args = GFPOConfig(
         output_dir=out_dir, per_device_train_batch_size=12, num_generations=8, num_remains_in_group=3,
         group_filter=None if random_filter else "length", max_completion_length=8, max_steps=2 if skip is None else 1, report_to="none", use_cpu=True, bf16=False,
-        logging_steps=1, save_strategy="no", seed=0, loss_type="grpo", beta=0.04 if skip is None else 0.0,
+        logging_steps=1, save_strategy="no", seed=0, loss_type="grpo", beta=0.04 if not skip else 0.0,
         use_gfpo_kernels=use_kernels, gfpo_stop_dropped_generations=stop_dropped,
-        skip_zero_gradient_rows=bool(skip), learning_rate=1e-2,
+        skip_zero_gradient_rows=bool(skip), learning_rate=1e-2, loss_includes_rejected=rejected_in_loss is not None,
     )
     filter_calls = []
 
@@ -65,7 +71,27 @@ def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False, ski
     trainer._calculate_rewards = spy
     trainer.model.train()
     torch.manual_seed(rank)
-    output = trainer._generate_and_score_completions(local)
+    trl_outputs = []
+    generate_and_score = GRPOTrainer._generate_and_score_completions
+
+    def keeping_trls_output(self, inputs):
+        output = generate_and_score(self, inputs)
+        trl_outputs.append(dict(output))  # GFPO's post-processing replaces the dict's rows
+        return output
+
+    GRPOTrainer._generate_and_score_completions = keeping_trls_output
+    try:
+        output = trainer._generate_and_score_completions(local)
+    finally:
+        GRPOTrainer._generate_and_score_completions = generate_and_score
+    if rejected_in_loss is not None:
+        result = _loss_over_every_row(trainer, output, trl_outputs[0], model_dir, out_dir)
+        result.update(num_rows=int(output["gfpo_real_row"].numel()), n_real=int(output["gfpo_real_row"].sum()),
+                      stopped_early=trainer._metrics["train"].get("gfpo/stopped_early_fraction", [None])[-1],
+                      all_ids=seen["ids"])
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(result, f)
+        return
     real = output["gfpo_real_row"]
     mask = output["completion_mask"].bool()
     rows = [output["completion_ids"][i][mask[i]].tolist() for i in range(real.numel()) if real[i]]
@@ -86,11 +112,50 @@ def main(out_dir, model_dir, use_kernels, stop_dropped, random_filter=False, ski
         json.dump(result, f)
 
 
+def _averaged_loss_and_grads(trainer, batch):
+    """The loss and gradients of one micro-batch, averaged over the processes as DDP averages them."""
+    import torch.distributed as dist
+
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    flat = torch.cat([loss.detach().reshape(1)] + [p.grad.flatten() for p in trainer.model.parameters()
+                                                    if p.grad is not None])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    return flat[0].item(), flat[1:].tolist()
+
+
+def _loss_over_every_row(trainer, output, trl_output, model_dir, out_dir):
+    """loss_includes_rejected: GFPO's loss and gradients on its trained rows, and TRL's GRPOTrainer's over every row
+    of this process with GFPO's advantages (0 for the rejected rows), both averaged over the processes."""
+    gfpo_loss, gfpo_grads = _averaged_loss_and_grads(trainer, output)  # first: TRL's trainer draws random numbers
+    rank, n_local = trainer.accelerator.process_index, trl_output["completion_ids"].size(0)
+    trl = GRPOTrainer(model=model_dir, reward_funcs=digit_reward, processing_class=make_tokenizer(),
+                      train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+                      args=GRPOConfig(**{k: getattr(trainer.args, k) for k in (
+                          "per_device_train_batch_size", "num_generations", "max_completion_length", "report_to",
+                          "use_cpu", "bf16", "seed", "loss_type", "beta")}, output_dir=f"{out_dir}/trl", max_steps=1))
+    trl.model.train()
+    reference = dict(trl_output, advantages=trainer._gfpo_batch.selection.advantages[rank * n_local:(rank + 1) * n_local])
+    if trl.beta != 0.0:  # deferred by GFPO while TRL built the batch: TRL's pass, on every row
+        ids = torch.cat([reference["prompt_ids"], reference["completion_ids"]], dim=1)
+        mask = torch.cat([reference["prompt_mask"], reference["completion_mask"]], dim=1)
+        with torch.no_grad():
+            reference["ref_per_token_logps"], _, _ = trl._get_per_token_logps_and_entropies(
+                trl.ref_model, ids, mask, reference["completion_ids"].size(1))
+    trl_loss, trl_grads = _averaged_loss_and_grads(trl, reference)
+    return dict(gfpo_loss=gfpo_loss, gfpo_grads=gfpo_grads, trl_loss=trl_loss, trl_grads=trl_grads,
+                num_items_in_batch=int(output["num_items_in_batch"]))
+
+
 if __name__ == "__main__":
     # arguments: out_dir model_dir, then one NAME:USE_KERNELS:STOP_DROPPED:VARIANT per scenario (results in out_dir/NAME)
     for spec in sys.argv[3:]:
         name, use_kernels, stop_dropped, variant = spec.split(":")
         os.makedirs(os.path.join(sys.argv[1], name), exist_ok=True)
         main(os.path.join(sys.argv[1], name), sys.argv[2], use_kernels == "1", stop_dropped == "1",
-             variant == "random_filter", skip={"skip_on": True, "skip_off": False}.get(variant))
+             variant == "random_filter", skip={"skip_on": True, "skip_off": False}.get(variant),
+             rejected_in_loss={"rejected_skip": "skip", "rejected_kl": "kl"}.get(variant))
     end_worker_process()

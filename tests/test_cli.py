@@ -3,6 +3,7 @@ tests/test_demo.py)."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 trl = pytest.importorskip("trl")
 yaml = pytest.importorskip("yaml")
 
+from gfpo_trainer import GROUP_FILTERS  # noqa: E402
 from gfpo_trainer.cli import ConfigError, build_trainer, load_reward_func, main  # noqa: E402
 from gfpo_trainer.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
@@ -102,7 +104,7 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(args={"num_remains_in_group": 9, "num_generations": 8}),
          r"args: num_remains_in_group must be an int with 2 <= k < num_generations=8 .*got num_remains_in_group=9"),
         (dict(args={"group_filter": "shortest", "num_remains_in_group": 4}),
-         r"args: group_filter must be None or one of \('length', 'token_efficiency'\), got group_filter='shortest'"),
+         re.escape(f"args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest'")),
         (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}), r"args: .*num_generations \(16\)"),
         (dict(args={"num_remains_in_group": 4, "num_generations": 8, "per_device_train_batch_size": 8}),
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
@@ -268,8 +270,7 @@ def test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn(model_dir, 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cases = [
         (dict(args={**_config(model_dir, dataset_file, tmp_path)["args"], "group_filter": "shortest"}),
-         "error: args: group_filter must be None or one of ('length', 'token_efficiency'), got "
-         "group_filter='shortest'"),
+         f"error: args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest'"),
         (dict(model="tiny_modle"), f"error: model 'tiny_modle': no directory {tmp_path / 'tiny_modle'} (did you mean "
          f"'tiny-model'?) (relative paths are read from the config file's folder {tmp_path}; a Hub model is named "
          "namespace/name)"),

@@ -1,5 +1,8 @@
-"""`python -m gfpo_kernels`: the environment report for bug reports."""
+"""The environment report for bug reports: `python -m gfpo_trainer env` (the kernel package's report, `python -m
+gfpo_kernels`, and the trainer's TRL and vLLM lines), and the import direction: gfpo_kernels imports nothing from
+gfpo_trainer."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -8,9 +11,12 @@ import pytest
 import torch
 
 from gfpo_kernels import _dispatch
-from gfpo_kernels.env_report import environment_report
+from gfpo_kernels.env_report import environment_report as kernels_report
+from gfpo_trainer.env_report import environment_report
 
 from gfpo_test_utils import subprocess_env
+
+ROOT = Path(__file__).parents[1]
 
 
 def test_report_names_versions_extension_and_backends():
@@ -31,16 +37,59 @@ def test_report_names_versions_extension_and_backends():
         assert lines[name]
 
 
-def test_module_runs_without_trl():
-    """A bug report must be possible from a broken install: the report imports no TRL."""
-    blocker = "import sys; sys.modules['trl'] = None; sys.modules['transformers'] = None; import runpy; " \
-              "runpy.run_module('gfpo_kernels', run_name='__main__')"
-    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120,
+def _run_without_trl(*module_and_args: str) -> subprocess.CompletedProcess:
+    module, *args = module_and_args
+    blocker = ("import sys; sys.modules['trl'] = None; sys.modules['transformers'] = None; "
+               f"sys.argv = [{module!r}, *{args!r}]; import runpy; runpy.run_module({module!r}, run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120,
                           env=subprocess_env())
+
+
+def test_module_runs_without_trl():
+    """A bug report must be possible from a broken install: the reports import no TRL."""
+    done = _run_without_trl("gfpo_kernels")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "backend group ops, cpu tensors: " in done.stdout and "torch: " in done.stdout
+    assert done.stdout.endswith("\ntrainer: python -m gfpo_trainer env adds whether TRL is supported and the vLLM "
+                                "it generates with\n")
+    done = _run_without_trl("gfpo_trainer", "env")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "backend group ops, cpu tensors: " in done.stdout and "torch: " in done.stdout
     # TRL blocked at import (installed or not): the vLLM line says it was not checked, and why
-    assert "\nvllm: not checked (" in done.stdout
+    assert "\nvllm: not checked (" in done.stdout and "\ntrl support: not checked (" in done.stdout
+
+
+def test_trainer_report_is_the_kernel_report_and_the_trainer_lines():
+    lines = environment_report().splitlines()
+    kernel_lines = kernels_report().splitlines()
+    assert lines[: len(kernel_lines)] == kernel_lines
+    assert [line.split(": ", 1)[0] for line in lines[len(kernel_lines):]] == ["trl support", "vllm"]
+
+
+def test_trainer_command_prints_the_report():
+    done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "env"], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert lines["torch"] == torch.__version__ and "trl support" in lines and "vllm" in lines
+
+
+def test_gfpo_kernels_imports_nothing_from_gfpo_trainer():
+    """The kernel package sits below the trainer: no module of it imports gfpo_trainer, at the top or inside a
+    function (read from the sources), and importing it with its report loads none (in a fresh Python)."""
+    for path in sorted((ROOT / "gfpo_kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(name.split(".")[0] == "gfpo_trainer" for name in names), f"{path.name}:{node.lineno}"
+    check = ("import sys, gfpo_kernels, gfpo_kernels.reference, gfpo_kernels.env_report as r; r.environment_report(); "
+             "import runpy, contextlib, io; out = io.StringIO()\n"
+             "with contextlib.redirect_stdout(out): runpy.run_module('gfpo_kernels', run_name='__main__')\n"
+             "print(sorted(m for m in sys.modules if m.startswith('gfpo_trainer')))")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
 
 
 def _vllm_line() -> str:
@@ -61,8 +110,7 @@ def test_report_names_vllm_and_whether_trl_supports_it(monkeypatch, installed, e
     """The version lookup is replaced (no vLLM in .venv); the range is the table in gfpo_trainer._compat for the
     TRL installed, also replaced, by 1.16.0 (0.22.0 to 0.31.0 in that table)."""
     pytest.importorskip("trl")
-    from gfpo_kernels import env_report
-    from gfpo_trainer import _compat
+    from gfpo_trainer import _compat, env_report
 
     real_version = env_report._version
     monkeypatch.setattr(env_report, "_version", lambda name: "1.16.0" if name == "trl" else real_version(name))
@@ -73,8 +121,7 @@ def test_report_names_vllm_and_whether_trl_supports_it(monkeypatch, installed, e
 
 def test_report_on_a_trl_without_a_known_vllm_range(monkeypatch):
     pytest.importorskip("trl")
-    from gfpo_kernels import env_report
-    from gfpo_trainer import _compat
+    from gfpo_trainer import _compat, env_report
 
     monkeypatch.setattr(_compat, "vllm_version", lambda: "0.31.0")
     assert env_report.vllm_report("1.17.0") == (
@@ -82,11 +129,30 @@ def test_report_on_a_trl_without_a_known_vllm_range(monkeypatch):
 
 
 def test_report_without_trl_says_vllm_was_not_checked(monkeypatch):
-    from gfpo_kernels import env_report
+    from gfpo_trainer import env_report
 
     real_version = env_report._version
     monkeypatch.setattr(env_report, "_version", lambda name: "not installed" if name == "trl" else real_version(name))
     assert _vllm_line() == "vllm: not checked (the check needs TRL, which is not installed)"
+    assert "\ntrl support: not checked (TRL is not installed)\n" in environment_report()
+
+
+@pytest.mark.parametrize("version, supported", [("1.16.0", True), ("1.14.2", True), ("1.14.1", False),
+                                                ("1.17.0.dev0", False)])
+def test_report_says_whether_the_trl_installed_is_supported(monkeypatch, version, supported):
+    """The range is the table in gfpo_trainer._compat (>= 1.14.2, < 1.17, tested with 1.14.2, 1.15.0 and 1.16.0)."""
+    pytest.importorskip("trl")
+    from gfpo_trainer import _compat, env_report
+
+    assert _compat.SUPPORTED_TRL == (">=1.14.2", "<1.17")
+    assert _compat.KNOWN_WORKING_TRL == ("1.14.2", "1.15.0", "1.16.0")
+    table = "gfpo supports trl >=1.14.2, <1.17, tested with 1.14.2, 1.15.0, 1.16.0"
+    expected = (f"trl support: {version}, supported ({table})" if supported else
+                f"trl support: {version}, NOT supported ({table}; GFPOTrainer warns that it is untested, and stops "
+                "where GRPOTrainer's internals moved)")
+    real_version = env_report._version
+    monkeypatch.setattr(env_report, "_version", lambda name: version if name == "trl" else real_version(name))
+    assert next(line for line in environment_report().splitlines() if line.startswith("trl support: ")) == expected
 
 
 def test_the_vllm_ci_step_fails_where_vllm_does_not_import(tmp_path):

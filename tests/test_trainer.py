@@ -1,6 +1,7 @@
 """GFPOTrainer on a tiny Qwen2-style model and a character tokenizer made in code (no downloads), on CPU."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from datasets import Dataset  # noqa: E402
 
 import gfpo_kernels  # noqa: E402
 from gfpo_kernels import reference as ref  # noqa: E402
-from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
+from gfpo_trainer import GROUP_FILTERS, GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError, check_output, check_trl_surfaces  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
@@ -99,7 +100,8 @@ def real_rows(output):
         (dict(num_remains_in_group=0), r"got num_remains_in_group=0"),
         (dict(num_remains_in_group=1), r"2 <= k < num_generations=8 .*got num_remains_in_group=1"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[4, 3, 2, 1]), r"2 <= k <= num_generations=8, got adaptive_num_remains=\[4, 3, 2, 1\]"),
-        (dict(group_filter="shortest"), r"group_filter must be None or one of \('length', 'token_efficiency'\)"),
+        (dict(group_filter="shortest"), re.escape(f"group_filter must be None or one of {GROUP_FILTERS}, got "
+                                                  "group_filter='shortest'")),
         (dict(adaptive_difficulty=True), r"adaptive_num_remains must be 4 ints"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[8, 6, 4]), r"got adaptive_num_remains=\[8, 6, 4\]"),
         (dict(adaptive_difficulty=True, adaptive_num_remains=[9, 6, 4, 2]), r"2 <= k <= num_generations=8"),
@@ -124,6 +126,9 @@ def real_rows(output):
          r"loss_type='bnpo'.*adaptive_difficulty \(got True\)"),
         (dict(use_adaptive_entropy=True, num_remains_in_group=4, adaptive_difficulty=True,
               adaptive_num_remains=[4, 4, 4, 4]), r"adaptive_difficulty \(got True\)"),
+        (dict(loss_includes_rejected="yes"),
+         re.escape("loss_includes_rejected must be one of (True, False), got loss_includes_rejected='yes'")),
+        (dict(loss_includes_rejected=1), r"got loss_includes_rejected=1$"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, match):
@@ -145,6 +150,14 @@ def test_entropy_bonus_with_evenly_dividing_kept_rows_is_accepted(tmp_path):
     plain_grpo = dict(num_remains_in_group=None, group_filter=None)  # nothing padded
     assert make_config(tmp_path, loss_type="bnpo", per_device_train_batch_size=4, gradient_accumulation_steps=2,
                        **plain_grpo).loss_type == "bnpo"
+
+
+def test_rejected_rows_in_the_loss_need_no_even_split(tmp_path):
+    """With loss_includes_rejected every row is trained where the entropy bonus or bnpo is on (no row is skipped for
+    them), so the kept rows need not divide evenly into micro-batches."""
+    uneven = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, loss_includes_rejected=True)
+    assert make_config(tmp_path, entropy_coef=0.1, **uneven).entropy_coef == 0.1
+    assert make_config(tmp_path, loss_type="bnpo", **uneven).loss_type == "bnpo"
 
 
 def test_construction_errors(model_dir, tokenizer, tmp_path):
@@ -550,3 +563,102 @@ def test_surface_check_names_what_changed():
         check_output({**good, "pixel_values": torch.zeros(4, 3, 8, 8)}, 4)
     with pytest.raises(TRLSurfaceError, match=r"no longer returns 'advantages'"):
         check_output({k: v for k, v in good.items() if k != "advantages"}, 4)
+
+
+# --------------------------------------------------------------------------- the paper's objective
+
+
+def _loss_and_grads(trainer, batch, micro_batches):
+    """The loss of one optimizer step over `batch` split into `micro_batches` in order (TRL's gradient accumulation),
+    and the gradients by parameter name."""
+    from trl.trainer.utils import split_tensor_dict
+
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = micro_batches
+    total = 0.0
+    for part in split_tensor_dict(batch, micro_batches):
+        loss = trainer.compute_loss(trainer.model, part)
+        loss.backward()
+        total = total + loss.detach()
+    return total, {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("use_kernels, overrides, rejected_trained", [
+    (False, dict(loss_type="dapo"), False),  # beta 0: the rejected rows are counted, not trained
+    (True, dict(loss_type="dapo"), False),
+    (False, dict(loss_type="grpo", per_device_train_batch_size=4, gradient_accumulation_steps=2), False),
+    (True, dict(loss_type="grpo", beta=0.04), True),  # the KL term reaches the rejected rows: trained at advantage 0
+    (False, dict(loss_type="dapo", beta=0.04, per_device_train_batch_size=4, gradient_accumulation_steps=2), True),
+    (True, dict(loss_type="dapo", skip_zero_gradient_rows=False), True),
+    (False, dict(loss_type="dapo", entropy_coef=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+     True),
+])
+def test_loss_includes_rejected_equals_trls_loss_over_every_row(model_dir, tokenizer, tmp_path, monkeypatch,
+                                                                 use_kernels, overrides, rejected_trained):
+    """loss_includes_rejected=True: loss and gradients equal TRL's own GRPOTrainer's over every sampled completion of
+    the same batch, with GFPO's advantages (0 for the rejected rows): the token normaliser counts every completion,
+    the per-sequence losses every row, and the KL and entropy terms reach the rejected rows."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    generate_and_score = GRPOTrainer._generate_and_score_completions
+    trl_outputs = []
+
+    def keeping_trls_output(self, inputs):
+        output = generate_and_score(self, inputs)
+        trl_outputs.append(dict(output))  # GFPO's post-processing replaces the dict's rows
+        return output
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", keeping_trls_output)
+    options = {"per_device_train_batch_size": 16, **overrides}
+    gfpo = make_trainer(model_dir, tokenizer, tmp_path / "gfpo", use_gfpo_kernels=use_kernels,
+                        loss_includes_rejected=True, **options)
+    output, seen = scored_batch(gfpo)
+    selection = gfpo._gfpo_batch.selection
+    n_rows = len(seen["ids"])
+    trained_rows = int(output["gfpo_real_row"].sum())
+    if rejected_trained:
+        assert trained_rows == n_rows and torch.equal(output["advantages"], selection.advantages)
+    else:
+        assert trained_rows == int((selection.advantages != 0).sum()) < n_rows
+    assert int(output["num_items_in_batch"]) == sum(map(len, seen["ids"]))  # every sampled completion's tokens
+    steps = gfpo.args.steps_per_generation
+    got, got_grads = _loss_and_grads(gfpo, output, steps)  # first: nothing may draw from the CPU generator before
+
+    trl_options = dict(num_generations=8, max_completion_length=8, max_steps=1, report_to="none", use_cpu=True,
+                       bf16=False, logging_steps=1, save_strategy="no", seed=0, temperature=1.0)  # make_config's
+    trl = GRPOTrainer(model=model_dir, reward_funcs=digit_reward, processing_class=tokenizer,
+                      args=GRPOConfig(output_dir=str(tmp_path / "trl"), **trl_options,
+                                      **{k: v for k, v in options.items() if k != "skip_zero_gradient_rows"}),
+                      train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]))
+    trl.model.train()
+    reference = dict(trl_outputs[0], advantages=selection.advantages)
+    if "ref_per_token_logps" in reference:  # deferred by GFPO while TRL built the batch: TRL's pass, on every row
+        ids = torch.cat([reference["prompt_ids"], reference["completion_ids"]], dim=1)
+        mask = torch.cat([reference["prompt_mask"], reference["completion_mask"]], dim=1)
+        with torch.no_grad():
+            reference["ref_per_token_logps"], _, _ = trl._get_per_token_logps_and_entropies(
+                trl.ref_model, ids, mask, reference["completion_ids"].size(1))
+    want, want_grads = _loss_and_grads(trl, reference, steps)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys() and want_grads
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_loss_includes_rejected_turns_the_early_stop_rule_off_with_one_warning(model_dir, tokenizer, tmp_path,
+                                                                               caplog):
+    """The rule cuts the rejected completions short, and the loss would then count cut lengths and train on cut
+    text: with loss_includes_rejected it is off (gfpo_stop_dropped_generations left at its default, True), and one
+    warning says why; every completion is generated to its end."""
+    with caplog.at_level("WARNING", logger="gfpo_trainer.trainer"):
+        trainer = make_trainer(model_dir, tokenizer, tmp_path, loss_includes_rejected=True,
+                               per_device_train_batch_size=16)
+        scored_batch(trainer)
+        scored_batch(trainer, seed=1)
+    warnings = [r.getMessage() for r in caplog.records if "gfpo_stop_dropped_generations" in r.getMessage()]
+    assert warnings == ["gfpo_stop_dropped_generations is not applied with loss_includes_rejected=True: the rule cuts "
+                        "the completions the filter rejects short, and the loss then covers them, so it would train "
+                        "on cut text and count cut lengths; every completion is generated to its end"]
+    assert trainer.args.gfpo_stop_dropped_generations and trainer._gfpo_batch.stopped_rows is None
+    metrics = trainer._metrics["train"]
+    assert "gfpo/stopped_early_fraction" not in metrics and len(metrics["gfpo/dropped_completion_length"]) == 2

@@ -23,6 +23,11 @@ SCENARIOS = {
     "random_filter": ("0", "0", "random_filter"),
     "skip_on": ("0", "0", "skip_on"),
     "skip_off": ("0", "0", "skip_off"),
+    # loss_includes_rejected, with gfpo_stop_dropped_generations left on (the option turns it off)
+    "rejected_skip": ("0", "1", "rejected_skip"),
+    "rejected_skip_kernels": ("1", "1", "rejected_skip"),
+    "rejected_kl": ("0", "1", "rejected_kl"),
+    "rejected_kl_kernels": ("1", "1", "rejected_kl"),
 }
 
 
@@ -119,3 +124,23 @@ def test_skipping_zero_gradient_rows_across_processes(runs):
     assert on[0]["num_rows"] < off[0]["num_rows"]
     for a, b in zip(on, off):
         torch.testing.assert_close(torch.tensor(a["parameters"]), torch.tensor(b["parameters"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scenario", [pytest.param(name, marks=pytest.mark.scenarios(name)) for name in (
+    "rejected_skip", "rejected_skip_kernels", "rejected_kl", "rejected_kl_kernels")])
+def test_loss_includes_rejected_equals_trls_loss_over_every_row(runs, scenario):
+    """loss_includes_rejected on two processes, groups straddling them: the loss and gradients (averaged over the
+    processes, as DDP does) equal TRL's GRPOTrainer's over every row with GFPO's advantages, the rejected at 0. Beta
+    0: only the kept rows of nonzero advantage are trained (rebalanced across the processes, padded, weighted);
+    beta 0.04: every row is trained. The early-stop rule is off."""
+    results = runs[scenario]
+    for r in results:
+        assert r["stopped_early"] is None
+        assert r["num_items_in_batch"] == sum(map(len, r["all_ids"]))  # every sampled completion's tokens
+        assert r["gfpo_loss"] == pytest.approx(r["trl_loss"], rel=1e-5, abs=1e-6)
+        torch.testing.assert_close(torch.tensor(r["gfpo_grads"]), torch.tensor(r["trl_grads"]), rtol=1e-4, atol=1e-6)
+        assert max(map(abs, r["trl_grads"])) > 0
+    if scenario.startswith("rejected_skip"):
+        assert sum(r["n_real"] for r in results) <= 9 and results[0]["num_rows"] < 12  # the kept rows only
+    else:
+        assert [r["n_real"] for r in results] == [12, 12]

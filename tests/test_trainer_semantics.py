@@ -28,6 +28,10 @@ from gfpo_trainer import GFPOTrainer, selection  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError, tool_mask_of  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 from gfpo_trainer.batch import GenerationBatch  # noqa: E402
+from gfpo_trainer.filters import GROUP_FILTER_SPECS, FilterInputs  # noqa: E402
+from test_filters import token_efficiency_keep_by_loop  # noqa: E402
+
+token_efficiency = GROUP_FILTER_SPECS["token_efficiency"]
 
 
 def test_k_of_one_is_refused(tmp_path):
@@ -82,33 +86,27 @@ def test_infinite_reward_gives_its_group_zero_advantage(model_dir, tokenizer, tm
                                         if p.grad is not None)
 
 
-def _brute_force_token_efficiency_keep(rewards, lengths, G, k):
-    keep = torch.zeros(len(rewards), dtype=torch.bool)
-    for g in range(len(rewards) // G):
-        rows = list(range(g * G, (g + 1) * G))
-        rows.sort(key=lambda i: (-(rewards[i] / max(lengths[i], 1.0)), lengths[i], i))
-        keep[rows[:k]] = True
-    return keep
-
-
 @pytest.mark.parametrize("use_kernels", [False, True])
-def test_token_efficiency_ties_go_to_the_shorter_completion(use_kernels):
+def test_token_efficiency_ties_follow_the_sign_rule(use_kernels):
+    """0/1 rewards with many exact ties: the kept rows are the plain-Python ranking's (tests/test_filters.py), with the
+    fused kernel and the reference alike."""
     torch.manual_seed(0)
     G, k = 8, 3
     rewards = torch.randint(0, 2, (32 * G,)).float()  # 0/1 rewards: every wrong answer scores 0 per token
     rewards[: 2 * G] = 0.0  # whole groups wrong
     lengths = torch.randint(1, 6, (32 * G,)).float()  # many exact ties in length too
-    scores = selection._token_efficiency_rank(rewards, lengths, G)
+    scores = token_efficiency.score(FilterInputs(rewards, lengths, torch.zeros_like(lengths), G))
     ops = gfpo_kernels if use_kernels else ref
     keep, _ = ops.gfpo_filter_advantages(rewards, scores, G, k, largest=True)
-    assert torch.equal(keep, _brute_force_token_efficiency_keep(rewards.tolist(), lengths.tolist(), G, k))
-    # the all-wrong groups keep their shortest completions, not their first ones
-    assert lengths[:G][keep[:G]].max() <= lengths[:G][~keep[:G]].min()
+    assert torch.equal(keep, token_efficiency_keep_by_loop(rewards.tolist(), lengths.tolist(), G, k))
+    # the all-wrong groups keep their longest completions, not their first ones
+    assert lengths[:G][keep[:G]].min() >= lengths[:G][~keep[:G]].max()
 
 
 def test_token_efficiency_rank_puts_unscorable_rows_last():
     rewards = torch.tensor([float("nan"), 0.0, 1.0, float("nan")])
-    scores = selection._token_efficiency_rank(rewards, torch.tensor([1.0, 5.0, 9.0, 1.0]), 4)
+    lengths = torch.tensor([1.0, 5.0, 9.0, 1.0])
+    scores = token_efficiency.score(FilterInputs(rewards, lengths, torch.zeros_like(lengths), 4))
     assert torch.isnan(scores[[0, 3]]).all()
     assert torch.equal(ref.group_topk_mask(scores, 4, 3), torch.tensor([True, True, True, False]))
 
@@ -150,10 +148,12 @@ def test_kept_reward_metrics_and_completions_table(model_dir, tokenizer, tmp_pat
     assert all(a == 0 for a, kept in zip(trainer._logs["advantages"], keep) if not kept)
 
 
-def test_trl_metrics_cover_every_completion_with_other_filters(model_dir, tokenizer, tmp_path):  # noqa: F811
-    """Only the length filter (whose early-stop rule cuts completions short) moves TRL's metrics to the kept rows."""
-    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=16,
-                           group_filter="token_efficiency")
+@pytest.mark.parametrize("group_filter", [name for name, spec in GROUP_FILTER_SPECS.items()
+                                          if not spec.trl_metrics_over_kept_rows])
+def test_trl_metrics_cover_every_completion_with_other_filters(model_dir, tokenizer, tmp_path, group_filter):  # noqa: F811
+    """Only a filter whose spec says so (the length filter: its early-stop rule cuts completions short) moves TRL's
+    metrics to the kept rows."""
+    trainer = make_trainer(model_dir, tokenizer, tmp_path, per_device_train_batch_size=16, group_filter=group_filter)
     _, seen = scored_batch(trainer)
     rewards = seen["rewards"].sum(dim=1)
     lengths = torch.tensor([float(len(ids)) for ids in seen["ids"]])
