@@ -1,7 +1,7 @@
 """The TRL surfaces GFPOTrainer hooks into, checked at construction.
 
-TRL's own GFPOTrainer copied `GRPOTrainer._generate_and_score_completions` and broke on every GRPO rewrite. We
-copy nothing: we wrap `_calculate_rewards`, `_get_per_token_logps_and_entropies` (to defer the no-grad
+A copy of `GRPOTrainer._generate_and_score_completions` breaks on every GRPO rewrite (docs/trl-compatibility.md), so
+we copy nothing: we wrap `_calculate_rewards`, `_get_per_token_logps_and_entropies` (to defer the no-grad
 log-prob passes to the kept rows), `_generate_single_turn` (to stop completions the length filter will
 drop) and `_generate` (to read the tool masks), post-process the dict `_generate_and_score_completions` returns, and override `compute_loss`. If TRL
 changes one of these, `check_trl_surfaces` raises naming the surface instead of training on a silently wrong
