@@ -70,6 +70,21 @@ class GFPOConfig(GRPOConfig):
             attention dropout applied inline: a shorter batch draws differently); there every row is trained, as in
             GRPO. With skipping, TRL's entropy and clip-ratio metrics cover the trained rows;
             `gfpo/skipped_zero_gradient_fraction` logs the share of kept rows skipped.
+        gfpo_vllm_server_max_in_flight (`int` or `None`, *optional*, defaults to `None`):
+            With `vllm_mode="server"` and `group_filter="length"` (GFPO then sends one request per completion): how
+            many requests are open at once. `None`: the server's own cap on requests in flight (vLLM's
+            `--max-num-queued-reqs`, read from its `/server_info`) where it has one, else every completion of the
+            call (vLLM queues what it cannot run yet). Also bounded by the process's open-file limit.
+        gfpo_vllm_server_retry_deadline (`float`, *optional*, defaults to `300.0`):
+            Seconds after a request's first try within which GFPO sends it again when the server turns it away
+            before any token (HTTP 503, 429, 502, 504, a refused or dropped connection), after pauses growing from
+            0.5 s to 8 s (or the server's Retry-After). Past it the step fails with one line naming the server, the
+            completion and the last answer. `0`: no retry.
+        gfpo_vllm_server_read_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds the server may send nothing on every open request of a generation call before the step fails.
+            Streamed requests (early stop on) receive a token each server step; unstreamed ones (early stop off)
+            receive nothing until their completion ends, so it must exceed the longest completion's generation
+            time there.
     """
 
     num_remains_in_group: int | None = field(
@@ -103,6 +118,21 @@ class GFPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "With vLLM and the length filter, seed every completion's request from the trainer's "
                           "random stream (the same completions with early stop on or off)."},
+    )
+    gfpo_vllm_server_max_in_flight: int | None = field(
+        default=None,
+        metadata={"help": "vLLM server mode, length filter: requests open at once (None: the server's "
+                          "max_num_queued_reqs where it reports one, else every completion)."},
+    )
+    gfpo_vllm_server_retry_deadline: float = field(
+        default=300.0,
+        metadata={"help": "vLLM server mode, length filter: seconds within which a request the server turns away "
+                          "(503, 429, 502, 504, refused connection) is sent again; 0: never."},
+    )
+    gfpo_vllm_server_read_timeout: float = field(
+        default=600.0,
+        metadata={"help": "vLLM server mode, length filter: seconds the server may send nothing on every open "
+                          "request before the step fails."},
     )
 
     def __post_init__(self):
