@@ -90,8 +90,8 @@ def _json_decoder():
 
 
 def _loop_runner():
-    """What runs a call's event loop: uvloop's loop where installed (vLLM's server brings it), whose socket reads
-    cost less per event than asyncio's own; asyncio's otherwise."""
+    """What runs a call's event loop: uvloop's loop where installed (vLLM brings it, through fastapi[standard]),
+    which reads the events for less CPU than asyncio's own (docs/vllm.md); asyncio's otherwise."""
     try:
         import uvloop
     except ImportError:
