@@ -54,6 +54,17 @@ class GFPOConfig(GRPOConfig):
             The paper's objective (arXiv 2508.09726, Eq. 2): rejected completions stay in the loss with
             advantage 0, so the normaliser counts every sampled completion. `False` trains and divides by the
             kept rows only. Turns the early-stop rule off (one warning): the loss counts full lengths.
+        gfpo_vllm_server_max_in_flight (`int` or `None`, *optional*, defaults to `None`):
+            vLLM server mode with the length filter (one request per completion): the requests open at once.
+            `None`: the server's `--max-num-queued-reqs` (from its `/server_info`) where it has one, else every
+            completion of the call. Also bounded by the process's open-file limit.
+        gfpo_vllm_server_retry_deadline (`float`, *optional*, defaults to `300.0`):
+            Seconds within which a request the server turns away before any token (503, 429, 502, 504, a refused
+            or dropped connection) is sent again, with growing pauses; past it the step fails naming the server,
+            the completion and the answer. `0`: no retry.
+        gfpo_vllm_server_read_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds the server may send nothing on every open request before the step fails (with early stop off
+            the requests are unstreamed: set it above the longest completion's generation time).
     """
 
     num_remains_in_group: int | None = field(
@@ -93,6 +104,21 @@ class GFPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "The paper's objective: rejected completions stay in the loss with advantage 0 (its "
                           "normaliser counts every sampled completion; the KL and entropy terms reach them)."},
+    )
+    gfpo_vllm_server_max_in_flight: int | None = field(
+        default=None,
+        metadata={"help": "vLLM server mode, length filter: requests open at once (None: the server's "
+                          "max_num_queued_reqs where it reports one, else every completion)."},
+    )
+    gfpo_vllm_server_retry_deadline: float = field(
+        default=300.0,
+        metadata={"help": "vLLM server mode, length filter: seconds within which a request the server turns away "
+                          "(503, 429, 502, 504, refused connection) is sent again; 0: never."},
+    )
+    gfpo_vllm_server_read_timeout: float = field(
+        default=600.0,
+        metadata={"help": "vLLM server mode, length filter: seconds the server may send nothing on every open "
+                          "request before the step fails."},
     )
 
     def __post_init__(self):
