@@ -538,7 +538,8 @@ def _server_mode_trainer(server, session, **args):
     assert set(client_fields) >= set(args)
     trainer = GFPOTrainer.__new__(GFPOTrainer)
     trainer.args = SimpleNamespace(**{**client_fields, **args}, gfpo_stop_dropped_generations=True,
-                                   adaptive_difficulty=False, gfpo_vllm_request_seeds=True, num_remains_in_group=K)
+                                   adaptive_difficulty=False, gfpo_vllm_request_seeds=True, num_remains_in_group=K,
+                                   group_filter="length", loss_includes_rejected=False)
     trainer.accelerator = SimpleNamespace(is_main_process=True, num_processes=1, process_index=0,
                                           device=torch.device("cpu"))
     trainer.tools, trainer.use_vllm, trainer.use_transformers_continuous_batching = None, True, False
