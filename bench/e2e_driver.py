@@ -1,5 +1,5 @@
 """Whole training steps of TRL's GRPOTrainer and of GFPOTrainer, one optimizer step at a time, with the split of each
-step and the counts that do not depend on the device (issue 26). bench/test_bench_e2e.py times them with
+step and the counts that do not depend on the device. bench/test_bench_e2e.py times them with
 pytest-benchmark; this module's command line runs the arms interleaved (step 1 of every arm, then step 2, ...),
 which a machine shared with other jobs needs for a fair comparison, and writes the results file and its table.
 
@@ -14,8 +14,7 @@ GFPO skips rows of advantage 0):
 - gfpo-G16-k8-no-savings: GFPOTrainer, 16 sampled, the 8 shortest kept, with every saving of this package off:
   use_gfpo_kernels=False (TRL's loss; the reference filter), skip_zero_gradient_rows=False,
   gfpo_stop_dropped_generations=False, and the trained rows at the generated width (GFPOTrainer crops them to the
-  longest kept completion, and each micro-batch to its own, which no option turns off; TRL's former GFPOTrainer
-  trained at the full width). The deferred old-policy/reference passes on the kept rows only (no option either)
+  longest kept completion, and each micro-batch to its own, which no option turns off). The deferred old-policy/reference passes on the kept rows only (no option either)
   save nothing here: with beta=0 and steps_per_generation = gradient_accumulation_steps (TRL's defaults) no such pass
   runs in any arm.
 - gfpo-G16-k8: GFPOTrainer's defaults (length filter) with use_gfpo_kernels=True.
@@ -642,7 +641,7 @@ def markdown(data: dict) -> str:
                           f"{a['extra_info']['generated_row_steps'] / b['extra_info']['generated_row_steps']:.2f}x, "
                           f"train tokens {a['extra_info']['train_tokens'] / b['extra_info']['train_tokens']:.2f}x")
     if ratios:
-        lines += ["", "Ratios (the issue's goals: gfpo-G16-k8 / grpo-G8 <= 1, gfpo-G16-k8 / no-savings <= 0.5):", ""]
+        lines += ["", "Ratios (the goals: gfpo-G16-k8 / grpo-G8 <= 1, gfpo-G16-k8 / no-savings <= 0.5):", ""]
         lines += ratios
     lines += _vllm_markdown(arm_of)
     variants = [(arm.partition("/")[0], arm) for arm in arm_of if "/" in arm and arm.partition("/")[0] in arm_of]
@@ -670,7 +669,7 @@ def _range_ms(values: list[float]) -> str:
 
 
 def _vllm_markdown(arm_of: dict) -> list[str]:
-    """The vLLM arms' generation: its parts and counts, and the goals of issue 33."""
+    """The vLLM arms' generation: its parts and counts, and the goals for GFPO on vLLM."""
     arms = {arm: b["extra_info"] for arm, b in arm_of.items() if b["extra_info"].get("vllm")}
     if not arms:
         return []
@@ -687,7 +686,7 @@ def _vllm_markdown(arm_of: dict) -> list[str]:
     pairs = [("vllm-gfpo-G16-k8", "vllm-grpo-G8"), ("vllm-gfpo-G16-k8", "vllm-gfpo-G16-k8-no-stop")]
     pairs = [(a, b) for a, b in pairs if a in arms and b in arms]
     if pairs:
-        lines += ["", "Against each other (the goals of issue 33: vllm-gfpo-G16-k8 takes no more engine steps than "
+        lines += ["", "Against each other (the goals: vllm-gfpo-G16-k8 takes no more engine steps than "
                   "vllm-grpo-G8, generates at most 1.1x its tokens, and on the CPU engine takes no longer to "
                   "generate). Time ratios step by step (the arms stepped in turn, so a pair shares the machine's "
                   "load): median (min-max).", ""]

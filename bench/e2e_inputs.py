@@ -1,4 +1,4 @@
-"""Realistic inputs for the end-to-end training-step benchmark (bench/test_bench_e2e.py, issue 26): a random-weight
+"""Realistic inputs for the end-to-end training-step benchmark (bench/test_bench_e2e.py): a random-weight
 Qwen2 whose completions end at long-tailed lengths, prompts, and a 0/1 reward that leaves about a third of the groups
 with equal rewards (advantage 0), as reported for math RL.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run (issues 12 and 34): the fused loss and the group op against their baselines with the cost model beside
+# The GPU run: the fused loss and the group op against their baselines with the cost model beside
 # them, the tests that need CUDA, and whole Qwen2-0.5B training steps, planned for a lease of 15 minutes of device
 # time in all (the machine's start included) and at most 10 minutes a command. The exact device commands, the carried
 # paths and the rule for the second call: docs/performance.md, "Running on a GPU".
@@ -8,7 +8,7 @@
 #   bash bench/gpu_run.sh OUTDIR [--fast] [STEP...]                      # steps by hand (no plan, 570 s a step)
 #   bash bench/gpu_run.sh OUTDIR merge                                    # here, after the calls
 #
-# The plan, by value: call 1 measures what the issue's goals are about, call 2 what is left, and runs only when
+# The plan, by value: call 1 measures what the performance goals are about, call 2 what is left, and runs only when
 # 5 minutes of device time remain after call 1. Each step is STEP:BUDGET:EXPECTED in seconds. BUDGET is the step's own timeout,
 # so one slow step cannot eat the ones after it; "rest" is whatever the call has left. EXPECTED is what the step
 # should take on an H100 (docs/performance.md says where each figure comes from); the budgets leave room for a 2x

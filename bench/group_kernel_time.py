@@ -1,5 +1,5 @@
-"""Device time of the group filter + advantages kernels, without the Python around them (issue 12: "within 3x of
-an empty kernel launch, measured with CUDA graphs or events so the figure is the kernel"). CUDA only.
+"""Device time of the group filter + advantages kernels, without the Python around them, against the goal
+of "within 3x of an empty kernel launch", measured with CUDA graphs or events so the figure is the kernel. CUDA only.
 
 For each size and backend (Triton, the CUDA extension), and for an empty Triton kernel as the floor:
 - graph: CALLS calls captured in one CUDA graph, replayed; CUDA events around the replays; time per call. This

@@ -1,5 +1,5 @@
-"""The cost model's predictions beside a GPU run's measurements of the fused loss (issue 28: every GPU run checks the
-model again and recalibrates it where it was wrong).
+"""The cost model's predictions beside a GPU run's measurements of the fused loss: every GPU run checks the model
+again, and it is recalibrated where it was wrong.
 
     python bench/predicted_vs_measured.py bench/results/<date>-<gpu>-<commit>.json [--plan current|cec7c50]
 

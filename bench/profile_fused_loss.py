@@ -1,5 +1,5 @@
 """torch.profiler summary of the fused linear GRPO loss (forward + backward): the top ops by device time, so
-the note can say where the time goes beside the two GEMMs (issue 12).
+the note can say where the time goes beside the two GEMMs.
 
     python bench/profile_fused_loss.py [--fast] [--rows 100]
 

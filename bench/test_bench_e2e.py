@@ -1,4 +1,4 @@
-"""Whole training steps on realistic lengths (issue 26): TRL's GRPOTrainer with G=8 against GFPOTrainer with G=16,
+"""Whole training steps on realistic lengths: TRL's GRPOTrainer with G=8 against GFPOTrainer with G=16,
 k=8, with every saving of this package off, with its defaults and use_gfpo_kernels=True, and with the
 token-efficiency filter. The arms, the split of a step and the counts: bench/e2e_driver.py; the model, prompts,
 reward and EOS offset: bench/e2e_inputs.py. Each case times its arm's steps one after another (a dedicated GPU);

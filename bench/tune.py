@@ -1,4 +1,4 @@
-"""Sweeps the knobs issue 12 names and prints a table and the best value of each (CUDA only; --fast: fewer
+"""Sweeps the kernels' tuning knobs and prints a table and the best value of each (CUDA only; --fast: fewer
 values). Knobs are module attributes read at call time, set here and restored after each sweep, and the fused loss's
 plan limits, passed in through gfpo_kernels.chunk_plan.planning:
 

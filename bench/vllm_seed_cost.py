@@ -1,4 +1,4 @@
-"""What seeding each request costs vLLM's generation (GFPOConfig.gfpo_vllm_request_seeds, issue 33): the same batch
+"""What seeding each request costs vLLM's generation (GFPOConfig.gfpo_vllm_request_seeds): the same batch
 generated with one seed a request (the default: request_seeds, as the trainer draws them) and without (vLLM's own
 random stream, as TRL samples), on one engine, the two interleaved round after round.
 

@@ -111,8 +111,15 @@ def on_device(device: torch.device):
 
 @contextlib.contextmanager
 def use_backend(name: str | None):
-    """Forces backend `name` (see BACKENDS; None: back to automatic) for the op families that have it, for the
-    ops run inside the block."""
+    """Forces one backend for the ops run inside the block, to compare or test implementations.
+
+    Args:
+        name: one of BACKENDS ("triton", "cpp", "torch", "reference"), applied to the op families that have it;
+            None: automatic choice again.
+
+    Raises:
+        ValueError: an unknown name. RuntimeError (at the op's call): the forced backend cannot run that input.
+    """
     if name is not None and name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
     previous = getattr(_forced, "name", None)
@@ -124,6 +131,15 @@ def use_backend(name: str | None):
 
 
 def available_backends(op: str = "group", device: torch.device | str = "cpu", group_size: int = 16) -> list[str]:
-    """The backends that can run op family `op` on `device` here (for tests, benchmarks and bug reports)."""
+    """The backends that can run an op family here, for tests, benchmarks and bug reports.
+
+    Args:
+        op: "group" (the group ops) or "linear_grpo" (the fused loss).
+        device: the device of the tensors the op would get.
+        group_size: G (the group kernels have a largest group per backend).
+
+    Returns:
+        The backend names, most preferred first.
+    """
     device = torch.device(device)
     return [b for b in OP_BACKENDS[op] if _can_run(b, op, device, group_size) is None]

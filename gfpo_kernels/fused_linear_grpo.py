@@ -144,48 +144,33 @@ def fused_linear_grpo_loss(
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """TRL's GRPO loss (GRPOTrainer._compute_loss of TRL 1.16, one process, no gradient accumulation) of the
-    LM head `hidden @ weight.T (+ bias)`, without materialising the (B*T, V) logits.
+    """TRL's GRPO loss of the LM head `hidden @ weight.T (+ bias)` without the (B*T, V) logits.
+
+    Projects only the scored tokens, in stages, and finishes the gradients inside the forward: the memory of a
+    GRPO step's logits is never held, and no projection is recomputed in backward (docs/fused-loss.md).
 
     Args:
-        hidden: (B, T, H) last hidden states at the completion positions (the states that predict target_ids).
-        weight: (V, H) LM head weight. bias: optional (V,).
-        target_ids: (B, T) completion token ids; only positions where `mask` is set are read.
-        mask: (B, T) completion mask (1 = scored token).
-        advantages: (B,) (or (B, T)) advantages.
-        old_logps, ref_logps: (B, T) log-probabilities of the old policy (None: this policy, detached) and of the
-            reference model (needed when beta != 0).
-        beta, epsilon_low, epsilon_high (None: epsilon_low), delta, temperature, loss_type ("grpo", "bnpo",
-            "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"), importance_sampling_level ("token",
-            "sequence"), max_completion_length (dr_grpo; None: T), use_bias_correction_kl,
-            sapo_temperature_pos/neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: as in TRL's
-            GRPOConfig.
-        num_items_in_batch: the dapo/cispo/vespo normaliser: a number or a one-element tensor (None: mask.sum());
-            clamped to at least 1, as TRL does.
-        vllm_is_ratio: (B, T), or one ratio a sequence, (B, 1) or (B,): importance-sampling correction of vLLM
-            generation (it multiplies the per-token loss; vespo takes it into its weight phi instead, as TRL does).
-        logit_softcap: the model's final logit soft cap (Gemma 2's final_logit_softcapping): the logits become
-            cap * tanh(logits / cap) before the temperature, as the model's forward and TRL's fused head do.
-            None: no cap.
+        hidden: (B, T, H) floating-point last hidden states that predict `target_ids`.
+        weight: (V, H) floating-point LM head weight. bias: optional (V,).
+        target_ids: (B, T) integer completion token ids, read where `mask` is set.
+        mask: (B, T) completion mask, 1 = scored token (any dtype).
+        advantages: (B,) or (B, T) float advantages.
+        old_logps, ref_logps: optional (B, T) float log-probabilities of the old policy (None: this policy,
+            detached) and of the reference model (required when beta != 0).
+        vllm_is_ratio: optional (B, T), (B, 1) or (B,) importance-sampling correction of vLLM's sampling.
+        num_items_in_batch: the dapo/cispo/vespo normaliser, a number or a one-element tensor (None: mask.sum()).
+        logit_softcap: the model's final logit soft cap (logits become cap * tanh(logits / cap)); None: none.
+        beta, epsilon_low, epsilon_high, delta, temperature, loss_type, importance_sampling_level,
+            max_completion_length, use_bias_correction_kl, sapo_*, vespo_*: as in TRL's GRPOConfig.
 
     Returns:
-        (loss, stats): the scalar fp32 loss, with gradients for hidden, weight and bias; stats holds detached
-        per-token "logps" and "entropy" (B, T) (0 where mask is 0), and as scalar means over the scored tokens
-        "kl" when beta != 0 and the loss type's clip ratios ("clip_ratio/low_mean", "clip_ratio/high_mean",
-        "clip_ratio/region_mean"; "cispo_clip_ratio"), each also per token as "per_token/<name>" ((B, T), or
-        (B, 1) at sequence level) for averaging over processes; vespo: the mean of its per-sequence weight,
-        "vespo/phi_seq_mean" (per sequence, (B, 1), as "per_token/vespo/phi_seq_mean"). NaN advantages or
-        log-probabilities at scored positions propagate into the loss, as in TRL (but a NaN log-probability of a
-        token whose loss gradient is exactly 0, advantage 0 without KL, adds no NaN to the gradients, where TRL's
-        would be NaN: that token takes no gradient work); masked positions (mask 0: padding, tool output) take no
-        part in any ratio, exp, clip or KL, whatever old_logps, ref_logps or vllm_is_ratio hold there (-1e4, inf,
-        NaN), so the loss is finite and equals TRL's.
+        (loss, stats): the fp32 scalar loss, differentiable in hidden, weight and bias, and a dict of detached
+        tensors: "logps" and "entropy" (B, T) fp32 (0 where mask is 0), the scalar means "kl" (beta != 0) and
+        the loss type's clip ratios or "vespo/phi_seq_mean", each also per token as "per_token/<name>".
 
     Raises:
-        TypeError: hidden, weight, target_ids, mask or advantages not a torch.Tensor.
-        ValueError: unknown loss_type or importance_sampling_level, beta != 0 without ref_logps, mismatched
-            shapes (H of hidden vs weight among them), a tensor not on hidden's device, target ids outside [0, V)
-            where mask is set, a num_items_in_batch that is not a number, bad options.
+        TypeError: one of the five leading arguments is not a tensor.
+        ValueError: a bad option, shape, device, target id or num_items_in_batch, naming it.
     """
     options = GRPOLossOptions(
         beta=beta, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, temperature=temperature,

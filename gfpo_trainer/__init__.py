@@ -1,7 +1,7 @@
 """gfpo_trainer: Group Filtered Policy Optimization (arXiv 2508.09726) on TRL's GRPOTrainer.
 
-- GFPOConfig: GRPOConfig plus num_remains_in_group, group_filter, use_gfpo_kernels, adaptive_difficulty,
-  adaptive_num_remains, skip_zero_gradient_rows, gfpo_stop_dropped_generations.
+- GFPOConfig: GRPOConfig plus GFPO's fields (num_remains_in_group, group_filter, use_gfpo_kernels, ...;
+  docs/trainer.md lists them).
 - GFPOTrainer: GRPOTrainer that trains on the top-k completions of every group.
 - GROUP_FILTERS: the names of the built-in filters GFPOConfig.group_filter takes (the keys of
   gfpo_trainer.filters.GROUP_FILTER_SPECS).

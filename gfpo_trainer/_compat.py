@@ -1,7 +1,7 @@
 """The TRL surfaces GFPOTrainer hooks into, checked at construction.
 
-TRL's own GFPOTrainer copied `GRPOTrainer._generate_and_score_completions` and broke on every GRPO rewrite. We
-copy nothing: we wrap `_calculate_rewards`, `_get_per_token_logps_and_entropies` (to defer the no-grad
+A copy of `GRPOTrainer._generate_and_score_completions` breaks on every GRPO rewrite (docs/trl-compatibility.md), so
+we copy nothing: we wrap `_calculate_rewards`, `_get_per_token_logps_and_entropies` (to defer the no-grad
 log-prob passes to the kept rows), `_generate_single_turn` (to stop completions the length filter will
 drop) and `_generate` (to read the tool masks), post-process the dict `_generate_and_score_completions` returns, and override `compute_loss`. If TRL
 changes one of these, `check_trl_surfaces` raises naming the surface instead of training on a silently wrong
@@ -171,7 +171,8 @@ def check_vllm_server_generation(trainer) -> None:
     """The TRL surfaces GFPO's generation through a vLLM server drives (use_vllm=True, vllm_mode="server",
     group_filter="length"): TRL's VLLMGeneration and, on the main process (the one that talks to the server), its
     VLLMClient with the parameters GFPO's stand-in for `VLLMClient.generate` takes; TRL's parse of the server's
-    log-probabilities, which the stand-in returns as TRL's client does; aiohttp, which streams the requests."""
+    log-probabilities, which the stand-in returns as TRL's client does; the client's requests session, whose headers,
+    proxy and TLS settings GFPO's requests carry; aiohttp, which streams the requests."""
     from .vllm_server import _aiohttp
 
     generation = getattr(trainer, "vllm_generation", None)
@@ -192,7 +193,7 @@ def check_vllm_server_generation(trainer) -> None:
                               f"{_supported()}")
     if trainer.accelerator.is_main_process:
         client = getattr(generation, "vllm_client", None)
-        for name in ("base_url", "model", "generate"):
+        for name in ("base_url", "model", "generate", "session"):
             if not hasattr(client, name):
                 raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer.vllm_generation.vllm_client no longer has "
                                       f"{name!r}, which GFPO's vLLM server generation reads; {_supported()}")

@@ -14,9 +14,9 @@ Quantiles Using t-Digests", 2019, section 2: every centroid's k-size is at most 
 between the two centroids whose middles surround q, so its rank is within 3/d of q (the left centroid's width and
 half the right one's); with d = 1000 the quartile thresholds lie within 0.003 in rank of the exact quartiles.
 
-A checkpoint may also hold a digest of the `tdigest` package ({"n", "delta", "K", "centroids"}, beside the random
-state that package drew from), as gfpo 0.1.0 wrote it: its centroids are the same `{"m", "c"}` records and load as
-they are (see AdaptiveDifficulty.load_state_dict).
+A checkpoint may also hold a digest in the `tdigest` package's format ({"n", "delta", "K", "centroids"}, beside the
+random state that package drew from; docs/trainer.md, "Adaptive difficulty"): its centroids are the same
+`{"m", "c"}` records and load as they are (see AdaptiveDifficulty.load_state_dict).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class AdaptiveDifficulty:
 
     def load_state_dict(self, state: dict) -> None:
         """Restores the digest exactly: its centroids are put back as they were, not re-inserted (re-inserting would
-        merge them and change the quartiles a resumed run sees). Takes what state_dict wrote and what gfpo 0.1.0
-        wrote (a `tdigest` digest, whose centroids are the same {"m", "c"} records, beside its random state)."""
+        merge them and change the quartiles a resumed run sees). Takes what state_dict writes and a digest in the
+        `tdigest` format (the same {"m", "c"} centroid records, beside that package's random state)."""
         if list(state["num_remains"]) != self.num_remains:
             raise ValueError(
                 f"the checkpoint's adaptive_num_remains={state['num_remains']} differs from this run's {self.num_remains}"

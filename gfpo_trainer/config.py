@@ -18,70 +18,53 @@ SCALE_REWARDS = ("group", "batch", "none")
 @dataclass
 class GFPOConfig(GRPOConfig):
     r"""
-    Configuration of [`GFPOTrainer`]: every field of TRL's `GRPOConfig`, plus the fields below. One difference
-    from GRPOConfig: `bf16` left unset is on only where the device supports it (TRL: always on), so the same config
-    runs on a CPU and on a GPU.
+    Configuration of [`GFPOTrainer`]: every field of TRL's `GRPOConfig`, plus the fields below (docs/trainer.md
+    has each in full). One difference: `bf16` left unset is on only where the device supports it (TRL: always
+    on), so one config runs on a CPU and on a GPU.
 
     Parameters:
         num_remains_in_group (`int` or `None`, *optional*, defaults to `None`):
-            k: how many of the `num_generations` completions of each prompt are kept and trained on
-            (2 <= k < num_generations: with k = 1 every advantage would be 0, as TRL refuses num_generations < 2).
-            `None` disables filtering (plain GRPO).
+            k, the completions of each group kept and trained on; 2 <= k < num_generations (with k = 1 every
+            advantage would be 0). `None`: no filtering (plain GRPO).
         group_filter (`str` or `None`, *optional*, defaults to `None`):
-            Built-in filter scored on device, one of `GROUP_FILTERS` (gfpo_trainer/filters.py; docs/trainer.md
-            describes each): `"length"` keeps the k completions with the fewest tokens, `"token_efficiency"` the k
-            with the highest reward per completion token. With `num_remains_in_group` set, exactly one of
-            `group_filter` and the trainer's `group_filter_func` is required.
+            A built-in filter, one of `GROUP_FILTERS` (gfpo_trainer/filters.py): `"length"` keeps the k shortest
+            completions, `"token_efficiency"` the k with the most reward per token. With `num_remains_in_group`
+            set, exactly one of this and the trainer's `group_filter_func` is required.
         use_gfpo_kernels (`bool`, *optional*, defaults to `False`):
-            Put the fused kernels on the hot path: the fused filter + advantage kernel, and the fused linear GRPO
-            loss through the model's LM head (no (tokens x vocab) logits). `False` runs the reference
-            implementation of the filter and TRL's own loss. Both give the same kept rows and advantages.
+            The fused filter + advantage kernel and the fused linear GRPO loss through the LM head, a drop-in:
+            the same kept rows and advantages as `False` (the reference filter and TRL's loss).
         adaptive_difficulty (`bool`, *optional*, defaults to `False`):
-            Adaptive Difficulty GFPO: a group's difficulty is its mean reward; streaming quartiles of it over
-            training (a t-digest) put each group in a quartile, and the group keeps
-            `adaptive_num_remains[quartile]` completions.
+            k per group from the quartile of its mean reward among the groups seen so far (a streaming t-digest).
         adaptive_num_remains (`list[int]` or `None`, *optional*, defaults to `None`):
-            k per difficulty quartile, hardest first (4 values, each 2 <= k <= num_generations); harder questions
-            usually keep more. Required with `adaptive_difficulty`.
+            k per difficulty quartile, hardest first: 4 values, each 2 <= k <= num_generations. Required with
+            `adaptive_difficulty`.
         gfpo_stop_dropped_generations (`bool`, *optional*, defaults to `True`):
-            With `group_filter="length"`: once k completions of a group have ended, stop generating the group's
-            other completions, which the filter is certain to drop. The kept rows, their rewards, advantages and
-            the loss are unchanged; generation ends sooner. With the length filter TRL's `reward`, `reward_std`,
-            `frac_reward_zero_std`, `rewards/*` and `completions/*` metrics describe the kept rows, rule on or off.
-            On HF generate the rule forces EOS on those rows; on vLLM (`use_vllm=True`) it aborts their requests,
-            which come back with the tokens they had (docs/vllm.md): in colocate mode on the engine, in server mode
-            by closing each completion's stream (every completion is then its own streamed request), on which the
-            server aborts it. Not applied with adaptive difficulty (whose difficulty reads every completion's
-            reward), nor, with a warning logged once, with continuous batching, tool calling, beam search, or a vLLM
-            server that does not stream what the rule reads (checked when the trainer is built).
+            With `group_filter="length"`, stop generating a group's other completions once k have ended: the
+            filter drops them anyway, so the kept rows and the loss are unchanged and generation ends sooner.
+            Off, with a one-time warning, where it cannot hold (docs/trainer.md, "Stopping completions").
         gfpo_vllm_request_seeds (`bool`, *optional*, defaults to `True`):
-            With vLLM and `group_filter="length"`: each completion is its own request, with a seed drawn from the
-            trainer's random stream, so a run is reproducible and keeps the same completions with
-            `gfpo_stop_dropped_generations` on or off (where vLLM's numerics do not depend on the batch:
-            docs/vllm.md). Colocate and server mode give a row the same seed. `False` leaves sampling to vLLM's own random stream, as TRL does: the rule still stops
-            completions, but the others then draw differently from a run without it.
+            With vLLM and `group_filter="length"`, one request per completion seeded from the trainer's random
+            stream, so the same completions are kept with early stop on or off (docs/vllm.md). `False`: vLLM's
+            own random stream, as in TRL.
         skip_zero_gradient_rows (`bool`, *optional*, defaults to `True`):
-            Rows whose advantage is exactly 0 (groups of equal rewards, unscorable rows) contribute exactly zero
-            gradient when `beta == 0`, there is no entropy bonus, `top_entropy_quantile == 1` and no MoE auxiliary
-            loss: they are then left out of the old-policy pass and the policy forward/backward, while every
-            normaliser keeps counting them, so loss and gradients equal those with skipping off. Also without a
-            filter (plain GRPO). Not applied when `gradient_accumulation_steps` is not a multiple of
-            `steps_per_generation` (a generation batch then straddles two optimizer steps, and TRL's shuffle decides
-            which rows land in which), with `loss_type="bnpo"` (it divides by the tokens of each micro-batch), or
-            with dropout active in the policy (`disable_dropout=False` on a model with dropout, or
-            attention dropout applied inline: a shorter batch draws differently); there every row is trained, as in
-            GRPO. With skipping, TRL's entropy and clip-ratio metrics cover the trained rows;
-            `gfpo/skipped_zero_gradient_fraction` logs the share of the rows in the loss skipped.
+            Leave rows whose loss gradient is exactly 0 (advantage 0, `beta == 0`, no entropy term) out of the
+            old-policy pass and the policy forward/backward while every normaliser still counts them: the same
+            loss and gradients for less work. Where that equality cannot hold every row is trained.
         loss_includes_rejected (`bool`, *optional*, defaults to `False`):
-            The paper's objective (arXiv 2508.09726, Eq. 2, DAPO token-level aggregation as in verl): the completions
-            the filter rejects stay in the loss with advantage 0, so the loss is TRL's over every sampled completion
-            with the rejected advantages zeroed: the token-level normaliser counts every sampled completion (the
-            per-sequence losses every row), and the KL and entropy terms reach the rejected rows. `False` trains the
-            kept rows only, and divides by their tokens. With `beta == 0` and no entropy
-            term the rejected rows carry no gradient and are counted, not trained (`skip_zero_gradient_rows`);
-            otherwise they are trained with advantage 0. The early-stop rule is off with it, with one warning: it
-            would cut rejected completions short, and the loss counts their full lengths. Without
-            `num_remains_in_group` every completion is in the loss anyway.
+            The paper's objective (arXiv 2508.09726, Eq. 2): rejected completions stay in the loss with
+            advantage 0, so the normaliser counts every sampled completion. `False` trains and divides by the
+            kept rows only. Turns the early-stop rule off (one warning): the loss counts full lengths.
+        gfpo_vllm_server_max_in_flight (`int` or `None`, *optional*, defaults to `None`):
+            vLLM server mode with the length filter (one request per completion): the requests open at once.
+            `None`: the server's `--max-num-queued-reqs` (from its `/server_info`) where it has one, else every
+            completion of the call. Also bounded by the process's open-file limit.
+        gfpo_vllm_server_retry_deadline (`float`, *optional*, defaults to `300.0`):
+            Seconds within which a request the server turns away before any token (503, 429, 502, 504, a refused
+            or dropped connection) is sent again, with growing pauses; past it the step fails naming the server,
+            the completion and the answer. `0`: no retry.
+        gfpo_vllm_server_read_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds the server may send nothing on every open request before the step fails (with early stop off
+            the requests are unstreamed: set it above the longest completion's generation time).
     """
 
     num_remains_in_group: int | None = field(
@@ -121,6 +104,21 @@ class GFPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "The paper's objective: rejected completions stay in the loss with advantage 0 (its "
                           "normaliser counts every sampled completion; the KL and entropy terms reach them)."},
+    )
+    gfpo_vllm_server_max_in_flight: int | None = field(
+        default=None,
+        metadata={"help": "vLLM server mode, length filter: requests open at once (None: the server's "
+                          "max_num_queued_reqs where it reports one, else every completion)."},
+    )
+    gfpo_vllm_server_retry_deadline: float = field(
+        default=300.0,
+        metadata={"help": "vLLM server mode, length filter: seconds within which a request the server turns away "
+                          "(503, 429, 502, 504, refused connection) is sent again; 0: never."},
+    )
+    gfpo_vllm_server_read_timeout: float = field(
+        default=600.0,
+        metadata={"help": "vLLM server mode, length filter: seconds the server may send nothing on every open "
+                          "request before the step fails."},
     )
 
     def __post_init__(self):

@@ -12,7 +12,14 @@ CHARACTERS = string.digits + string.ascii_lowercase + " +-*=?.,:;()"
 
 
 def make_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
-    """One token per character, plus <pad>, <eos> and <bos>."""
+    """A character-level tokenizer, so that examples and tests need no download.
+
+    Args:
+        characters: the vocabulary besides the special tokens (default: digits, lower-case letters, " +-*=?.,:;()").
+
+    Returns:
+        A PreTrainedTokenizerFast with one token per character, plus <pad>, <eos> and <bos>; pads on the left.
+    """
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(set(characters)))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -24,8 +31,17 @@ def make_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
 
 def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed: int | None = 0,
                     num_heads: int = 4) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2-style causal LM sized for CPU tests. Head dimension hidden_size / num_heads
-    (vLLM's CPU attention needs one it supports: 64 works, e.g. hidden_size=128, num_heads=2)."""
+    """A randomly initialised Qwen2-style causal LM sized for CPU tests and examples.
+
+    Args:
+        tokenizer: gives the vocabulary size and the pad, EOS and BOS ids (make_tokenizer's).
+        hidden_size, num_layers, num_heads: the model's sizes; head dimension hidden_size / num_heads (vLLM's CPU
+            attention needs one it supports: 64 works, e.g. hidden_size=128, num_heads=2).
+        seed: torch's seed for the initial weights (None: the current random state).
+
+    Returns:
+        A float32 Qwen2ForCausalLM on the CPU, untied LM head.
+    """
     import torch
 
     if seed is not None:

@@ -56,7 +56,7 @@ from .rows import (
 )
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
-from .vllm_server import ServerGroupGeneration, probe_streaming
+from .vllm_server import ServerGroupGeneration, ServerLimits, Transport, probe_streaming
 from .vllm_stop import SEED_BOUND, VLLMGroupGeneration, request_seeds
 
 logger = logging.getLogger(__name__)
@@ -338,13 +338,16 @@ class GFPOTrainer(GRPOTrainer):
     def _probe_server_streaming(self) -> str | None:
         """With the early-stop rule asked for in server mode: whether the server streams what the rule reads (asked
         once, by the main process, the one that talks to the server, and told to every process). Where it does not,
-        the rule is off for this trainer, with one warning saying why, and this returns that reason."""
+        the rule is off for this trainer, with one warning saying why, and this returns that reason. Also checks the
+        server client's limits (GFPOConfig.gfpo_vllm_server_*), so a bad one fails when the trainer is built."""
+        limits = ServerLimits.from_config(self.args)
         if not self._early_stop_configured():
             return None
         box = [None]
         if self.accelerator.is_main_process:
             client = self.vllm_generation.vllm_client
-            box[0] = probe_streaming(client.base_url, client.model)
+            box[0] = probe_streaming(client.base_url, client.model,
+                                     Transport.of_session(client.session, client.base_url), limits)
             if box[0] is not None:
                 logger.warning(f"gfpo_stop_dropped_generations is not applied with the vLLM server at "
                                f"{client.base_url}: {box[0]}. Every completion is generated to its end (one request "
@@ -368,7 +371,9 @@ class GFPOTrainer(GRPOTrainer):
             client = self.vllm_generation.vllm_client
             plan = ServerGroupGeneration(client.base_url, client.model, group_size=self.num_generations,
                                          k=self.args.num_remains_in_group,
-                                         base_seed=seed if self.args.gfpo_vllm_request_seeds else None, stop=stop)
+                                         base_seed=seed if self.args.gfpo_vllm_request_seeds else None, stop=stop,
+                                         limits=ServerLimits.from_config(self.args),
+                                         transport=Transport.of_session(client.session, client.base_url))
             own_generate = vars(client).get("generate")
             client.generate = plan.generate  # for this call only: TRL's server path calls self.vllm_client.generate
         try:

@@ -16,7 +16,7 @@ PAD_ID = 7
 
 
 def all_gather_reference(tensor, rows, pad_value, pad_left):
-    """The exchange before: pad every process's tensor to the widest width, all-gather, take the rows."""
+    """The plain exchange, the oracle: pad every process's tensor to the widest width, all-gather, take the rows."""
     world = dist.get_world_size()
     if tensor.dim() > 1:
         width = torch.tensor([tensor.size(1)])

@@ -1,5 +1,5 @@
 """Adaptive difficulty's digest (gfpo_trainer/adaptive.py): its quartiles against exact quantiles within the
-t-digest's bound, checkpoints written by gfpo 0.1.0 (the `tdigest` package), the same k in every process, and a
+t-digest's bound, checkpoints in the `tdigest` package's format, the same k in every process, and a
 checkpoint state that strict JSON readers take."""
 
 import json
@@ -26,7 +26,8 @@ RANK_ERROR = 3 / MAX_CENTROIDS
 
 
 def skewed_stream(steps: int) -> list[torch.Tensor]:
-    """The stream tests/data/make_adaptive_state_tdigest.py fed gfpo 0.1.0: 64 group means a step, rand()**2."""
+    """The stream tests/data/make_adaptive_state_tdigest.py fed the tdigest-based digest: 64 group means a step,
+    rand()**2."""
     g = torch.Generator().manual_seed(36)
     return [torch.rand(64, generator=g) ** 2 for _ in range(steps)]
 
@@ -71,9 +72,9 @@ def test_quartiles_match_exact_quantiles_within_the_digest_bound(make_stream):
     assert len(adaptive.digest) < adaptive.digest.n_values == 200 * 64
 
 
-def test_checkpoint_written_by_gfpo_0_1_0_resumes(tmp_path):
-    """tests/data/adaptive_state_tdigest_0.1.0.json is gfpo_state.json as gfpo 0.1.0 (tdigest 0.5.2.2) saved it
-    after 60 steps of skewed_stream; its .expected.json holds what that release computed after resuming from it."""
+def test_tdigest_format_checkpoint_resumes(tmp_path):
+    """tests/data/adaptive_state_tdigest_0.1.0.json is gfpo_state.json as the tdigest-based digest (tdigest 0.5.2.2)
+    saved it after 60 steps of skewed_stream; its .expected.json holds what that code computed after resuming."""
     checkpoint = tmp_path / "checkpoint-60"
     checkpoint.mkdir()
     shutil.copy(os.path.join(DATA, "adaptive_state_tdigest_0.1.0.json"), checkpoint / STATE_FILE)
@@ -92,12 +93,12 @@ def test_checkpoint_written_by_gfpo_0_1_0_resumes(tmp_path):
     batches = skewed_stream(61)
     stream = torch.cat(batches[:60]).double()
     thresholds = adaptive.quartile_thresholds()
-    # both releases' estimates from these centroids lie within the old digest's own centroid widths of the exact
+    # both digests' estimates from these centroids lie within the old digest's own centroid widths of the exact
     # quartiles (tdigest's delta=0.01 bounds a centroid by 4 * delta * q(1-q) of the ranks: 0.0075 at a quartile)
     for q, new, old in zip(QUARTILES, thresholds, expected["quartile_thresholds_after_load"]):
         low, high = torch.quantile(stream, torch.tensor([q - 0.0075, q + 0.0075], dtype=torch.double)).tolist()
         assert low <= new <= high and low <= old <= high, (q, new, old, low, high)
-    # the resumed run's next step picks the k that gfpo 0.1.0 picked after the same resume
+    # the resumed run's next step picks the k that the tdigest-based digest picked after the same resume
     _, k = adaptive.update_and_assign(batches[60])
     assert k.tolist() == expected["next_batch_k"]
 

@@ -79,9 +79,8 @@ def test_fake_tensor_shapes():
 @pytest.mark.parametrize("k", [3, "adaptive"])
 def test_one_op_per_call(k):
     """gfpo_filter_advantages with the extension runs the custom op and nothing else on the groups (one launch on
-    CUDA, as DESIGN.md says): a single k reaches the op as an int, where it was filled into a tensor first (a second
-    kernel per call on the H100, bench/results/2026-11-23-h100-cec7c50-group-kernel-time.txt); an adaptive k is
-    range-checked on a host copy (its min and max are then host ops)."""
+    CUDA, as DESIGN.md says): a single k reaches the op as an int, not as a tensor filled on the device; an
+    adaptive k is range-checked on a host copy (its min and max are then host ops)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class OpLog(TorchDispatchMode):

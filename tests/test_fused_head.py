@@ -1,6 +1,6 @@
 """The fused-loss model adapter (gfpo_trainer/fused_head.py): `use_gfpo_kernels=True` computes the loss of the
 model's own logits, adds an MoE model's router auxiliary loss as TRL does, and refuses a model whose logits it
-cannot reproduce, naming its class (issue 11, point 1)."""
+cannot reproduce, naming its class."""
 
 import collections
 import threading

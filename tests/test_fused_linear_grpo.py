@@ -131,8 +131,8 @@ def test_matches_reference(backend, config, with_old):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_masked_positions_take_no_part(backend, loss_type, level):
-    """Issue 29: old_logps, ref_logps and the vLLM ratio may hold anything at masked positions (-1e4: the reviewer's
-    NaN loss, exp(0 - (-1e4)) = inf times mask 0; +-inf, NaN): the loss, statistics and gradients are finite and
+    """old_logps, ref_logps and the vLLM ratio may hold anything at masked positions (-1e4, where exp(0 - (-1e4)) =
+    inf times mask 0 would be NaN; +-inf, NaN): the loss, statistics and gradients are finite and
     those of the reference on ordinary values there (tests/test_grpo_loss_math.py: TRL's on the same)."""
     p = _problem(83)
     masked = p["mask"] == 0
@@ -371,7 +371,7 @@ def test_weight_gradient_finished_in_at_most_one_pass(backend, dtype, passes, mo
     """Past the GEMMs that accumulate it, the (V, H) gradient takes no elementwise pass for an fp32 weight when the
     incoming gradient is 1 and on the host (CPU: no rescale by 1, and autograd takes the tensor without a copy), one
     in-place multiply on CUDA (reading the incoming gradient there would stall the host: fused_linear_grpo._finished),
-    and exactly one for a bf16 weight (the scale rides on the fp32 -> bf16 conversion; before: a conversion and a
+    and exactly one for a bf16 weight (the scale rides on the fp32 -> bf16 conversion, no separate
     multiply): a torch op on the torch backend, the scale_into kernel on Triton (no torch op)."""
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops")
@@ -659,9 +659,7 @@ def test_cpu_call_holds_its_plans_count_within_the_constant_budget(call):
     """Off CUDA the budget is a constant (64 MiB): a stage and the torch twins' temporaries take at most half of it
     (whatever the call, so the stages stay a function of the shapes), the chunk buffer what the rest leaves. A CPU
     call (V=32768, H=32, 600 scored tokens) then holds at its peak what its plan counted (plan.peak_bytes, the
-    twins' temporaries among it), measured by the profiler's allocation events, and that stays within the budget.
-    Before: stages of up to 512 rows whatever the budget, each with 3-4 temporaries of its size, and chunk buffers
-    of at least 256 MiB (measured here: 183 MiB without gradients, 223 MiB with, counted 37 and 77)."""
+    twins' temporaries among it), measured by the profiler's allocation events, and that stays within the budget."""
     plans = record_plans()
     g = torch.Generator().manual_seed(37)
     b, t, h, v = 8, 100, 32, 32768
@@ -727,7 +725,7 @@ class _RoundGradToBF16(torch.autograd.Function):
 def test_logits_gradient_rounded_once(backend, monkeypatch):
     """bf16 operands (CUDA's path; emulated on CPU, whose torch.mm has no out_dtype): the fp32 logits gradient of
     each stage is converted to bf16 once, into the chunk's buffer (by the row kernel itself on Triton), and both
-    gradient GEMMs use it (before: once per GEMM); the gradients equal a float64 reference whose logits gradient
+    gradient GEMMs use it; the gradients equal a float64 reference whose logits gradient
     is rounded to bf16 once."""
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops")
@@ -827,8 +825,8 @@ def test_log_prob_pass_computes_the_loss_gradient(backend, config, with_old):
 def test_log_prob_pass_loss_gradient_at_non_finite_ratios(backend, config):
     """Old log-probs that overflow the fp32 ratio (-100, -inf) or are NaN at scored tokens: the log-prob pass's g
     (Triton kernel or torch twin) is non-finite exactly where autograd through grpo_loss_math is (0 * inf = NaN in
-    exp's backward, as in TRL; torch.clamp passes NaN through) and equal to it elsewhere; before, delta's clamp
-    gave a finite 0 there, and the Triton kernel's NaN-dropping minimum a finite cispo gradient."""
+    exp's backward, as in TRL; torch.clamp passes NaN through) and equal to it elsewhere: neither delta's clamp nor a
+    NaN-dropping minimum may turn it finite."""
     options = GRPOLossOptions(**config)
     p = _problem(61)
     mask = torch.ones(B, T, device=DEVICE)
@@ -858,8 +856,7 @@ def test_log_prob_pass_loss_gradient_at_non_finite_ratios(backend, config):
 def test_an_unknown_loss_type_at_the_log_prob_pass_is_an_error(backend):
     """A loss type without a row in loss_types.LOSS_SPECS that reaches the log-prob pass's loss gradient (options made
     around GRPOLossOptions' own check) is a ValueError naming it, in the Triton dispatch and in the torch closed
-    form alike, never another type's branch (before: the Triton kernel took the clipped branch, the torch twin
-    vespo's)."""
+    form alike, never another type's branch."""
     options = GRPOLossOptions(loss_type="dapo")
     object.__setattr__(options, "loss_type", "made_up")
     p = _problem(97)
@@ -1083,7 +1080,7 @@ def test_reduced_precision_reductions_off_around_half_outputs():
 def test_reduced_precision_reductions_across_threads():
     """The reduced-precision flag is process-wide: blocks of two threads that overlap (A enters, B enters, A leaves,
     B leaves) keep it off until the last one leaves, then the user's setting is back; a setting made inside a block
-    is kept. Before, A's exit turned reduced precision back on under B's GEMMs, and B's exit left it off for good."""
+    is kept: A's exit must not turn reduced precision back on under B's GEMMs, nor B's exit leave it off."""
     import threading
 
     matmul = torch.backends.cuda.matmul
@@ -1275,8 +1272,7 @@ def test_never_materialises_all_logits(backend, level):
 def test_no_buffer_spans_every_token_at_the_default_budget(backend):
     """The contract's "never materialises a (B*T, V) tensor" holds for a batch so small that all its logits would
     fit in one chunk of the default budget, every position scored: the largest tensor any op returns stays under
-    B*T*V elements (half the tokens is the most a stage or chunk then holds; before, a single chunk of every token
-    was allocated)."""
+    B*T*V elements (half the tokens is the most a stage or chunk then holds)."""
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("the Triton interpreter copies argument storages through torch ops; measured on GPU")
     def real_plan():  # the planner's plans, not the fixture's forced one
@@ -1307,8 +1303,8 @@ def test_no_buffer_spans_every_token_at_the_default_budget(backend):
 
 def test_reference_backend_takes_the_call_before_any_work(monkeypatch):
     """Where the reference runs the call (forced, or nothing else can), the kernel entry hands it over first: the
-    reference checks the call itself (once; before, the entry checked it too) and nothing computes the zero-gradient
-    rows, which only the kernels skip (before, they were computed and read in the host transfer, then unused)."""
+    reference checks the call itself (once: the entry does not check it too) and nothing computes the zero-gradient
+    rows, which only the kernels skip."""
     zero_rows, checks = [], []
     monkeypatch.setattr(flg, "zero_gradient_tokens", lambda *args, **kwargs: zero_rows.append(1))
     for module in (flg, ref):

@@ -149,8 +149,7 @@ def _count(monkeypatch, stage_rows, chunk_rows, backward, bias=False):
 def test_launches_per_stage_and_chunk_are_the_codes(monkeypatch, backward):
     """What each stage launches: the projection GEMM, and Triton's log-prob pass (two kernels; with gradients the
     second also gives the stage its loss gradient g in closed form) and logits-gradient pass; no other aten op (the
-    log-probs, entropy and log-partition are written by the kernel; before: 41 aten ops and 3 Triton launches, 37 of
-    them for g by autograd over the whole batch). Each chunk: its two gradient GEMMs. The model's counts (per stage,
+    log-probs, entropy and log-partition are written by the kernel, and g takes no autograd over the batch). Each chunk: its two gradient GEMMs. The model's counts (per stage,
     per chunk, per call, views included) equal what the code dispatches under a dispatch mode: 24 tokens as 6 stages
     of 4 in 3 chunks of 8, against 12 stages of 2 and against 6 chunks."""
     model = cost.fused_loss(cost.LossPlan(stage_rows=4, chunk_rows=8), 24, 32, 8, 50, backward=backward)

@@ -1,4 +1,4 @@
-"""bench/gpu_run.sh's plan for a 15-minute GPU lease (issue 34), checked on a CPU: the two calls' budgets fit their
+"""bench/gpu_run.sh's plan for a 15-minute GPU lease, checked on a CPU: the two calls' budgets fit their
 device commands, docs/performance.md gives the plan the script runs and command lines the run tool takes, the tests
 the first call selects exist, and the shell logic keeps what a call measured when a step or the whole call is cut
 short. The shell logic runs with every command replaced by a sleep (GFPO_GPU_RUN_STUB); the real commands are

@@ -162,12 +162,12 @@ MASKED_CONFIGS = [dict(loss_type=lt, importance_sampling_level=level) for lt in 
 @pytest.mark.parametrize("ratio_shape", ["(B,T)", "(B,1)", "(B,)"])
 @pytest.mark.parametrize("garbage", ["-1e4", "non-finite"])
 def test_masked_positions_take_no_part(config, ratio_shape, garbage):
-    """Issue 29: masked positions (padding, tool output) of old_logps, ref_logps and vllm_is_ratio hold anything
-    (-1e4, the reviewer's case: exp(0 - (-1e4)) = inf, and inf x mask 0 = NaN; or +-inf, NaN), and our
+    """Masked positions (padding, tool output) of old_logps, ref_logps and vllm_is_ratio hold anything
+    (-1e4, where exp(0 - (-1e4)) = inf and inf x mask 0 = NaN; or +-inf, NaN), and our
     log-probabilities there are 0 (the fused loss does not score them): the loss, gradient and metrics are TRL's,
     whose log-probabilities there are real values (the old policy's own, near ours) and whose vLLM ratio there is
     exp(0) = 1. The gradient at masked positions is exactly 0."""
-    beta = 0.0 if garbage == "-1e4" else 0.04  # the reviewer's case (no KL), then every input at once
+    beta = 0.0 if garbage == "-1e4" else 0.04  # -1e4 without KL, then every input at once
     opts = GRPOLossOptions(**config, beta=beta, use_bias_correction_kl=beta != 0.0)
     logps, mask, old, ref, adv, is_ratio = _case(sum(map(ord, str(config) + ratio_shape)))
     adv[1:3] = torch.tensor([-1.3, 0.7], dtype=torch.float64)  # a negative advantage turned inf into -inf

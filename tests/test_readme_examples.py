@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
 HUB_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 FENCE = re.compile(r"^(?P<marker><!-- docs-test: (?P<directive>[^>]*?) -->\n)?```(?P<lang>[\w-]*)\n(?P<code>.*?)^```",
                    re.S | re.M)
@@ -337,6 +337,17 @@ def test_readme_commands_are_what_ci_runs():
     assert re.search(r"^(step )?bash scripts/test\.sh$", ci, re.M)  # (step: prints the step's wall time)
     for script in ("demo.sh", "test.sh"):
         assert "bash scripts/setup.sh --if-stale" in (ROOT / "scripts" / script).read_text()
+
+
+def test_readme_is_a_short_page_that_says_what_to_choose_before_the_commands():
+    """The README is the product page (at most 130 lines; CONTRIBUTING.md), and before its first commands it says
+    which torch to install and how many threads to run on a shared CPU, so a newcomer chooses before setup runs."""
+    text = PAGES[0].read_text()
+    assert len(text.splitlines()) <= 130, f"README.md has {len(text.splitlines())} lines"
+    before_commands = text[: text.index("```bash")]
+    for variable in ("GFPO_TORCH_INDEX_URL=", "OMP_NUM_THREADS=1"):  # the second is torch's (OpenMP's)
+        assert variable in before_commands, f"README.md names {variable} only after its first commands"
+    check_command(["GFPO_TORCH_INDEX_URL=x", "bash", "scripts/setup.sh"], "README.md")  # the project reads it
 
 
 def test_every_code_block_is_checked():

@@ -1,5 +1,5 @@
 """Rows (gfpo_trainer/rows.py): every trained row weighs what it would in an evenly divided batch, and rows with
-advantage exactly 0 are skipped without changing the update (issue 13 point 1, issue 14)."""
+advantage exactly 0 are skipped without changing the update."""
 
 import math
 import types

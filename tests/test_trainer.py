@@ -243,7 +243,7 @@ def _older_policy(output, seed):
 
 
 def test_vespo_kernels_on_and_off_agree(model_dir, tokenizer, tmp_path):
-    """loss_type="vespo" with use_gfpo_kernels=True (refused before): with old log-probabilities (steps_per_generation
+    """loss_type="vespo" with use_gfpo_kernels=True: with old log-probabilities (steps_per_generation
     > gradient_accumulation_steps), padding rows (6 kept rows in 8) and TRL's dapo-like normaliser, the loss,
     every gradient and the logged vespo/phi_seq_mean equal TRL's own loss's (kernels off)."""
     results = []

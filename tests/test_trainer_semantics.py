@@ -1,4 +1,4 @@
-"""What GFPOTrainer trains, in the corners a TRL user runs into (issue 13): k >= 2, TRL's two-argument filter,
+"""What GFPOTrainer trains, in the corners a TRL user runs into: k >= 2, TRL's two-argument filter,
 infinite rewards, exact token-efficiency ties, the kept-row metrics and completions table, tool masks, beam
 search with the early-stop rule, and the adaptive-difficulty state across a resume."""
 
@@ -250,8 +250,8 @@ def test_adaptive_digest_round_trips_exactly():
 def test_adaptive_digest_ignores_the_global_random_state():
     """Processes fed the same group means must hold the same digest and choose the same k whatever their random
     states: TRL seeds Python's `random` per process (set_seed(device_specific=True)) and other code draws from it
-    between steps (with the digest of gfpo 0.1.0, which drew from it, two processes chose different k at 5 of 66
-    steps, then crashed in a collective); the caller's random stream is left as it was."""
+    between steps (a digest that drew from it would let processes choose different k, then hang or crash in a
+    collective); the caller's random stream is left as it was."""
     g = torch.Generator().manual_seed(1)
     batches = [torch.rand(64, generator=g) for _ in range(200)]  # 12800 means: the digest merges
     processes = [AdaptiveDifficulty([6, 4, 3, 2]) for _ in range(2)]
@@ -397,10 +397,10 @@ def _force_tool_calls(model, tokenizer):
 
 
 def test_tool_output_with_very_negative_old_logps_trains_as_trl(tool_calling_model, tmp_path):
-    """Issue 29: with tool calling (TRL's tool loop; tool output masked by tool_mask) and old log-probabilities
-    (num_iterations=2), the tool output's old log-probabilities are far below -88.7; the fused loss held 0 there, and
-    exp(0 - old) = inf gave a NaN loss with use_gfpo_kernels=True (TRL's: -0.1739). Kernels on and off now log finite,
-    equal losses and loss metrics."""
+    """With tool calling (TRL's tool loop; tool output masked by tool_mask) and old log-probabilities
+    (num_iterations=2), the tool output's old log-probabilities are far below -88.7, where the fused loss, which
+    holds 0 there, must not compute exp(0 - old) = inf. Kernels on and off log finite, equal losses and loss
+    metrics."""
     from datasets import Dataset
 
     path, tokenizer = tool_calling_model
