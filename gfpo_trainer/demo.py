@@ -333,6 +333,25 @@ def study_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def paper_comparison_table(summary: dict, paper_tables: dict) -> str:
+    """The study beside the paper's Table 1-2 averages (`paper_tables`: docs/demo/gfpo-paper-tables.json): per arm the
+    paper's accuracy difference to GRPO (points) and ELR, and this study's, with their 95% intervals."""
+    average = paper_tables["benchmarks"]["Average"]
+    header = ["arm", "paper: accuracy - GRPO", "paper: ELR", "here: accuracy - GRPO", "here: ELR"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for name, f in summary["arms"].items():
+        key = ARMS[name].paper
+        if name == "grpo" or key not in average:
+            continue
+        accuracy, _, elr = average[key]
+        lines.append(" | ".join([
+            name, f"{(accuracy - average['GRPO'][0]) / 100:+.3f}", f"{elr / 100:.0%}",
+            _fmt_interval(f["accuracy_minus_grpo"], "{:+.3f}"),
+            "-" if f["elr"]["mean"] is None else _fmt_interval(f["elr"], "{:.0%}"),
+        ]))
+    return "\n".join(lines)
+
+
 def demo_table(result: dict) -> str:
     """One seed's runs as a markdown table (held-out figures; generated tokens and time depend on the machine)."""
     header = ["run", "held-out accuracy", "held-out length (tokens)", "length vs warm-up", "ELR",
@@ -541,6 +560,11 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
     if hasattr(os, "getloadavg"):
         environment["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     table = study_table(summary)
+    paper_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "demo",
+                              "gfpo-paper-tables.json")
+    if "grpo" in arms and os.path.exists(paper_path):  # a checkout: the paper's figures beside the study's
+        with open(paper_path) as f:
+            table += "\n\n" + paper_comparison_table(summary, json.load(f))
     print("\n" + table)
     _write_json(os.path.join(output_dir, "study.json"),
                 {"environment": environment, "settings": dataclasses.asdict(settings), "seeds": seeds,

@@ -229,3 +229,13 @@ def test_demo_refuses_bad_options_in_one_line(argv, message, capsys):
 
     assert main(["demo", "--smoke", *argv]) == 2
     assert capsys.readouterr().err == message + "\n"
+
+
+def test_paper_comparison_reads_the_papers_average_row():
+    paper = json.loads((REPO / "docs" / "demo" / "gfpo-paper-tables.json").read_text())
+    summary = {"arms": {"grpo": {}, "shortest-8of16": {
+        "accuracy_minus_grpo": {"mean": -0.02, "ci95": (-0.05, 0.01)}, "elr": {"mean": 0.4, "ci95": (0.2, 0.6)}}}}
+    table = demo.paper_comparison_table(summary, paper)
+    # the paper's average: GRPO 72.1%, Shortest 8/16 73.4% and ELR 29.7%
+    assert table.splitlines()[2] == "shortest-8of16 | +0.013 | 30% | -0.020 [-0.050, +0.010] | 40% [20%, 60%]"
+    assert all(arm.paper in paper["benchmarks"]["Average"] for arm in demo.ARMS.values())
