@@ -7,7 +7,7 @@ verbose SFT model's reasoning. Each arm (ARMS) then trains from the same warm-up
 steps and seed, and is evaluated on held-out prompts: accuracy and length of sampled answers, and the paper's excess
 length reduction ELR = (L_GRPO - L_arm) / (L_GRPO - L_warm-up).
 
-One seed (`demo`): GRPO, GFPO Shortest 8/16 and GFPO token efficiency 8/16, a table, a plot and a verdict in words.
+One seed (`demo`): GRPO and GFPO Shortest 8/16 (other arms with `--arms`), a table, a plot and a verdict in words.
 Several seeds (`demo --seeds N`): the study (STUDY_ARMS, the paper's Tables 1-2 arms), each figure with a 95%
 bootstrap interval over the seeds, the paired accuracy difference against GRPO, and the paper's figures beside them.
 """
@@ -77,7 +77,7 @@ ARMS = {arm.name: arm for arm in (
     # the paper's k per difficulty, easy to very hard 4, 6, 8, 8 (here hardest first)
     Arm("adaptive-16", 16, 8, "length", adaptive_num_remains=(8, 8, 6, 4), paper="adaptive_16"),
 )}
-DEMO_ARMS = ("grpo", "shortest-8of16", "token-efficiency-8of16")
+DEMO_ARMS = ("grpo", "shortest-8of16")
 STUDY_ARMS = tuple(ARMS)
 
 
