@@ -150,7 +150,8 @@ def check_vllm_version() -> None:
 
 def check_vllm_generation(trainer) -> None:
     """The colocated vLLM engine GFPO's seeded, stopping generation drives (use_vllm=True, vllm_mode="colocate",
-    group_filter="length"): TRL's VLLMGeneration attributes it reads, then the vLLM engine surfaces."""
+    group_filter="length"): TRL's VLLMGeneration attributes it reads, then the vLLM surfaces (the engine loop's only
+    where the early-stop rule can run: gfpo_stop_dropped_generations on, no adaptive k, no tools)."""
     from .vllm_stop import check_vllm_surfaces
 
     generation = getattr(trainer, "vllm_generation", None)
@@ -159,7 +160,9 @@ def check_vllm_generation(trainer) -> None:
         if not hasattr(generation, name):
             raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer.vllm_generation no longer has {name!r}, which "
                                   f"GFPO's vLLM generation reads; {_supported()}")
-    check_vllm_surfaces(generation.llm)
+    args = trainer.args
+    rule = args.gfpo_stop_dropped_generations and not args.adaptive_difficulty and not trainer.tools
+    check_vllm_surfaces(generation.llm, engine_loop=rule)
 
 
 # the parameters of VLLMClient.generate that TRL's server path passes and GFPO's stand-in takes (vllm_server.py)
