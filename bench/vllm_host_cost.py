@@ -154,45 +154,55 @@ def make_floor_processor():
     return GroupLengthFloor
 
 
+def _now() -> tuple[float, float]:
+    """(wall clock, this thread's CPU time): the engine runs in this thread (in-process engine, one torch thread), so
+    its CPU time is what the host spends on it, little moved by other jobs' load on a shared machine."""
+    return time.perf_counter(), time.thread_time()
+
+
 class StepClock:
-    """Per engine step: the running requests, LLMEngine.step, its engine-core part, the model executor's part of
-    that, and the caller's time since the previous step ended."""
+    """Per engine step, in wall and in thread CPU time: LLMEngine.step, its engine-core part, the model executor's
+    part of that, and the caller's time since the previous step ended; and the requests running."""
 
     def __init__(self, llm):
         engine = llm.llm_engine
-        self.engine = engine
         core = engine.engine_core.engine_core
         executor = core.model_executor
         self.records: list[dict] = []
-        self._model = 0.0
-        self._core = 0.0
+        self._parts = {"model": [0.0, 0.0], "core": [0.0, 0.0]}
         self._last_end = None
-        clock = self
+        parts = self._parts
 
-        def timed(function, field):
+        def timed(function, part):
             def wrapper(*args, **kwargs):
-                start = time.perf_counter()
+                start = _now()
                 try:
                     return function(*args, **kwargs)
                 finally:
-                    setattr(clock, field, getattr(clock, field) + time.perf_counter() - start)
+                    end = _now()
+                    parts[part][0] += end[0] - start[0]
+                    parts[part][1] += end[1] - start[1]
             return wrapper
 
-        executor.execute_model = timed(executor.execute_model, "_model")
-        executor.sample_tokens = timed(executor.sample_tokens, "_model")
-        core.step_fn = timed(core.step_fn, "_core")
+        executor.execute_model = timed(executor.execute_model, "model")
+        executor.sample_tokens = timed(executor.sample_tokens, "model")
+        core.step_fn = timed(core.step_fn, "core")
         step = engine.step
 
         def clocked_step(*args, **kwargs):
             running = len(engine.output_processor.request_states)
-            start = time.perf_counter()
-            clock._model = clock._core = 0.0
+            for part in parts.values():
+                part[0] = part[1] = 0.0
+            start = _now()
             result = step(*args, **kwargs)
-            end = time.perf_counter()
-            clock.records.append({"running": running, "step": end - start, "core": clock._core,
-                                  "model": clock._model,
-                                  "gap": None if clock._last_end is None else start - clock._last_end})
-            clock._last_end = end
+            end = _now()
+            record = {"running": running}
+            for clock, index in (("wall", 0), ("cpu", 1)):
+                record[clock] = {"step": end[index] - start[index], "core": parts["core"][index],
+                                 "model": parts["model"][index],
+                                 "gap": None if self._last_end is None else start[index] - self._last_end[index]}
+            self.records.append(record)
+            self._last_end = end
             return result
 
         engine.step = clocked_step
@@ -263,12 +273,10 @@ def run(request_counts: list[int], G: int, max_tokens: int, rounds: int, warmup:
                     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
                     if tokens != n * max_tokens:
                         raise RuntimeError(f"{arm}: {tokens} tokens, not {n} x {max_tokens}")
-                    first_step_start = clock.records[0]["gap"]
                     print(f"{n} requests, round {r} {arm}: {wall * 1e3:.0f} ms, {len(clock.records)} steps", flush=True)
                     if r >= warmup:
                         records[arm].append(clock.records)
-                        calls[arm].append({"wall": wall, "cpu": cpu, "steps": len(clock.records),
-                                           "first_step_gap": first_step_start})
+                        calls[arm].append({"wall": wall, "cpu": cpu, "steps": len(clock.records)})
             results[n] = {"steps": records, "calls": calls}
         if processor.calls < (warmup + rounds) * len(request_counts) * max_tokens:
             raise RuntimeError(f"the floor engine called its logits processor {processor.calls} times")
@@ -278,37 +286,38 @@ def run(request_counts: list[int], G: int, max_tokens: int, rounds: int, warmup:
 
 def _decode_steps(records: list[dict], n: int) -> list[dict]:
     """The steps where all n requests run and each gets one token: not the first (prefill) nor the last (its
-    outputs finish every request), with a gap (the caller's time since the step before)."""
-    return [r for r in records[1:-1] if r["running"] == n and r["gap"] is not None]
+    outputs finish every request)."""
+    return [r for r in records[1:-1] if r["running"] == n]
 
 
 def summarize(result: dict) -> dict:
-    """Per number of requests and arm, medians over the rounds of each round's median decode step (us): frontend
-    host time (the step less the engine core, plus the caller's time between steps), the engine core less the
-    model executor (scheduling, update_from_output), the model executor; and the frontend's extra over
-    llm-generate, round by round (the arms of a round ran back to back)."""
+    """Per number of requests, clock (wall, thread CPU) and arm, medians over the rounds of each round's median
+    decode step (us): frontend host time (the step less the engine core, plus the caller's time between steps), the
+    engine core less the model executor (scheduling, update_from_output), the model executor; and the frontend's
+    extra over llm-generate, round by round (the arms of a round ran back to back)."""
     out = {}
     for n, data in result["by_requests"].items():
-        part = {}
-        per_round = {}
-        for arm in ARMS:
-            rows = []
-            for records in data["steps"][arm]:
-                steps = _decode_steps(records, int(n))
-                rows.append({
-                    "frontend_us": statistics.median((s["step"] - s["core"] + s["gap"]) * 1e6 for s in steps),
-                    "core_host_us": statistics.median((s["core"] - s["model"]) * 1e6 for s in steps),
-                    "model_us": statistics.median(s["model"] * 1e6 for s in steps),
-                    "step_us": statistics.median((s["step"] + s["gap"]) * 1e6 for s in steps),
-                })
-            per_round[arm] = rows
-            part[arm] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-            part[arm]["wall_ms"] = statistics.median(c["wall"] for c in data["calls"][arm]) * 1e3
-            part[arm]["steps"] = statistics.median(c["steps"] for c in data["calls"][arm])
-        for arm in ARMS[1:]:
-            extra = [a["frontend_us"] - b["frontend_us"] for a, b in zip(per_round[arm], per_round["llm-generate"])]
-            part[arm]["extra_frontend_us"] = {"median": statistics.median(extra), "min": min(extra), "max": max(extra)}
-        out[n] = part
+        out[n] = {}
+        for clock in ("cpu", "wall"):
+            part, per_round = {}, {}
+            for arm in ARMS:
+                rows = []
+                for records in data["steps"][arm]:
+                    steps = [s[clock] for s in _decode_steps(records, int(n))]
+                    rows.append({
+                        "frontend_us": statistics.median((s["step"] - s["core"] + s["gap"]) * 1e6 for s in steps),
+                        "core_host_us": statistics.median((s["core"] - s["model"]) * 1e6 for s in steps),
+                        "model_us": statistics.median(s["model"] * 1e6 for s in steps),
+                        "step_us": statistics.median((s["step"] + s["gap"]) * 1e6 for s in steps),
+                    })
+                per_round[arm] = rows
+                part[arm] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+                part[arm]["call_ms"] = statistics.median(c[clock] for c in data["calls"][arm]) * 1e3
+            for arm in ARMS[1:]:
+                extra = [a["frontend_us"] - b["frontend_us"] for a, b in zip(per_round[arm], per_round["llm-generate"])]
+                part[arm]["extra_frontend_us"] = {"median": statistics.median(extra), "min": min(extra),
+                                                  "max": max(extra)}
+            out[n][clock] = part
     return out
 
 
@@ -324,19 +333,23 @@ def markdown(data: dict) -> str:
              f"seeded; the tiny model of tests/conftest.py (random weights, hidden 64); engine with enforce_eager, "
              f"max_num_seqs = the most requests; arms interleaved, {result['rounds']} rounds after "
              f"{result['warmup_rounds']} warm-up", "",
-             "Per decode step (every request running), us: medians over the rounds of each round's median step. "
-             "frontend = LLMEngine.step less the engine core, plus the caller's loop between steps; core host = the "
-             "engine core less the model executor; model = the model executor (on the CPU engine, the model on the "
-             "host). extra = the frontend's excess over llm-generate, round by round: median (min, max).", "",
-             "| requests | arm | frontend | extra | core host | model | whole step | call (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for n, part in summary.items():
-        for arm in ARMS:
-            row = part[arm]
-            extra = row.get("extra_frontend_us")
-            extra_text = "" if extra is None else f"{extra['median']:.0f} ({extra['min']:.0f}, {extra['max']:.0f})"
-            lines.append(f"| {n} | {arm} | {row['frontend_us']:.0f} | {extra_text} | {row['core_host_us']:.0f} | "
-                         f"{row['model_us']:.0f} | {row['step_us']:.0f} | {row['wall_ms']:.0f} |")
+             "Per decode step (every request running), us: medians over the rounds of each round's median step, in "
+             "this thread's CPU time (the engine runs in it) and in wall time. frontend = LLMEngine.step less the "
+             "engine core, plus the caller's loop between steps; core host = the engine core less the model "
+             "executor; model = the model executor (on the CPU engine, the model on the host). extra = the "
+             "frontend's excess over llm-generate, round by round: median (min, max). call = the whole generate "
+             "call, ms."]
+    for clock in ("cpu", "wall"):
+        lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
+                  "| requests | arm | frontend | extra | core host | model | whole step | call (ms) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for n, by_clock in summary.items():
+            for arm in ARMS:
+                row = by_clock[clock][arm]
+                extra = row.get("extra_frontend_us")
+                extra_text = "" if extra is None else f"{extra['median']:.0f} ({extra['min']:.0f}, {extra['max']:.0f})"
+                lines.append(f"| {n} | {arm} | {row['frontend_us']:.0f} | {extra_text} | {row['core_host_us']:.0f} | "
+                             f"{row['model_us']:.0f} | {row['step_us']:.0f} | {row['call_ms']:.0f} |")
     lines += ["", f"Predicted 7B decode step with 1024 running requests on an H100: {PREDICTED_7B_STEP_MS:.0f} ms "
               "(2 x 7.6e9 FLOPs a token at 600 TFLOP/s, before attention); the goal: the rule's extra host time per "
               f"step at most max(1 ms, 5% of it = {0.05 * PREDICTED_7B_STEP_MS:.2f} ms)."]
