@@ -124,6 +124,7 @@ def make_floor_processor():
 
     class GroupLengthFloor(LogitsProcessor):
         calls = 0  # update_state calls, all instances: the bench checks the engine ran the processor
+        seconds = 0.0  # thread CPU time in update_state and apply since StepClock last read it
 
         def __init__(self, vllm_config, device, is_pin_memory):
             self.slots: dict[int, tuple[int, list[int]]] = {}  # batch slot -> (group, the request's output tokens)
@@ -133,6 +134,7 @@ def make_floor_processor():
             return False
 
         def update_state(self, batch_update: BatchUpdate | None) -> None:
+            start = time.thread_time()
             GroupLengthFloor.calls += 1
             if batch_update is not None:
                 for index in batch_update.removed:
@@ -147,6 +149,7 @@ def make_floor_processor():
                         self.slots[a] = moved_b
             # what a rule reads every step: each running request's length
             self.longest = max((len(tokens) for _, tokens in self.slots.values()), default=0)
+            GroupLengthFloor.seconds += time.thread_time() - start
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
             return logits
@@ -164,7 +167,7 @@ class StepClock:
     """Per engine step, in wall and in thread CPU time: LLMEngine.step, its engine-core part, the model executor's
     part of that, and the caller's time since the previous step ended; and the requests running."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, processor=None):
         engine = llm.llm_engine
         core = engine.engine_core.engine_core
         executor = core.model_executor
@@ -196,7 +199,9 @@ class StepClock:
             start = _now()
             result = step(*args, **kwargs)
             end = _now()
-            record = {"running": running}
+            record = {"running": running, "processor": 0.0}
+            if processor is not None:  # the logits processor's own CPU time in this step
+                record["processor"], processor.seconds = processor.seconds, 0.0
             for clock, index in (("wall", 0), ("cpu", 1)):
                 record[clock] = {"step": end[index] - start[index], "core": parts["core"][index],
                                  "model": parts["model"][index],
@@ -253,7 +258,7 @@ def run(request_counts: list[int], G: int, max_tokens: int, rounds: int, warmup:
         llm = make_llm(tmp, max(request_counts), max_model_len)
         processor = make_floor_processor()
         floor = make_llm(tmp, max(request_counts), max_model_len, logits_processors=[processor])
-        clocks = {id(llm): StepClock(llm), id(floor): StepClock(floor)}
+        clocks = {id(llm): StepClock(llm), id(floor): StepClock(floor, processor)}
         params = vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                                      max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
         for n in request_counts:
@@ -304,8 +309,11 @@ def summarize(result: dict) -> dict:
                 rows = []
                 for records in data["steps"][arm]:
                     steps = [s[clock] for s in _decode_steps(records, int(n))]
+                    processor = [r["processor"] for r in _decode_steps(records, int(n))]
                     rows.append({
                         "frontend_us": statistics.median((s["step"] - s["core"] + s["gap"]) * 1e6 for s in steps),
+                        "loop_us": statistics.median(s["gap"] * 1e6 for s in steps),
+                        "processor_us": statistics.median(processor) * 1e6,
                         "core_host_us": statistics.median((s["core"] - s["model"]) * 1e6 for s in steps),
                         "model_us": statistics.median(s["model"] * 1e6 for s in steps),
                         "step_us": statistics.median((s["step"] + s["gap"]) * 1e6 for s in steps),
@@ -314,9 +322,10 @@ def summarize(result: dict) -> dict:
                 part[arm] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
                 part[arm]["call_ms"] = statistics.median(c[clock] for c in data["calls"][arm]) * 1e3
             for arm in ARMS[1:]:
-                extra = [a["frontend_us"] - b["frontend_us"] for a, b in zip(per_round[arm], per_round["llm-generate"])]
-                part[arm]["extra_frontend_us"] = {"median": statistics.median(extra), "min": min(extra),
-                                                  "max": max(extra)}
+                for key in ("frontend_us", "loop_us"):
+                    extra = [a[key] - b[key] for a, b in zip(per_round[arm], per_round["llm-generate"])]
+                    part[arm][f"extra_{key}"] = {"median": statistics.median(extra), "min": min(extra),
+                                                 "max": max(extra)}
             out[n][clock] = part
     return out
 
@@ -334,22 +343,26 @@ def markdown(data: dict) -> str:
              f"max_num_seqs = the most requests; arms interleaved, {result['rounds']} rounds after "
              f"{result['warmup_rounds']} warm-up", "",
              "Per decode step (every request running), us: medians over the rounds of each round's median step, in "
-             "this thread's CPU time (the engine runs in it) and in wall time. frontend = LLMEngine.step less the "
-             "engine core, plus the caller's loop between steps; core host = the engine core less the model "
-             "executor; model = the model executor (on the CPU engine, the model on the host). extra = the "
-             "frontend's excess over llm-generate, round by round: median (min, max). call = the whole generate "
-             "call, ms."]
+             "this thread's CPU time (the engine runs in it) and in wall time. loop = the caller's time between two "
+             "steps (GFPO's loop, or LLM.generate's); frontend = LLMEngine.step less the engine core, plus loop; "
+             "core host = the engine core less the model executor; model = the model executor (on the CPU engine, "
+             "the model on the host); processor = the floor's logits processor itself (inside model). extra = the "
+             "excess over llm-generate, round by round: median (min, max). call = the whole generate call, ms."]
+
+    def paired(extra):
+        return "" if extra is None else f"{extra['median']:.0f} ({extra['min']:.0f}, {extra['max']:.0f})"
+
     for clock in ("cpu", "wall"):
         lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
-                  "| requests | arm | frontend | extra | core host | model | whole step | call (ms) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| requests | arm | loop | extra loop | frontend | extra frontend | core host | model | processor "
+                  "| whole step | call (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for n, by_clock in summary.items():
             for arm in ARMS:
                 row = by_clock[clock][arm]
-                extra = row.get("extra_frontend_us")
-                extra_text = "" if extra is None else f"{extra['median']:.0f} ({extra['min']:.0f}, {extra['max']:.0f})"
-                lines.append(f"| {n} | {arm} | {row['frontend_us']:.0f} | {extra_text} | {row['core_host_us']:.0f} | "
-                             f"{row['model_us']:.0f} | {row['step_us']:.0f} | {row['call_ms']:.0f} |")
+                lines.append(f"| {n} | {arm} | {row['loop_us']:.1f} | {paired(row.get('extra_loop_us'))} | "
+                             f"{row['frontend_us']:.0f} | {paired(row.get('extra_frontend_us'))} | "
+                             f"{row['core_host_us']:.0f} | {row['model_us']:.0f} | {row['processor_us']:.1f} | "
+                             f"{row['step_us']:.0f} | {row['call_ms']:.0f} |")
     lines += ["", f"Predicted 7B decode step with 1024 running requests on an H100: {PREDICTED_7B_STEP_MS:.0f} ms "
               "(2 x 7.6e9 FLOPs a token at 600 TFLOP/s, before attention); the goal: the rule's extra host time per "
               f"step at most max(1 ms, 5% of it = {0.05 * PREDICTED_7B_STEP_MS:.2f} ms)."]

