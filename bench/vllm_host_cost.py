@@ -379,10 +379,11 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=Path, help="write the results here, and the table beside it (.md)")
     options = parser.parse_args(argv)
     before = os.getloadavg()
-    result = run(options.requests, options.G, options.max_tokens, options.rounds, options.warmup)
+    # the tree measured: read before the run (edits made while it runs are not in it)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
+    result = run(options.requests, options.G, options.max_tokens, options.rounds, options.warmup)
     data = {"machine_info": {"device": device_name(), "versions": machine_versions(),
                              "load_average": {"before": [round(x, 2) for x in before],
                                               "after": [round(x, 2) for x in os.getloadavg()]}},

@@ -155,7 +155,9 @@ class VLLMGroupGeneration:
         stop: whether to abort the requests the filter is certain to drop (GFPO's engine loop); False hands the call
             to `LLM.generate` (the seeds then still make the run the one with the rule on).
 
-    After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` and `generated_tokens`.
+    After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` and `generated_tokens`. During
+    the rule's loop, `watched` maps each group with k finished completions and running requests to the k-th
+    shortest finished length (bench/vllm_host_cost.py fills it to measure the rule's worst case).
     """
 
     def __init__(self, llm, *, group_size: int, k: int, first_row: int, seeds: list[int] | None, stop: bool):
@@ -197,9 +199,7 @@ class VLLMGroupGeneration:
         return outputs
 
     def _seeded(self, params, i: int):
-        """`params` for prompt i: a copy carrying the prompt's seed (the same object where there are no seeds)."""
-        if self.seeds is None:
-            return params
+        """A copy of `params` carrying prompt i's seed."""
         params = params.clone()
         params.seed = int(self.seeds[i])
         return params
@@ -234,13 +234,11 @@ class VLLMGroupGeneration:
         engine_ids = []
         try:
             for i, prompt in enumerate(prompts):
-                params = sampling_params.clone()
+                params = sampling_params.clone() if self.seeds is None else self._seeded(sampling_params, i)
                 params.output_kind = final_only  # as LLM.generate: no output per running request and step
                 if not params.stop:
                     # TRL reads token ids only (it decodes them itself): no detokenizing, but for stop strings
                     params.detokenize = False
-                if self.seeds is not None:
-                    params.seed = int(self.seeds[i])
                 engine_ids.append(engine_request_id(self.engine.add_request(request_ids[i], prompt, params),
                                                     request_ids[i]))
         except BaseException:
@@ -303,22 +301,23 @@ class VLLMGroupGeneration:
         "abort") is taken from the engine's state of the request first."""
         _, abort = vllm_enums()
         states = self.engine.output_processor.request_states
-        to_abort = []
-        for group, limit in list(watched.items()):
-            rows = running[group]
-            for i in list(rows):
+        cut = []  # (group, row, its output); a row leaves `running` only once aborted (an error before: the caller
+        # aborts every running row)
+        for group, limit in watched.items():
+            for i in running[group]:
                 state = states.get(engine_ids[i])
                 if state is None:
                     raise VLLMSurfaceError(f"the vLLM engine holds no state for running request {request_ids[i]!r}")
                 if state.detokenizer.num_output_tokens() >= limit:
-                    outputs[i] = state.make_request_output([], None, abort, None)
-                    rows.discard(i)
-                    self.stopped[i] = True
-                    to_abort.append(request_ids[i])
-            if not rows:
-                del watched[group]
-        if to_abort:
-            self.engine.abort_request(to_abort)
+                    cut.append((group, i, state.make_request_output([], None, abort, None)))
+        if cut:
+            self.engine.abort_request([request_ids[i] for _, i, _ in cut])
+            for group, i, output in cut:
+                running[group].discard(i)
+                outputs[i] = output
+                self.stopped[i] = True
+                if not running[group]:
+                    watched.pop(group, None)
 
 
 def engine_request_id(returned, request_id: str) -> str:

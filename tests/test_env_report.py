@@ -96,7 +96,7 @@ def _vllm_line() -> str:
     return next(line for line in environment_report().splitlines() if line.startswith("vllm: "))
 
 
-# the install line of docs/vllm.md (tested there too: test_vllm_install_hint_is_the_docs_install_line)
+# _compat.VLLM_INSTALL_HINT: the install line of docs/vllm.md (tests/test_compat.py checks the page says it)
 HINT = "pip install --no-build-isolation '.[trainer,vllm]' in gfpo's source tree (docs/vllm.md)"
 
 

@@ -95,7 +95,11 @@ class State:
                 return True
         return False
 
+    fail_abort_output = False  # True: building a cut request's output fails (FakeEngine(fail_cut=True))
+
     def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason):
+        if self.fail_abort_output and finish_reason == ABORT:
+            raise RuntimeError("building the output of a cut request failed")
         finished = finish_reason is not None
         assert self.params.output_kind == FINAL_ONLY and finished and new_token_ids == [] and pooling_output is None
         logprobs = self.logprobs if self.params.logprobs is not None else None
@@ -113,12 +117,13 @@ class FakeEngine:
     speculative step); at most `max_running` requests run at once, the others wait for a slot in order."""
 
     def __init__(self, *, cap=32, tokens_per_step=None, max_running=10**9, top_n=0, fail_add_at=None,
-                 fail_step_at=None, keyed_by_caller=False, extra_logprob_row=None, suffix="x"):
+                 fail_step_at=None, keyed_by_caller=False, extra_logprob_row=None, suffix="x", fail_cut=False):
         self.output_processor = OutputProcessor()
         self.cap, self.max_running, self.top_n = cap, max_running, top_n
         self.tokens_per_step = tokens_per_step or (lambda step, row: 1)
         self.fail_add_at, self.fail_step_at = fail_add_at, fail_step_at
         self.keyed_by_caller, self.extra_logprob_row, self.suffix = keyed_by_caller, extra_logprob_row, suffix
+        self.fail_cut = fail_cut
         self.order = []  # engine ids, in the order added
         self.steps = 0
         self.aborts = []  # each abort_request call's ids
@@ -131,6 +136,7 @@ class FakeEngine:
     def add_request(self, request_id, prompt, params):
         engine_id = request_id if self.keyed_by_caller else f"{request_id}-{self.suffix}"
         self.states[engine_id] = State(request_id, params, self.cap, unseeded_draw=self.added)
+        self.states[engine_id].fail_abort_output = self.fail_cut
         self.order.append(engine_id)
         self.added += 1
         if self.fail_add_at is not None and self.added == self.fail_add_at:
@@ -301,6 +307,15 @@ def test_a_failing_step_leaves_no_request(fail_step_at):
         generate(engine)
     assert not engine.has_unfinished_requests()
     assert len(engine.aborts[-1]) == (2 * G if fail_step_at == 1 else len(engine.aborts[-1])) > 0
+
+
+def test_a_failure_while_cutting_leaves_no_request():
+    """Building a cut request's output fails: the error comes through and every running request, the ones being cut
+    included, is aborted."""
+    engine = FakeEngine(fail_cut=True)
+    with pytest.raises(RuntimeError, match="building the output of a cut request failed"):
+        generate(engine)
+    assert not engine.has_unfinished_requests() and len(engine.aborts) == 1
 
 
 def test_two_tensor_parallel_ranks_abort_the_same_requests():
@@ -483,3 +498,20 @@ def test_tensor_parallel_ranks_generate_alike(monkeypatch, tools):
         stopped = [t._gfpo_batch.stopped_rows.tolist() for t in trainers]
         assert stopped[0] == [i in sum(aborted[0], []) for i in range(G)]
         assert stopped[1] == [i in sum(aborted[0], []) for i in range(G, 2 * G)]
+
+
+def test_gpu_smoke_script_keeps_what_the_filter_keeps():
+    """scripts/vllm_gpu_smoke.py's kept rows (its verdict on a GPU) are the length filter's: group_topk_mask of the
+    lengths, a stopped row ranked one token longer, ties to the lower index."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "vllm_gpu_smoke.py"
+    spec = importlib.util.spec_from_file_location("vllm_gpu_smoke", path)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 6, (4 * G,), generator=generator)  # many ties
+    stopped = torch.rand(4 * G, generator=generator) < 0.3
+    want = ref.group_topk_mask((lengths + stopped).float(), G, K, largest=False).nonzero().squeeze(1).tolist()
+    assert smoke.kept(lengths.tolist(), stopped.tolist(), G, K) == want
