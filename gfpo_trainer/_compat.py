@@ -152,7 +152,7 @@ def check_vllm_version() -> None:
 def check_vllm_generation(trainer) -> None:
     """The colocated vLLM engine GFPO's seeded, stopping generation drives (use_vllm=True, vllm_mode="colocate",
     group_filter="length"): TRL's VLLMGeneration attributes it reads, then the vLLM surfaces (the engine loop's only
-    where the early-stop rule can run: gfpo_stop_dropped_generations on, no adaptive k, no tools)."""
+    where the early-stop rule can run: GFPOTrainer._early_stop_configured, and no tools)."""
     from .vllm_stop import check_vllm_surfaces
 
     generation = getattr(trainer, "vllm_generation", None)
@@ -161,9 +161,7 @@ def check_vllm_generation(trainer) -> None:
         if not hasattr(generation, name):
             raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer.vllm_generation no longer has {name!r}, which "
                                   f"GFPO's vLLM generation reads; {_supported()}")
-    args = trainer.args
-    rule = args.gfpo_stop_dropped_generations and not args.adaptive_difficulty and not trainer.tools
-    check_vllm_surfaces(generation.llm, engine_loop=rule)
+    check_vllm_surfaces(generation.llm, engine_loop=trainer._early_stop_configured() and not trainer.tools)
 
 
 # the parameters of VLLMClient.generate that TRL's server path passes and GFPO's stand-in takes (vllm_server.py)

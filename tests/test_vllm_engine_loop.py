@@ -431,7 +431,8 @@ def stub_trainer(rank: int, llm, *, tools: bool):
 
     trainer = GFPOTrainer.__new__(GFPOTrainer)
     trainer.args = SimpleNamespace(num_remains_in_group=K, group_filter="length", gfpo_stop_dropped_generations=True,
-                                   adaptive_difficulty=False, gfpo_vllm_request_seeds=True)
+                                   adaptive_difficulty=False, gfpo_vllm_request_seeds=True,
+                                   loss_includes_rejected=False)
     trainer.model = SimpleNamespace(training=True)
     trainer.use_vllm, trainer.vllm_mode, trainer.num_generations = True, "colocate", G
     trainer.vllm_generation = SimpleNamespace(llm=llm, tensor_parallel_size=2, tp_group="tp-group")
