@@ -238,7 +238,8 @@ class GFPOTrainer(GRPOTrainer):
         if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_generation.tensor_parallel_size > 1:
             generation = self.vllm_generation
             box = [seed]
-            first_rank = self.accelerator.process_index - self.accelerator.process_index % generation.tensor_parallel_size
+            rank = self.accelerator.process_index
+            first_rank = rank - rank % generation.tensor_parallel_size
             torch.distributed.broadcast_object_list(box, src=first_rank, group=generation.tp_group)
             seed = box[0]
         return seed

@@ -119,7 +119,8 @@ def test_vllm_install_hint_is_the_docs_install_line():
 
 @pytest.mark.parametrize("found, match", [
     (None, r"use_vllm=True needs vllm \d+\.\d+\.\d+ to \d+\.\d+\.\d+ \(trl [\d.]+'s range\), and vLLM is not "
-           r"installed: pip install --no-build-isolation '\.\[trainer,vllm\]' in gfpo's source tree \(docs/vllm\.md\)$"),
+           r"installed: pip install --no-build-isolation '\.\[trainer,vllm\]' in gfpo's source tree "
+           r"\(docs/vllm\.md\)$"),
     ("0.19.1", r"use_vllm=True: vllm 0.19.1 is installed, GFPOTrainer supports vllm \d+\.\d+\.\d+ to \d+\.\d+\.\d+ "
                r"\(trl [\d.]+'s range\): pip install --no-build-isolation '\.\[trainer,vllm\]' in gfpo's source tree "
                r"\(docs/vllm\.md\) installs one$"),

@@ -282,7 +282,8 @@ def test_logprobs_not_matching_the_tokens_is_an_error():
         generate(FakeEngine(extra_logprob_row=3), stop=False)
     seeds = request_seeds(11, 0, 2 * G, 4 * G)
     shortest = min(range(G), key=lambda i: planned_length(seeds[i], 32))  # never cut: it ends first in its group
-    with pytest.raises(VLLMSurfaceError, match=rf"log-probability entries for the \d+ tokens of request gfpo-\w+-{shortest}$"):
+    with pytest.raises(VLLMSurfaceError,
+                       match=rf"log-probability entries for the \d+ tokens of request gfpo-\w+-{shortest}$"):
         generate(FakeEngine(extra_logprob_row=shortest))
     check_outputs([Output("r", [Completion([5], None, "stop")], True)])  # no log-probabilities asked for: nothing
 
