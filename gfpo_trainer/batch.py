@@ -58,6 +58,7 @@ class GenerationBatch:
     skip_zero: bool  # rows of advantage exactly 0 leave the batch (rows.zero_gradient_skip_applies)
     deferring: bool = False  # while TRL builds the batch: its no-grad log-prob passes are deferred
     tool_mask: list[list[int]] | None = None  # per completion, 0 on tool-output tokens (from TRL's _generate)
+    turns: int = 0  # generation calls so far (_generate_single_turn; TRL's tool loop calls it again after tools)
     stopped_rows: torch.Tensor | None = None  # this process's rows the early-stop rule cut; None: it did not run
     selection: Selection | None = None  # from _calculate_rewards, when filtering
     deferred: list[DeferredPass] = field(default_factory=list)

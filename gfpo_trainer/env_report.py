@@ -36,10 +36,10 @@ def vllm_report(trl_version: str) -> str:
                 f"trl {known})")
     supported = f"trl {trl_version} generates with vllm {bounds[0]} to {bounds[1]}"
     if found is None:
-        return f"not installed ({supported}; pip install 'gfpo[vllm]' installs one)"
+        return f"not installed ({supported}; {_compat.VLLM_INSTALL_HINT} installs one)"
     if _compat.is_supported_vllm(found, trl_version):
         return f"{found}, supported ({supported})"
-    return f"{found}, NOT supported ({supported}; pip install 'gfpo[vllm]' installs one)"
+    return f"{found}, NOT supported ({supported}; {_compat.VLLM_INSTALL_HINT} installs one)"
 
 
 def trainer_lines() -> list[str]:

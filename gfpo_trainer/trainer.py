@@ -210,18 +210,39 @@ class GFPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ stopping completions that will be dropped
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not (self._filtering() and self._filter_spec is not None and self._filter_spec.own_generation):
+        batch = self._gfpo_batch
+        first_turn = batch is None or batch.turns == 0
+        if batch is not None:
+            batch.turns += 1
+        if not (first_turn and self._filtering() and self._filter_spec is not None
+                and self._filter_spec.own_generation):
+            # Tool turns (TRL's tool loop calls again with the rows that called a tool, a different subset on each
+            # process) and the other filters: TRL's own generation
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
         # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
         # run with gfpo_stop_dropped_generations on is the same run as with it off.
-        seed = int(torch.randint(0, SEED_BOUND, (1,)).item())
+        seed = self._generation_seed()
         with self._own_random_stream(seed):
             if self.use_vllm:
                 return self._generate_single_turn_vllm(seed, prompt_ids, images, multimodal_fields, num_generations,
                                                        has_tool_images)
             return self._generate_single_turn_stopping(prompt_ids, images, multimodal_fields, num_generations,
                                                        has_tool_images)
+
+    def _generation_seed(self) -> int:
+        """The seed of a generation batch's own random stream, drawn from the trainer's. With vLLM tensor parallelism
+        (colocate mode) the TP group's first rank sends its seed to the others before any stream is seeded with it:
+        the ranks generate the same requests, and one whose CPU stream drifted would otherwise sample differently."""
+        seed = int(torch.randint(0, SEED_BOUND, (1,)).item())
+        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_generation.tensor_parallel_size > 1:
+            generation = self.vllm_generation
+            box = [seed]
+            rank = self.accelerator.process_index
+            first_rank = rank - rank % generation.tensor_parallel_size
+            torch.distributed.broadcast_object_list(box, src=first_rank, group=generation.tp_group)
+            seed = box[0]
+        return seed
 
     @contextlib.contextmanager
     def _own_random_stream(self, seed: int):
@@ -294,9 +315,10 @@ class GFPOTrainer(GRPOTrainer):
 
     def _generate_single_turn_vllm(self, seed, prompt_ids, images, multimodal_fields, num_generations,
                                    has_tool_images):
-        """vLLM with the length filter, colocate mode: one request per completion, seeded from `seed`, and the
-        running requests of a group aborted once the filter is certain to drop them (gfpo_trainer/vllm_stop.py).
-        Server mode: _generate_single_turn_server."""
+        """vLLM with the length filter, colocate mode: one request per completion, seeded from `seed` (the TP group's:
+        _generation_seed), and with the early-stop rule the running requests of a group aborted once the filter is
+        certain to drop them (gfpo_trainer/vllm_stop.py); without the rule, vLLM's own LLM.generate. Server mode:
+        _generate_single_turn_server."""
         if self.vllm_mode == "server":
             return self._generate_single_turn_server(seed, prompt_ids, images, multimodal_fields, num_generations,
                                                      has_tool_images)
@@ -306,12 +328,7 @@ class GFPOTrainer(GRPOTrainer):
         generation = self.vllm_generation
         tp = generation.tensor_parallel_size
         n_local = len(prompt_ids)
-        rank_in_tp = self.accelerator.process_index % tp
-        if tp > 1:  # every rank of the TP group generates the group's prompts: the same seeds on each
-            box = [seed]
-            torch.distributed.broadcast_object_list(box, src=self.accelerator.process_index - rank_in_tp,
-                                                    group=generation.tp_group)
-            seed = box[0]
+        rank_in_tp = self.accelerator.process_index % tp  # every rank of the TP group generates its gathered prompts
         first_row = (self.accelerator.process_index - rank_in_tp) * n_local
         seeds = None
         if self.args.gfpo_vllm_request_seeds:
@@ -319,11 +336,15 @@ class GFPOTrainer(GRPOTrainer):
         plan = VLLMGroupGeneration(generation.llm, group_size=self.num_generations,
                                    k=self.args.num_remains_in_group, first_row=first_row, seeds=seeds, stop=stop)
         llm = generation.llm
+        own_generate = vars(llm).get("generate")
         llm.generate = plan.generate  # for this call only: TRL's colocate path calls self.llm.generate(...)
         try:
             result = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         finally:
-            del llm.generate
+            if own_generate is None:
+                del llm.generate
+            else:
+                llm.generate = own_generate
         if not plan.called:
             raise TRLSurfaceError("GRPOTrainer._generate_single_turn did not call LLM.generate of its colocated vLLM "
                                   "engine (trl.generation.vllm_generation); GFPO's seeded, stopping generation did "

@@ -3,10 +3,15 @@ requests of a group aborted once the filter is certain to drop them.
 
 TRL's colocate path sends one `n=1` request per completion through `LLM.generate` and waits for all of them. For
 one generation call GFPO puts `VLLMGroupGeneration.generate` in the place of that method (the trainer's
-`_generate_single_turn`), and drives the engine step by step itself: `LLMEngine.add_request` with a copy of TRL's
-sampling parameters that streams its tokens (`RequestOutputKind.DELTA`) and carries the completion's own seed,
-`LLMEngine.step`, and `LLMEngine.abort_request`. It returns what `LLM.generate` returns, one `RequestOutput` per
-prompt in order, so TRL reads the completions and their log-probabilities as it always does.
+`_generate_single_turn`). With the early-stop rule off it hands the call back to `LLM.generate`, with one copy of
+TRL's sampling parameters per request carrying the completion's own seed (or TRL's parameters unchanged without
+seeds): vLLM's own loop, nothing of GFPO's per engine step. With the rule on it drives the engine itself, as
+`LLM.generate` does (`LLMEngine.add_request`, `step`, with `RequestOutputKind.FINAL_ONLY`: an engine step returns the
+requests that finished, no output per running request), reads the running lengths of the groups the rule watches
+from the engine's per-request state (`LLMEngine.output_processor.request_states`), and aborts the requests it cuts
+(`LLMEngine.abort_request`) after taking their tokens and log-probabilities from that state, as vLLM's own final
+output of an aborted request. It returns what `LLM.generate` returns, one `RequestOutput` per prompt in order, so
+TRL reads the completions and their log-probabilities as it always does.
 
 The rule (the same guarantee as early_stop.py on HF generate): the length filter keeps the k completions of a group
 with the fewest tokens, ties to the lower index. Once k completions of a group have finished, let L be the k-th
@@ -16,7 +21,9 @@ aborted at once (waiting for it to pass L would cost every such request one more
 step). It comes back with the tokens and log-probabilities it had (L or more), marked stopped: the length filter
 ranks a stopped completion as one token longer than it holds (selection.py), as it would have been at least, so it
 ranks below those k even under the tie rule. A request waiting for a slot, or holding fewer than L tokens, runs on
-until it finishes or reaches L.
+until it finishes or reaches L. Only the groups with a limit and running requests are looked at after a step, so
+the rule's host work per step is a length read per running request of those groups (usually none: a group's
+requests start together and are cut in the step that sets the limit).
 
 Why the kept completions do not change: each completion is its own request with its own seed, so the tokens a
 request samples depend on its seed and its logits alone, not on which other requests share a step (vLLM's sampler
@@ -32,7 +39,9 @@ it stops less, never wrongly).
 
 from __future__ import annotations
 
+import inspect
 import uuid
+
 import torch
 
 # seeds are drawn below 2**62: vLLM seeds a torch.Generator with them, and other engines take a signed 64-bit int
@@ -45,32 +54,69 @@ class VLLMSurfaceError(RuntimeError):
 
 # vLLM surfaces the engine loop uses: (object description, attribute)
 _ENGINE_METHODS = ("add_request", "step", "abort_request", "has_unfinished_requests")
+# RequestState.make_request_output's leading parameters (vLLM 0.22 to 0.31): the loop passes them by position
+_MAKE_OUTPUT_PARAMETERS = ["new_token_ids", "pooling_output", "finish_reason", "stop_reason"]
 
 
-def check_vllm_surfaces(llm) -> None:
-    """Raises VLLMSurfaceError naming the first vLLM surface the engine loop needs that this vLLM lacks."""
+def vllm_enums():
+    """(RequestOutputKind.FINAL_ONLY, FinishReason.ABORT) of the installed vLLM: the output kind the loop's requests
+    stream with, and the finish reason of a request the rule cuts."""
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine import FinishReason
+
+    return RequestOutputKind.FINAL_ONLY, FinishReason.ABORT
+
+
+def check_vllm_surfaces(llm, engine_loop: bool = True) -> None:
+    """Raises VLLMSurfaceError naming the first vLLM surface GFPO's generation needs that this vLLM lacks:
+    `LLM.generate` and seeded copies of `SamplingParams` always, and with `engine_loop` (the early-stop rule can run)
+    the engine surfaces the loop drives."""
     import vllm
-    from vllm import RequestOutput, SamplingParams
+    from vllm import SamplingParams
 
     engine = getattr(llm, "llm_engine", None)
     if engine is None:
-        raise VLLMSurfaceError(f"vllm {vllm.__version__}: LLM has no llm_engine, which GFPO's early stop drives")
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: LLM has no llm_engine, which GFPO's generation drives")
+    if not callable(getattr(llm, "generate", None)):
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: LLM.generate no longer exists")
+    if not callable(getattr(engine, "step", None)):
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: {type(engine).__name__}.step no longer exists")
+    if not callable(getattr(SamplingParams, "clone", None)):
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: SamplingParams.clone no longer exists")
+    for name in ("seed", "output_kind", "n", "detokenize", "stop"):
+        if not hasattr(SamplingParams(), name):
+            raise VLLMSurfaceError(f"vllm {vllm.__version__}: SamplingParams has no {name!r}")
+    if not engine_loop:
+        return
     for name in _ENGINE_METHODS:
         if not callable(getattr(engine, name, None)):
             raise VLLMSurfaceError(f"vllm {vllm.__version__}: {type(engine).__name__}.{name} no longer exists; "
                                    "GFPO's early stop drives the engine with it")
     try:
-        from vllm.sampling_params import RequestOutputKind
-    except ImportError:
-        raise VLLMSurfaceError(f"vllm {vllm.__version__}: vllm.sampling_params.RequestOutputKind no longer exists") from None
-    if not hasattr(RequestOutputKind, "DELTA"):
-        raise VLLMSurfaceError(f"vllm {vllm.__version__}: RequestOutputKind has no DELTA (streamed tokens)")
-    for owner, name in ((SamplingParams, "clone"), (RequestOutput, "add")):
-        if not callable(getattr(owner, name, None)):
-            raise VLLMSurfaceError(f"vllm {vllm.__version__}: {owner.__name__}.{name} no longer exists")
-    for name in ("seed", "output_kind", "n"):
-        if not hasattr(SamplingParams(), name):
-            raise VLLMSurfaceError(f"vllm {vllm.__version__}: SamplingParams has no {name!r}")
+        vllm_enums()
+    except (ImportError, AttributeError) as error:
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: {error} (GFPO's early stop asks for final outputs only, "
+                               "RequestOutputKind.FINAL_ONLY, and ends the requests it cuts with "
+                               "FinishReason.ABORT)") from None
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    if not isinstance(states, dict):
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: {type(engine).__name__}.output_processor.request_states "
+                               "(the running requests' state, where GFPO's early stop reads their lengths) no longer "
+                               "exists")
+    try:
+        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+        from vllm.v1.engine.output_processor import RequestState
+    except ImportError as error:
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: {error}; GFPO's early stop reads a running request's "
+                               "RequestState") from None
+    if not callable(getattr(IncrementalDetokenizer, "num_output_tokens", None)):
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: IncrementalDetokenizer.num_output_tokens no longer exists "
+                               "(GFPO's early stop reads a running request's length with it)")
+    make_output = getattr(RequestState, "make_request_output", None)
+    if not callable(make_output) or list(inspect.signature(make_output).parameters)[1:5] != _MAKE_OUTPUT_PARAMETERS:
+        raise VLLMSurfaceError(f"vllm {vllm.__version__}: RequestState.make_request_output no longer takes "
+                               f"{_MAKE_OUTPUT_PARAMETERS} first (GFPO's early stop builds the output of a request it "
+                               "cuts with it)")
 
 
 def request_seeds(base_seed: int, first_row: int, num_rows: int, total_rows: int) -> list[int]:
@@ -82,30 +128,47 @@ def request_seeds(base_seed: int, first_row: int, num_rows: int, total_rows: int
     return seeds[first_row : first_row + num_rows].tolist()
 
 
+def check_outputs(outputs: list, request_ids: list[str] | None = None) -> None:
+    """One log-probability entry per completion token in every output that has log-probabilities (vLLM 0.22 slices
+    a streamed delta's log-probabilities by its token count, so a delta without tokens would repeat the whole
+    history): raises VLLMSurfaceError naming the first request where that fails."""
+    for i, output in enumerate(outputs):
+        completion = output.outputs[0]
+        if completion.logprobs is not None and len(completion.logprobs) != len(completion.token_ids):
+            name = request_ids[i] if request_ids is not None else output.request_id
+            raise VLLMSurfaceError(f"vLLM returned {len(completion.logprobs)} log-probability entries for the "
+                                   f"{len(completion.token_ids)} tokens of request {name}")
+
+
 class VLLMGroupGeneration:
-    """One generation call of TRL's colocate path, run request by request on `llm`'s engine.
+    """One generation call of TRL's colocate path: `LLM.generate` with per-request seeds, or with the early-stop rule
+    GFPO's engine loop on `llm`'s engine.
 
     Args:
-        llm: the `vllm.LLM` TRL generates with.
+        llm: the `vllm.LLM` TRL generates with (its `generate` is read here, before the trainer replaces it).
         group_size: completions per prompt (rows [g * group_size, (g + 1) * group_size) of the global batch form
             group g).
         k: the completions the length filter keeps per group.
         first_row: the global index of the first prompt `generate` receives (with tensor parallelism, of the TP
             group's gathered prompts).
         seeds: one seed per prompt `generate` receives, or None to leave sampling unseeded (vLLM's own stream).
-        stop: whether to abort the requests the filter is certain to drop; False generates every completion to its
-            end (the seeds then still make the run the one with the rule on).
+        stop: whether to abort the requests the filter is certain to drop (GFPO's engine loop); False hands the call
+            to `LLM.generate` (the seeds then still make the run the one with the rule on).
 
-    After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` and `generated_tokens`.
+    After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` and `generated_tokens`. During
+    the rule's loop, `watched` maps each group with k finished completions and running requests to the k-th
+    shortest finished length (bench/vllm_host_cost.py fills it to measure the rule's worst case).
     """
 
     def __init__(self, llm, *, group_size: int, k: int, first_row: int, seeds: list[int] | None, stop: bool):
         self.engine = llm.llm_engine
+        self.llm_generate = llm.generate  # vLLM's own, called with the rule off
         self.group_size, self.k, self.first_row, self.seeds, self.stop = group_size, k, first_row, seeds, stop
         self.stopped: list[bool] = []
         self.engine_steps = 0
         self.generated_tokens = 0
         self.called = False
+        self.watched: dict[int, int] = {}
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm=False, **unsupported):
         """Stands in for `LLM.generate(prompts, sampling_params=..., use_tqdm=...)` as TRL's colocate path calls it:
@@ -121,13 +184,69 @@ class VLLMGroupGeneration:
         if sampling_params.n != 1:
             raise VLLMSurfaceError(f"TRL's colocate generation asked for n={sampling_params.n} completions a request; "
                                    "GFPO's vLLM generation sends one request per completion (n=1)")
+        prompts = list(prompts)
         if self.seeds is not None and len(self.seeds) != len(prompts):
             raise VLLMSurfaceError(f"TRL's vLLM generation sent {len(prompts)} prompts, {len(self.seeds)} were expected")
-        return self._run(list(prompts), sampling_params)
+        self.stopped = [False] * len(prompts)
+        if self.stop:
+            outputs = self._run(prompts, sampling_params)
+        else:
+            outputs = self._generate_unchanged(prompts, sampling_params, use_tqdm)
+        if len(outputs) != len(prompts):
+            raise VLLMSurfaceError(f"LLM.generate returned {len(outputs)} outputs for {len(prompts)} prompts")
+        check_outputs(outputs)
+        self.generated_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+        return outputs
+
+    def _seeded(self, params, i: int):
+        """A copy of `params` carrying prompt i's seed."""
+        params = params.clone()
+        params.seed = int(self.seeds[i])
+        return params
+
+    def _generate_unchanged(self, prompts: list, sampling_params, use_tqdm) -> list:
+        """The rule off: vLLM's `LLM.generate`, with one seeded copy of the parameters per prompt where seeds are
+        given; only its engine steps are counted (a call through, for `gfpo/vllm_engine_steps`)."""
+        params = sampling_params if self.seeds is None else [self._seeded(sampling_params, i)
+                                                               for i in range(len(prompts))]
+        engine = self.engine
+        own_step = vars(engine).get("step")
+        step = engine.step
+
+        def counted_step(*args, **kwargs):
+            self.engine_steps += 1
+            return step(*args, **kwargs)
+
+        engine.step = counted_step
+        try:
+            return self.llm_generate(prompts, sampling_params=params, use_tqdm=use_tqdm)
+        finally:
+            if own_step is None:
+                del engine.step
+            else:
+                engine.step = own_step
+
+    def _add_requests(self, prompts: list, sampling_params, request_ids: list[str]) -> list[str]:
+        """Adds one request per prompt (a copy of `sampling_params` that returns its output once, when it finishes,
+        with the prompt's seed); returns the engine's own id of each. If adding fails, every request added so far,
+        and the one being added (vLLM may have registered it before failing), is aborted."""
+        final_only, _ = vllm_enums()
+        engine_ids = []
+        try:
+            for i, prompt in enumerate(prompts):
+                params = sampling_params.clone() if self.seeds is None else self._seeded(sampling_params, i)
+                params.output_kind = final_only  # as LLM.generate: no output per running request and step
+                if not params.stop:
+                    # TRL reads token ids only (it decodes them itself): no detokenizing, but for stop strings
+                    params.detokenize = False
+                engine_ids.append(engine_request_id(self.engine.add_request(request_ids[i], prompt, params),
+                                                    request_ids[i]))
+        except BaseException:
+            self.engine.abort_request(request_ids[: len(engine_ids) + 1])
+            raise
+        return engine_ids
 
     def _run(self, prompts: list, sampling_params) -> list:
-        from vllm.sampling_params import RequestOutputKind
-
         engine = self.engine
         if engine.has_unfinished_requests():
             raise RuntimeError("gfpo: the vLLM engine holds unfinished requests before a generation call; GFPO's "
@@ -135,32 +254,16 @@ class VLLMGroupGeneration:
         n = len(prompts)
         call = uuid.uuid4().hex
         request_ids = [f"gfpo-{call}-{i}" for i in range(n)]
+        # group -> its k-th shortest finished length, while it has running rows
+        watched = self.watched = {}
+        engine_ids = self._add_requests(prompts, sampling_params, request_ids)
         row_of = {request_id: i for i, request_id in enumerate(request_ids)}
-        added = 0
-        try:
-            for i, prompt in enumerate(prompts):
-                params = sampling_params.clone()
-                params.output_kind = RequestOutputKind.DELTA  # each step's new tokens: the running lengths
-                if not params.stop:
-                    # TRL reads token ids only (it decodes them itself); the text of every step would be detokenized
-                    # and concatenated for nothing. Stop strings need it.
-                    params.detokenize = False
-                if self.seeds is not None:
-                    params.seed = int(self.seeds[i])
-                engine.add_request(request_ids[i], prompt, params)
-                added += 1
-        except BaseException:
-            engine.abort_request(request_ids[:added])
-            raise
-
         outputs: list = [None] * n
-        self.stopped = [False] * n
         group_of = [(self.first_row + i) // self.group_size for i in range(n)]
         running: dict[int, set[int]] = {}  # group -> its rows still generating
         for i, group in enumerate(group_of):
             running.setdefault(group, set()).add(i)
         finished_lengths: dict[int, list[int]] = {group: [] for group in running}
-        limits: dict[int, int] = {}  # group -> its k-th shortest finished length, once k have finished
         try:
             while engine.has_unfinished_requests():
                 step_outputs = engine.step()
@@ -170,40 +273,54 @@ class VLLMGroupGeneration:
                     if i is None:
                         raise VLLMSurfaceError(f"the vLLM engine returned an output for request {output.request_id!r}, "
                                                "which GFPO did not add")
-                    if outputs[i] is None:
-                        outputs[i] = output
-                    else:
-                        outputs[i].add(output, aggregate=True)
-                    if output.finished:
-                        group = group_of[i]
-                        running[group].discard(i)
-                        finished_lengths[group].append(len(outputs[i].outputs[0].token_ids))
-                        if len(finished_lengths[group]) >= self.k:
-                            limits[group] = sorted(finished_lengths[group])[self.k - 1]
-                if self.stop and limits:
-                    self._abort_dropped(request_ids, outputs, running, limits)
+                    if not output.finished:
+                        raise VLLMSurfaceError(f"the vLLM engine returned an unfinished output for request "
+                                               f"{output.request_id!r}, asked for its final output only")
+                    outputs[i] = output
+                    group = group_of[i]
+                    running[group].discard(i)
+                    lengths = finished_lengths[group]
+                    lengths.append(len(output.outputs[0].token_ids))
+                    if len(lengths) >= self.k and running[group]:
+                        watched[group] = sorted(lengths)[self.k - 1]
+                    elif not running[group]:
+                        watched.pop(group, None)
+                if watched:
+                    self._abort_dropped(request_ids, engine_ids, outputs, running, watched)
         except BaseException:
             engine.abort_request([request_ids[i] for rows in running.values() for i in rows])
             raise
         for i, output in enumerate(outputs):
-            if output is None:  # cannot happen: the rule aborts a request only once it holds L >= 1 tokens
+            if output is None:  # cannot happen: every request finishes or is cut with its output taken
                 raise RuntimeError(f"gfpo: vLLM returned no output for request {request_ids[i]}")
-            if self.stopped[i]:
-                output.finished = True
-                output.outputs[0].finish_reason = "abort"
-        self.generated_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
         return outputs
 
-    def _abort_dropped(self, request_ids, outputs, running, limits) -> None:
+    def _abort_dropped(self, request_ids, engine_ids, outputs, running, watched) -> None:
         """Aborts, in one call, every running request that holds as many tokens as the k-th shortest finished
-        completion of its group, or more."""
-        to_abort = []
-        for group, limit in limits.items():
-            rows = running[group]
-            cut = [i for i in rows if outputs[i] is not None and len(outputs[i].outputs[0].token_ids) >= limit]
-            for i in cut:
-                rows.discard(i)
+        completion of its group, or more; its output (the tokens and log-probabilities it holds, finish reason
+        "abort") is taken from the engine's state of the request first."""
+        _, abort = vllm_enums()
+        states = self.engine.output_processor.request_states
+        cut = []  # (group, row, its output); a row leaves `running` only once aborted (an error before: the caller
+        # aborts every running row)
+        for group, limit in watched.items():
+            for i in running[group]:
+                state = states.get(engine_ids[i])
+                if state is None:
+                    raise VLLMSurfaceError(f"the vLLM engine holds no state for running request {request_ids[i]!r}")
+                if state.detokenizer.num_output_tokens() >= limit:
+                    cut.append((group, i, state.make_request_output([], None, abort, None)))
+        if cut:
+            self.engine.abort_request([request_ids[i] for _, i, _ in cut])
+            for group, i, output in cut:
+                running[group].discard(i)
+                outputs[i] = output
                 self.stopped[i] = True
-                to_abort.append(request_ids[i])
-        if to_abort:
-            self.engine.abort_request(to_abort)
+                if not running[group]:
+                    watched.pop(group, None)
+
+
+def engine_request_id(returned, request_id: str) -> str:
+    """The id the engine keeps a request's state under: what `LLMEngine.add_request` returned (vLLM keys the state
+    by an id of its own, the caller's with a random suffix), or the caller's id where it returned none."""
+    return request_id if returned is None else returned

@@ -7,7 +7,8 @@
 #   2. this package alone, built WITHOUT build isolation, so the C++/CUDA extension compiles against that torch
 #      (an isolated build cannot see it and stops with one line); its CUDA kernels too when nvcc is found, whatever
 #      the torch (GFPO_CUDA=0 leaves them out);
-#   3. its dependencies and extras, installed normally: wheels, or sdists built in their own isolated
+#   3. its dependencies and extras (GFPO_EXTRAS, comma-separated: trainer,bench,test when unset; trainer,vllm for
+#      vLLM on a GPU machine, docs/vllm.md), installed normally: wheels, or sdists built in their own isolated
 #      environments with their own build tools (--no-build-isolation must never reach them: an sdist may need
 #      build tools, such as Cython, that only its isolated build brings).
 # Re-running it on an installed tree rebuilds the extension only when csrc/, setup.py or torch changed.

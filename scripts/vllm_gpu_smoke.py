@@ -1,0 +1,146 @@
+"""GPU smoke test of GFPO's colocate generation on vLLM: on a machine with CUDA GPUs and vLLM (docs/vllm.md's GPU
+recipe), the seeded batch generated with the early-stop rule on (GFPO's engine loop) and off (LLM.generate) must
+keep the same rows, token for token, on vLLM's Model Runner V2 and on its V1 runner, both in batch-invariant mode
+(VLLM_BATCH_INVARIANT=1), and with tensor parallelism (TP=2) where two GPUs exist. Each configuration runs in a
+process of its own (vLLM reads its environment when the engine starts); one line per configuration, and the exit
+status is the number that failed.
+
+    python scripts/vllm_gpu_smoke.py [--model DIR] [--prompts 16] [--G 16] [--k 8] [--max-tokens 256]
+
+Without --model: the tiny Qwen2 of the tests (head dimension 64), warmed up on the demo task on the GPU so that
+its completions end at varied lengths (what makes the rule cut anything); a real checkpoint tests real numerics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+# (name, environment, engine options)
+CONFIGS = [
+    ("V2 runner", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, {}),
+    ("V1 runner", {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {}),
+    ("V1 runner, async scheduling", {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"async_scheduling": True}),
+]
+
+
+def tiny_model(directory: str) -> str:
+    """The tests' tiny model (hidden 64, one head), warmed up on the demo task on the GPU, saved to `directory`."""
+    from gfpo_trainer.demo import DemoSettings, warm_up
+    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    model = make_tiny_model(tokenizer, hidden_size=64, num_heads=1)
+    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)],
+            DemoSettings(warmup_steps=80, hidden_size=64, max_operand=10), "cuda")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def kept(lengths: list[int], stopped: list[bool], G: int, k: int) -> list[int]:
+    """The rows the length filter keeps: per group the k shortest, a stopped row ranked one token longer than it
+    holds, ties to the lower index (gfpo_kernels.group_topk_mask)."""
+    rows = []
+    for start in range(0, len(lengths), G):
+        group = range(start, start + G)
+        rows += sorted(sorted(group, key=lambda i: (lengths[i] + stopped[i], i))[:k])
+    return rows
+
+
+def child(options) -> dict:
+    """One configuration: the same seeded batch with the rule off, then on; what the parent prints."""
+    import vllm
+
+    from gfpo_trainer.vllm_stop import VLLMGroupGeneration, request_seeds
+
+    extra = json.loads(options.engine_options)
+    llm = vllm.LLM(options.model, tensor_parallel_size=options.tp, seed=0, logprobs_mode="processed_logprobs",
+                   gpu_memory_utilization=0.5, max_model_len=64 + options.max_tokens, **extra)
+    tokenizer = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer(f"{a}+{a + 1}=", add_special_tokens=False).input_ids}
+               for a in range(options.prompts) for _ in range(options.G)]
+    params = vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=options.max_tokens,
+                                 logprobs=0)
+    seeds = request_seeds(1234, 0, len(prompts), len(prompts))
+    runs = {}
+    for stop in (False, True):
+        plan = VLLMGroupGeneration(llm, group_size=options.G, k=options.k, first_row=0, seeds=seeds, stop=stop)
+        start = time.perf_counter()
+        outputs = plan.generate(prompts, sampling_params=params, use_tqdm=False)
+        runs[stop] = dict(ids=[list(o.outputs[0].token_ids) for o in outputs], stopped=plan.stopped,
+                          seconds=time.perf_counter() - start, steps=plan.engine_steps, tokens=plan.generated_tokens,
+                          logps=[[next(iter(step.values())).logprob for step in o.outputs[0].logprobs]
+                                 for o in outputs])
+    off, on = runs[False], runs[True]
+    keep_off = kept([len(x) for x in off["ids"]], off["stopped"], options.G, options.k)
+    keep_on = kept([len(x) for x in on["ids"]], on["stopped"], options.G, options.k)
+    problems = []
+    if keep_on != keep_off:
+        problems.append("the length filter keeps other rows with the rule on")
+    if any(on["ids"][i] != off["ids"][i] or on["logps"][i] != off["logps"][i] for i in keep_off):
+        problems.append("a kept row's tokens or log-probabilities differ with the rule on")
+    if any(on["ids"][i] != off["ids"][i][: len(on["ids"][i])] for i in range(len(prompts)) if on["stopped"][i]):
+        problems.append("a cut row is not a prefix of its completion with the rule off")
+    if not any(on["stopped"]):
+        problems.append("the rule cut nothing (completions all of one length?)")
+    return {"problems": problems, "cut": sum(on["stopped"]), "rows": len(prompts),
+            "steps": [off["steps"], on["steps"]], "tokens": [off["tokens"], on["tokens"]],
+            "seconds": [round(off["seconds"], 2), round(on["seconds"], 2)]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a model directory vLLM loads (default: the tests' tiny model, warmed up)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--G", type=int, default=16)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--engine-options", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    if options.child:
+        print("RESULT " + json.dumps(child(options)), flush=True)
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("vllm_gpu_smoke: no CUDA GPU here; on a CPU, scripts/test_vllm_cpu.sh runs GFPO's vLLM tests")
+        return 1
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        model = options.model or tiny_model(tmp)
+        tps = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+        for name, environment, engine_options in CONFIGS:
+            for tp in tps:
+                command = [sys.executable, __file__, "--child", "--model", model, "--prompts", str(options.prompts),
+                           "--G", str(options.G), "--k", str(options.k), "--max-tokens", str(options.max_tokens),
+                           "--tp", str(tp), "--engine-options", json.dumps(engine_options)]
+                env = {**os.environ, "VLLM_BATCH_INVARIANT": "1", **environment}
+                run = subprocess.run(command, env=env, capture_output=True, text=True)
+                lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+                label = f"{name}, TP={tp}"
+                if run.returncode != 0 or not lines:
+                    failed += 1
+                    tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
+                    print(f"FAIL {label}: exit {run.returncode}: {' | '.join(tail)}")
+                    continue
+                result = json.loads(lines[-1][len("RESULT "):])
+                verdict = "FAIL" if result["problems"] else "ok"
+                failed += bool(result["problems"])
+                print(f"{verdict} {label}: {result['cut']} of {result['rows']} rows cut; engine steps off/on "
+                      f"{result['steps'][0]}/{result['steps'][1]}, tokens {result['tokens'][0]}/{result['tokens'][1]}, "
+                      f"seconds {result['seconds'][0]}/{result['seconds'][1]}"
+                      + "".join(f"; {p}" for p in result["problems"]))
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
