@@ -30,14 +30,12 @@ CONFIGS = [
 
 
 def tiny_model(directory: str) -> str:
-    """The tests' tiny model (hidden 64, one head), warmed up on the demo task on the GPU, saved to `directory`."""
-    from gfpo_trainer.demo import DemoSettings, warm_up
-    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+    """The tests' tiny model (hidden 64, one head), warmed up on pair sums on the GPU, saved to `directory`."""
+    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer, warm_up_on_pair_sums
 
     tokenizer = make_tokenizer()
     model = make_tiny_model(tokenizer, hidden_size=64, num_heads=1)
-    warm_up(model, tokenizer, [(a, b) for a in range(10) for b in range(10)],
-            DemoSettings(warmup_steps=80, hidden_size=64, max_operand=10), "cuda")
+    warm_up_on_pair_sums(model, tokenizer, [(a, b) for a in range(10) for b in range(10)], 80, "cuda")
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
