@@ -2,8 +2,9 @@
 
 This module is the list of TRL hooks; each delegates to a module of its own: selection.py (scores, k, the kernel
 call), rows.py (exchange across processes, padding, row weights), fused_head.py (the model adapter of the fused
-loss), early_stop.py, vllm_stop.py, vllm_server.py, adaptive.py; TRL differences live in _compat.py. What the hooks
-learn about a generation batch lives in one GenerationBatch (batch.py), made by _generate_and_score_completions.
+loss), generation_paths.py (with early_stop.py, vllm_stop.py, vllm_server.py), adaptive.py; TRL differences live in
+_compat.py. What the hooks learn about a generation batch lives in one GenerationBatch (batch.py), made by
+_generate_and_score_completions.
 
 How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 1. `_calculate_rewards` (wrapped): once the rewards of the global batch are known, score every completion
