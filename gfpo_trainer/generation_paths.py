@@ -54,23 +54,23 @@ def replaced_attribute(owner, name: str, value):
             setattr(owner, name, own)
 
 
-def generation_seed(tp_generation=None, process_index: int = 0) -> int:
+def generation_seed(colocated=None, process_index: int = 0) -> int:
     """The seed of a generation batch's own random stream, drawn from the CPU generator.
 
     Args:
-        tp_generation: TRL's colocated vLLM generation where it runs with tensor parallelism (else None): the TP
-            group's first rank sends its seed to the others before any stream is seeded with it, so the ranks
-            generate the same requests (one whose CPU stream drifted would otherwise sample differently).
+        colocated: TRL's colocated vLLM generation (None: another path). With tensor parallelism the TP group's first
+            rank sends its seed to the others before any stream is seeded with it, so the ranks generate the same
+            requests (one whose CPU stream drifted would otherwise sample differently).
         process_index: this process's index (finds the TP group's first rank).
 
     Returns:
         An int in [0, vllm_stop.SEED_BOUND).
     """
     seed = int(torch.randint(0, SEED_BOUND, (1,)).item())
-    if tp_generation is not None:
+    if colocated is not None and colocated.tensor_parallel_size > 1:
         box = [seed]
-        first_rank = process_index - process_index % tp_generation.tensor_parallel_size
-        torch.distributed.broadcast_object_list(box, src=first_rank, group=tp_generation.tp_group)
+        first_rank = process_index - process_index % colocated.tensor_parallel_size
+        torch.distributed.broadcast_object_list(box, src=first_rank, group=colocated.tp_group)
         seed = box[0]
     return seed
 

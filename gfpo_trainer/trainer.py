@@ -225,10 +225,8 @@ class GFPOTrainer(GRPOTrainer):
         # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
         # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
         # run with gfpo_stop_dropped_generations on is the same run as with it off.
-        tp_generation = None
-        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_generation.tensor_parallel_size > 1:
-            tp_generation = self.vllm_generation
-        seed = generation_seed(tp_generation, self.accelerator.process_index)
+        colocated = self.vllm_generation if self.use_vllm and self.vllm_mode == "colocate" else None
+        seed = generation_seed(colocated, self.accelerator.process_index)
         with own_random_stream(seed, self.accelerator.device):
             path = self._generation_path(seed, len(prompt_ids))
             if path is None:

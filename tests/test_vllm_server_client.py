@@ -568,7 +568,7 @@ def test_trainer_passes_its_limits_and_trls_session(server, monkeypatch):
         return output["completion_ids"]
 
     monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", trl_server_path)
-    monkeypatch.setattr(gfpo_trainer.trainer, "generation_seed", lambda tp_generation, process_index: 3)
+    monkeypatch.setattr(gfpo_trainer.trainer, "generation_seed", lambda colocated, process_index: 3)
     session = requests.Session()
     session.headers["X-Cluster-Token"] = "abc"
     trainer = _server_mode_trainer(server, session, gfpo_vllm_server_max_in_flight=3)
