@@ -2,8 +2,9 @@
 
 This module is the list of TRL hooks; each delegates to a module of its own: selection.py (scores, k, the kernel
 call), rows.py (exchange across processes, padding, row weights), fused_head.py (the model adapter of the fused
-loss), early_stop.py, vllm_stop.py, vllm_server.py, adaptive.py; TRL differences live in _compat.py. What the hooks
-learn about a generation batch lives in one GenerationBatch (batch.py), made by _generate_and_score_completions.
+loss), generation_paths.py (with early_stop.py, vllm_stop.py, vllm_server.py), adaptive.py; TRL differences live in
+_compat.py. What the hooks learn about a generation batch lives in one GenerationBatch (batch.py), made by
+_generate_and_score_completions.
 
 How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 1. `_calculate_rewards` (wrapped): once the rewards of the global batch are known, score every completion
@@ -24,19 +25,17 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
    model's LM head.
 5. `_generate` (wrapped): reads the tool masks, so the length filters count the model's tokens only.
 6. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
-   completions the filter is certain to drop stop early (gfpo_trainer/early_stop.py on HF generate; with vLLM,
-   vllm_stop.py in colocate mode and vllm_server.py in server mode).
+   completions the filter is certain to drop stop early, on one of three generation paths
+   (gfpo_trainer/generation_paths.py: HF generate, vLLM colocate, vLLM server).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 from collections import deque
 
 import torch
-from accelerate.utils import broadcast_object_list
-from transformers import LogitsProcessorList
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
@@ -47,17 +46,18 @@ from ._compat import (
 from .adaptive import AdaptiveDifficulty
 from .batch import GenerationBatch
 from .config import GFPOConfig
-from .early_stop import StopDroppedCompletions
 from .filters import GroupFilterSpec, group_filter_spec
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
+from .generation_paths import (
+    ColocatePath, GenerationPath, HFStoppingPath, ServerPath, generation_seed, own_random_stream
+)
 from .rows import (
     crop_to_longest_completion, no_metrics_from_padding_only, plan_trained_rows, restore_shuffle_rng,
     shuffle_replay_after_skipping, take_trained_rows, weight_loss, zero_gradient_skip_applies
 )
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
-from .vllm_server import ServerGroupGeneration, ServerLimits, Transport, probe_streaming
-from .vllm_stop import SEED_BOUND, VLLMGroupGeneration, request_seeds
+from .vllm_server import ServerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ class GFPOTrainer(GRPOTrainer):
         self._server_stop_unavailable: str | None = None  # why the vLLM server cannot run the early-stop rule
         if self.use_vllm and self.vllm_mode == "server" and own_generation:
             check_vllm_server_generation(self)
-            self._server_stop_unavailable = self._probe_server_streaming()
+            self._server_stop_unavailable = ServerPath.stop_unavailable(self.vllm_generation, self.accelerator,
+                                                                        args, self._early_stop_configured())
         self.group_filter_func = group_filter_func
         self.adaptive_difficulty = AdaptiveDifficulty(args.adaptive_num_remains) if args.adaptive_difficulty else None
         # the generation batch being built or trained (made by _generate_and_score_completions; None before)
@@ -208,8 +209,10 @@ class GFPOTrainer(GRPOTrainer):
         # vLLM importance sampling reads the old log-probs at once; a PEFT reference runs under an adapter context
         return not (self.use_vllm and self.vllm_importance_sampling_correction) and not _is_peft_model(self.model)
 
-    # ------------------------------------------------------------------ stopping completions that will be dropped
+    # ------------------------------------------------------------------ generation (gfpo_trainer/generation_paths.py)
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        trl_generate = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields,
+                                         num_generations, has_tool_images)
         batch = self._gfpo_batch
         first_turn = batch is None or batch.turns == 0
         if batch is not None:
@@ -218,43 +221,47 @@ class GFPOTrainer(GRPOTrainer):
                 and self._filter_spec.own_generation):
             # Tool turns (TRL's tool loop calls again with the rows that called a tool, a different subset on each
             # process) and the other filters: TRL's own generation
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return trl_generate()
         # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
         # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
         # run with gfpo_stop_dropped_generations on is the same run as with it off.
-        seed = self._generation_seed()
-        with self._own_random_stream(seed):
-            if self.use_vllm:
-                return self._generate_single_turn_vllm(seed, prompt_ids, images, multimodal_fields, num_generations,
-                                                       has_tool_images)
-            return self._generate_single_turn_stopping(prompt_ids, images, multimodal_fields, num_generations,
-                                                       has_tool_images)
+        colocated = self.vllm_generation if self.use_vllm and self.vllm_mode == "colocate" else None
+        seed = generation_seed(colocated, self.accelerator.process_index)
+        with own_random_stream(seed, self.accelerator.device):
+            path = self._generation_path(seed, len(prompt_ids))
+            if path is None:
+                return trl_generate()
+            with path:
+                result = trl_generate()
+        if not path.called:
+            raise TRLSurfaceError(path.not_called)
+        batch.stopped_rows = path.stopped_rows
+        for name, value in path.metrics.items():
+            self._metrics["train"][name].append(value)
+        return result
 
-    def _generation_seed(self) -> int:
-        """The seed of a generation batch's own random stream, drawn from the trainer's. With vLLM tensor parallelism
-        (colocate mode) the TP group's first rank sends its seed to the others before any stream is seeded with it:
-        the ranks generate the same requests, and one whose CPU stream drifted would otherwise sample differently."""
-        seed = int(torch.randint(0, SEED_BOUND, (1,)).item())
-        if self.use_vllm and self.vllm_mode == "colocate" and self.vllm_generation.tensor_parallel_size > 1:
-            generation = self.vllm_generation
-            box = [seed]
-            rank = self.accelerator.process_index
-            first_rank = rank - rank % generation.tensor_parallel_size
-            torch.distributed.broadcast_object_list(box, src=first_rank, group=generation.tp_group)
-            seed = box[0]
-        return seed
-
-    @contextlib.contextmanager
-    def _own_random_stream(self, seed: int):
-        """The CPU generator and the accelerator's (the one generation samples on) seeded with `seed`, both restored
-        afterwards; no other device's generator is touched (torch.manual_seed would reseed every CUDA device, and
-        fork_rng restores only those it is given)."""
-        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.random.default_generator.manual_seed(seed)
-            for device in devices:
-                torch.cuda.default_generators[device.index or 0].manual_seed(seed)
-            yield
+    def _generation_path(self, seed: int, n_local: int) -> GenerationPath | None:
+        """The generation path of a first turn with a filter that owns generation (None: TRL's own call, in the
+        trainer's own random stream): HF generate with the early-stop rule, or vLLM in colocate mode (always: its
+        requests are seeded from `seed`), or vLLM in server mode with seeds or the rule. `n_local`: this process's
+        rows."""
+        args, group = self.args, dict(group_size=self.num_generations, k=self.args.num_remains_in_group)
+        base_seed = seed if args.gfpo_vllm_request_seeds else None
+        if not self.use_vllm:
+            if not self._early_stop_wanted():
+                return None
+            return HFStoppingPath(self.model, self.accelerator, n_local=n_local, eos_token_ids=self.eos_token_ids,
+                                  **group)
+        if self.vllm_mode == "colocate":
+            return ColocatePath(self.vllm_generation, self.accelerator, n_local=n_local, base_seed=base_seed,
+                                stop=self._early_stop_wanted(), **group)
+        if self.vllm_mode == "server":
+            stop = self._early_stop_wanted() and self._server_stop_unavailable is None
+            if not stop and base_seed is None:
+                return None  # TRL's own request (one per prompt, n=num_generations)
+            return ServerPath(self.vllm_generation, self.accelerator, n_local=n_local, base_seed=base_seed, stop=stop,
+                              limits=ServerLimits.from_config(args), **group)
+        return None
 
     def _early_stop_configured(self) -> bool:
         """Whether the options ask for the early-stop rule: gfpo_stop_dropped_generations, a filter that allows it
@@ -281,145 +288,6 @@ class GFPOTrainer(GRPOTrainer):
         self._warn_once("no early stop", f"gfpo_stop_dropped_generations is not applied with {unsupported}: every "
                         "completion is generated to its end, as in GRPO")
         return False
-
-    def _generate_single_turn_stopping(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images):
-        """HF generate with the length filter: generation, stopping the completions the filter will drop."""
-        if not self._early_stop_wanted():
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-
-        stopper = StopDroppedCompletions(self.eos_token_ids, self.num_generations, self.args.num_remains_in_group,
-                                         first_row=self.accelerator.process_index * len(prompt_ids))
-        model = self.accelerator.unwrap_model(self.model)
-        had_own_generate = "generate" in vars(model)
-        original = model.generate
-
-        def generate(*args, **kwargs):
-            processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-            processors.append(stopper)
-            return original(*args, logits_processor=processors, **kwargs)
-
-        model.generate = generate
-        try:
-            result = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        finally:
-            if had_own_generate:
-                model.generate = original
-            else:
-                del model.generate
-        if stopper.stopped is None:  # generate never reached the processor: the rule would be off without a word
-            raise TRLSurfaceError("GRPOTrainer._generate_single_turn did not generate with "
-                                  "accelerator.unwrap_model(trainer.model).generate, where GFPO's early-stop rule "
-                                  "(gfpo_stop_dropped_generations) is installed")
-        self._gfpo_batch.stopped_rows = stopper.stopped.to(self.accelerator.device)
-        return result
-
-    def _generate_single_turn_vllm(self, seed, prompt_ids, images, multimodal_fields, num_generations,
-                                   has_tool_images):
-        """vLLM with the length filter, colocate mode: one request per completion, seeded from `seed` (the TP group's:
-        _generation_seed), and with the early-stop rule the running requests of a group aborted once the filter is
-        certain to drop them (gfpo_trainer/vllm_stop.py); without the rule, vLLM's own LLM.generate. Server mode:
-        _generate_single_turn_server."""
-        if self.vllm_mode == "server":
-            return self._generate_single_turn_server(seed, prompt_ids, images, multimodal_fields, num_generations,
-                                                     has_tool_images)
-        if self.vllm_mode != "colocate":
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        stop = self._early_stop_wanted()
-        generation = self.vllm_generation
-        tp = generation.tensor_parallel_size
-        n_local = len(prompt_ids)
-        rank_in_tp = self.accelerator.process_index % tp  # every rank of the TP group generates its gathered prompts
-        first_row = (self.accelerator.process_index - rank_in_tp) * n_local
-        seeds = None
-        if self.args.gfpo_vllm_request_seeds:
-            seeds = request_seeds(seed, first_row, n_local * tp, n_local * self.accelerator.num_processes)
-        plan = VLLMGroupGeneration(generation.llm, group_size=self.num_generations,
-                                   k=self.args.num_remains_in_group, first_row=first_row, seeds=seeds, stop=stop)
-        llm = generation.llm
-        own_generate = vars(llm).get("generate")
-        llm.generate = plan.generate  # for this call only: TRL's colocate path calls self.llm.generate(...)
-        try:
-            result = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        finally:
-            if own_generate is None:
-                del llm.generate
-            else:
-                llm.generate = own_generate
-        if not plan.called:
-            raise TRLSurfaceError("GRPOTrainer._generate_single_turn did not call LLM.generate of its colocated vLLM "
-                                  "engine (trl.generation.vllm_generation); GFPO's seeded, stopping generation did "
-                                  "not run")
-        local = slice(rank_in_tp * n_local, (rank_in_tp + 1) * n_local)
-        if stop:
-            self._gfpo_batch.stopped_rows = torch.tensor(plan.stopped[local], dtype=torch.bool,
-                                                         device=self.accelerator.device)
-        self._metrics["train"]["gfpo/vllm_engine_steps"].append(float(plan.engine_steps))
-        return result
-
-    def _probe_server_streaming(self) -> str | None:
-        """With the early-stop rule asked for in server mode: whether the server streams what the rule reads (asked
-        once, by the main process, the one that talks to the server, and told to every process). Where it does not,
-        the rule is off for this trainer, with one warning saying why, and this returns that reason. Also checks the
-        server client's limits (GFPOConfig.gfpo_vllm_server_*), so a bad one fails when the trainer is built."""
-        limits = ServerLimits.from_config(self.args)
-        if not self._early_stop_configured():
-            return None
-        box = [None]
-        if self.accelerator.is_main_process:
-            client = self.vllm_generation.vllm_client
-            box[0] = probe_streaming(client.base_url, client.model,
-                                     Transport.of_session(client.session, client.base_url), limits)
-            if box[0] is not None:
-                logger.warning(f"gfpo_stop_dropped_generations is not applied with the vLLM server at "
-                               f"{client.base_url}: {box[0]}. Every completion is generated to its end (one request "
-                               "each, seeded as with the rule off)")
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(box, from_process=0)
-        return box[0]
-
-    def _generate_single_turn_server(self, seed, prompt_ids, images, multimodal_fields, num_generations,
-                                     has_tool_images):
-        """vLLM with the length filter, server mode: one request per completion of the global batch, seeded from the
-        main process's `seed` (on one process, the seeds colocate mode gives the same rows), and with the rule on
-        streamed and cut once the filter is certain to drop it (gfpo_trainer/vllm_server.py). Only the main process
-        talks to the server; TRL broadcasts the completions, and the main process here the rows the rule cut.
-        Neither seeds nor the rule: TRL's own request (one per prompt, `n=num_generations`)."""
-        stop = self._early_stop_wanted() and self._server_stop_unavailable is None
-        if not stop and not self.args.gfpo_vllm_request_seeds:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        plan = client = None
-        if self.accelerator.is_main_process:
-            client = self.vllm_generation.vllm_client
-            plan = ServerGroupGeneration(client.base_url, client.model, group_size=self.num_generations,
-                                         k=self.args.num_remains_in_group,
-                                         base_seed=seed if self.args.gfpo_vllm_request_seeds else None, stop=stop,
-                                         limits=ServerLimits.from_config(self.args),
-                                         transport=Transport.of_session(client.session, client.base_url))
-            own_generate = vars(client).get("generate")
-            client.generate = plan.generate  # for this call only: TRL's server path calls self.vllm_client.generate
-        try:
-            result = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        finally:
-            if client is not None:
-                if own_generate is None:
-                    del client.generate
-                else:
-                    client.generate = own_generate
-        # every process learns whether the stand-in ran and which rows it cut (a collective: all processes get here)
-        box = [None if plan is None else (plan.called, plan.stopped if stop else None)]
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(box, from_process=0)
-        called, stopped = box[0]
-        if not called:
-            raise TRLSurfaceError("GRPOTrainer._generate_single_turn did not call VLLMClient.generate of its vLLM "
-                                  "server client (trl.generation.vllm_generation); GFPO's seeded, stopping generation "
-                                  "did not run")
-        if stopped is not None:
-            n_local = len(prompt_ids)
-            first = self.accelerator.process_index * n_local
-            self._gfpo_batch.stopped_rows = torch.tensor(stopped[first : first + n_local], dtype=torch.bool,
-                                                         device=self.accelerator.device)
-        return result
 
     # ------------------------------------------------------------------ filtering the generated batch
     def _generate_and_score_completions(self, inputs):

@@ -4,11 +4,11 @@ completion, and the streams of a group's completions closed once the filter is c
 TRL's server mode sends the unique prompts of the global batch in one `/v1/completions` request with
 `n=num_generations` from the main process (`VLLMClient.generate`), waits for every completion, and broadcasts them
 to the other processes. For one generation call GFPO puts `ServerGroupGeneration.generate` in the place of that
-method on the main process's client: each completion becomes its own `/v1/completions` request (`n=1`, its own
-seed, the rest of TRL's sampling parameters unchanged), all of them in flight at once so the server batches them.
-With the rule on they are streamed (one token delta per server step), and the rule reads the running lengths from
-the streams. It returns what `VLLMClient.generate` returns (prompt_ids per prompt, then completion_ids, logprobs and
-logprob_token_ids per completion, prompt-major), so TRL's code after it is unchanged.
+method on the main process's client (generation_paths.ServerPath): each completion becomes its own `/v1/completions`
+request (`n=1`, its own seed, the rest of TRL's sampling parameters unchanged), all of them in flight at once so the
+server batches them. With the rule on they are streamed (one token delta per server step), and the rule reads the
+running lengths from the streams. It returns what `VLLMClient.generate` returns (prompt_ids per prompt, then
+completion_ids, logprobs and logprob_token_ids per completion, prompt-major), so TRL's code after it is unchanged.
 
 The rule (the same as on HF generate and in colocate mode): the length filter keeps the k completions of a group
 with the fewest tokens, ties to the lower index. Once k completions of a group have finished, let L be the k-th

@@ -1,13 +1,13 @@
 """Generation on vLLM (colocate mode) with the length filter: one seeded request per completion, and the running
 requests of a group aborted once the filter is certain to drop them.
 
-TRL's colocate path sends one `n=1` request per completion through `LLM.generate` and waits for all of them. For
-one generation call GFPO puts `VLLMGroupGeneration.generate` in the place of that method (the trainer's
-`_generate_single_turn`). With the early-stop rule off it hands the call back to `LLM.generate`, with one copy of
-TRL's sampling parameters per request carrying the completion's own seed (or TRL's parameters unchanged without
-seeds): vLLM's own loop, nothing of GFPO's per engine step. With the rule on it drives the engine itself, as
-`LLM.generate` does (`LLMEngine.add_request`, `step`, with `RequestOutputKind.FINAL_ONLY`: an engine step returns the
-requests that finished, no output per running request), reads the running lengths of the groups the rule watches
+TRL's colocate path sends one `n=1` request per completion through `LLM.generate` and waits for all of them. For one
+generation call GFPO puts `VLLMGroupGeneration.generate` in the place of that method
+(generation_paths.ColocatePath). With the early-stop rule off it hands the call back to `LLM.generate`, with one
+copy of TRL's sampling parameters per request carrying the completion's own seed (or TRL's parameters unchanged
+without seeds): vLLM's own loop, nothing of GFPO's per engine step. With the rule on it drives the engine itself, as
+`LLM.generate` does (`LLMEngine.add_request`, `step`, with `RequestOutputKind.FINAL_ONLY`: an engine step returns
+the requests that finished, no output per running request), reads the running lengths of the groups the rule watches
 from the engine's per-request state (`LLMEngine.output_processor.request_states`), and aborts the requests it cuts
 (`LLMEngine.abort_request`) after taking their tokens and log-probabilities from that state, as vLLM's own final
 output of an aborted request. It returns what `LLM.generate` returns, one `RequestOutput` per prompt in order, so

@@ -13,7 +13,7 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from trl.generation.vllm_client import VLLMClient
 
-import gfpo_trainer.trainer as trainer_module
+import gfpo_trainer.generation_paths as generation_paths
 from gfpo_test_utils import end_worker_process
 from gfpo_trainer import GFPOConfig, GFPOTrainer
 from gfpo_trainer.tiny import make_tokenizer
@@ -26,7 +26,7 @@ def length_reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
 
 
-class RecordingGeneration(trainer_module.ServerGroupGeneration):
+class RecordingGeneration(generation_paths.ServerGroupGeneration):
     """The main process's stand-in for VLLMClient.generate, kept for its `stopped` (every row of the batch)."""
 
     made = []
@@ -39,7 +39,7 @@ class RecordingGeneration(trainer_module.ServerGroupGeneration):
 def main(out_dir, model_dir, url):
     VLLMClient.init_communicator = lambda self, device=0: None
     VLLMClient.update_named_params = lambda self, metadata, named_params: None
-    trainer_module.ServerGroupGeneration = RecordingGeneration
+    generation_paths.ServerGroupGeneration = RecordingGeneration
     args = GFPOConfig(
         output_dir=out_dir, per_device_train_batch_size=24, num_generations=G, num_remains_in_group=K,
         group_filter="length", max_completion_length=24, report_to="none", use_cpu=True, bf16=False,

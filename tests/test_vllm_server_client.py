@@ -526,13 +526,16 @@ def _free_port() -> int:
 
 
 def _server_mode_trainer(server, session, **args):
-    """A GFPOTrainer in server mode as far as _generate_single_turn_server and _probe_server_streaming read it, with
-    TRL's client (base_url, model, its requests session) and GFPOConfig's fields."""
+    """A GFPOTrainer in server mode as far as its generation (_generate_single_turn on the server path) and the
+    streaming probe of its construction read it, with TRL's client (base_url, model, its requests session) and
+    GFPOConfig's fields."""
     import dataclasses
+    from collections import defaultdict
 
     import torch
 
     from gfpo_trainer import GFPOConfig, GFPOTrainer
+    from gfpo_trainer.batch import GenerationBatch
 
     client_fields = {f.name: f.default for f in dataclasses.fields(GFPOConfig) if f.name.startswith("gfpo_vllm_server")}
     assert set(client_fields) >= set(args)
@@ -543,17 +546,21 @@ def _server_mode_trainer(server, session, **args):
     trainer.accelerator = SimpleNamespace(is_main_process=True, num_processes=1, process_index=0,
                                           device=torch.device("cpu"))
     trainer.tools, trainer.use_vllm, trainer.use_transformers_continuous_batching = None, True, False
+    trainer.vllm_mode, trainer.model = "server", SimpleNamespace(training=True)
     trainer.num_generations, trainer._server_stop_unavailable, trainer._gfpo_warned = G, None, set()
-    trainer._gfpo_batch = SimpleNamespace(stopped_rows=None)
+    trainer._gfpo_batch = GenerationBatch(filtering=True, skip_zero=False)
+    trainer._metrics = {"train": defaultdict(list)}
     trainer.vllm_generation = SimpleNamespace(vllm_client=SimpleNamespace(base_url=server.url, model="fake",
                                                                           session=session))
     return trainer
 
 
 def test_trainer_passes_its_limits_and_trls_session(server, monkeypatch):
-    """_generate_single_turn_server builds its requests from GFPOConfig's gfpo_vllm_server_* fields and TRL's client
+    """The trainer's server path builds its requests from GFPOConfig's gfpo_vllm_server_* fields and TRL's client
     session: the bound reaches the server, and so does a header set on TRL's session."""
     from trl import GRPOTrainer
+
+    import gfpo_trainer.trainer
 
     def trl_server_path(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         client = self.vllm_generation.vllm_client
@@ -561,12 +568,13 @@ def test_trainer_passes_its_limits_and_trls_session(server, monkeypatch):
         return output["completion_ids"]
 
     monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", trl_server_path)
+    monkeypatch.setattr(gfpo_trainer.trainer, "generation_seed", lambda colocated, process_index: 3)
     session = requests.Session()
     session.headers["X-Cluster-Token"] = "abc"
     trainer = _server_mode_trainer(server, session, gfpo_vllm_server_max_in_flight=3)
     server.gather_until_open = 3
     prompt_ids = [prompt for prompt in PROMPTS for _ in range(G)]
-    completions = trainer._generate_single_turn_server(3, prompt_ids, None, None, G, False)
+    completions = trainer._generate_single_turn(prompt_ids, None, None, G, False)
     assert completions == [fake_completion(_seed(row), MAX_TOKENS)[0][: len(completions[row])]
                            for row in range(len(prompt_ids))]
     assert server.peak_open == 3 and len(server.received) == len(prompt_ids)
@@ -574,16 +582,24 @@ def test_trainer_passes_its_limits_and_trls_session(server, monkeypatch):
     assert trainer._gfpo_batch.stopped_rows.any()
 
 
+def _stop_unavailable(trainer):
+    """What GFPOTrainer.__init__ asks of the server path."""
+    from gfpo_trainer.generation_paths import ServerPath
+
+    return ServerPath.stop_unavailable(trainer.vllm_generation, trainer.accelerator, trainer.args,
+                                       trainer._early_stop_configured())
+
+
 def test_trainer_checks_its_limits_when_built(server):
-    """A bad gfpo_vllm_server_* value fails when the trainer is built (in _probe_server_streaming), naming it; a good
-    one lets the probe run with TRL's session."""
+    """A bad gfpo_vllm_server_* value fails when the trainer is built (in ServerPath.stop_unavailable), naming it; a
+    good one lets the probe run with TRL's session."""
     session = requests.Session()
     trainer = _server_mode_trainer(server, session, gfpo_vllm_server_read_timeout=-5)
     with pytest.raises(ValueError,
                        match="gfpo_vllm_server_read_timeout must be a finite number of seconds > 0, got -5"):
-        trainer._probe_server_streaming()
+        _stop_unavailable(trainer)
     session.headers["X-Cluster-Token"] = "abc"
-    assert _server_mode_trainer(server, session)._probe_server_streaming() is None
+    assert _stop_unavailable(_server_mode_trainer(server, session)) is None
     assert server.received[-1].headers["X-Cluster-Token"] == "abc"
 
 
