@@ -294,14 +294,16 @@ def main(argv=None) -> int:
                        help="every stage at toy sizes, in seconds; the figures mean nothing (for tests)")
     demo.add_argument("--seeds", type=int, default=None, metavar="N",
                       help="the study: every arm of --arms on seeds 0..N-1 (N >= 2), with 95%% intervals over seeds")
-    demo.add_argument("--arms", default=None, help="comma-separated arms (default: grpo, shortest-8of16; with --seeds every "
-                      "arm); `--arms list` prints them")
+    demo.add_argument("--arms", default=None,
+                      help="comma-separated arms (default: grpo, shortest-8of16; with --seeds every arm); "
+                      "`--arms list` prints them")
     demo.add_argument("--output-dir", default=None,
                       help="where the plot, results and models go (default gfpo_demo_output, gfpo_study_output)")
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
     demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
     train = commands.add_parser("train", help="train with GFPO from a YAML config")
-    train.add_argument("--config", required=True, help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
+    train.add_argument("--config", required=True,
+                       help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
                        "and optionally dataset_split (default train)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
                         "extension, backends, and whether the installed TRL and vLLM are supported")

@@ -13,6 +13,9 @@ from gfpo_kernels.loss_types import loss_spec
 from .filters import GROUP_FILTER_SPECS, group_filter_spec
 
 SCALE_REWARDS = ("group", "batch", "none")
+# GFPOConfig's on/off fields: each must be a bool
+GFPO_SWITCHES = ("use_gfpo_kernels", "adaptive_difficulty", "skip_zero_gradient_rows", "gfpo_stop_dropped_generations",
+                 "gfpo_vllm_request_seeds", "loss_includes_rejected")
 
 
 @dataclass
@@ -145,13 +148,14 @@ class GFPOConfig(GRPOConfig):
         k = self.num_remains_in_group
         if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 2 <= k < G):
             raise ValueError(
-                f"num_remains_in_group must be an int with 2 <= k < num_generations={G} (with k = 1 every advantage is 0), "
+                f"num_remains_in_group must be an int with 2 <= k < num_generations={G} (with k = 1 every advantage is "
+                "0), "
                 f"got num_remains_in_group={k!r}"
             )
         filter_spec = group_filter_spec(self.group_filter)  # ValueError naming the choices
-        if not isinstance(self.loss_includes_rejected, bool):
-            raise ValueError(f"loss_includes_rejected must be one of (True, False), got "
-                             f"loss_includes_rejected={self.loss_includes_rejected!r}")
+        for name in GFPO_SWITCHES:  # a string such as "false" would read as true
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be one of (True, False), got {name}={getattr(self, name)!r}")
         if self.adaptive_difficulty:
             if k is None:
                 raise ValueError("adaptive_difficulty=True needs num_remains_in_group (it turns filtering on)")
@@ -213,5 +217,6 @@ class GFPOConfig(GRPOConfig):
         if k is not None and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "GFPO normalises the summed reward over the kept completions; multi_objective_aggregation="
-                f"{self.multi_objective_aggregation!r} is not supported with num_remains_in_group (use 'sum_then_normalize')"
+                f"{self.multi_objective_aggregation!r} is not supported with num_remains_in_group (use "
+                "'sum_then_normalize')"
             )

@@ -213,7 +213,8 @@ def run_arm(arm: Arm, start_dir: str, tokenizer, task: SumsTask, train, held_out
 def run_seed(settings: DemoSettings, seed: int, arms, output_dir: str, use_kernels: bool = True,
              verbose: bool = False) -> dict:
     """Warm-up with `seed`, then every arm from its weights. Writes `output_dir/warmup_model` and
-    `output_dir/<arm>`; returns {"warm-up": figures, "arms": {name: run_arm's result}, "load": ...}."""
+    `output_dir/<arm>`; returns {"seed", "warm-up": figures, "warmup_time", "arms": {name: run_arm's result, with
+    the 1-minute load average when the arm started}}."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     task = settings.task
     tokenizer = make_tokenizer()
@@ -385,12 +386,14 @@ def demo_verdict(result: dict) -> str:
         final = run["final"]
         elr = excess_length_reduction(grpo["mean_length"], final["mean_length"], warm["mean_length"])
         change = final["mean_length"] / warm["mean_length"] - 1
-        words.append(f"{name} {'+' if change >= 0 else '-'}{abs(change):.0%} at accuracy {final['accuracy']:.2f}"
+        versus = final["accuracy"] - grpo["accuracy"]
+        words.append(f"{name} {'+' if change >= 0 else '-'}{abs(change):.0%} at accuracy {final['accuracy']:.2f}, "
+                     f"{abs(versus):.2f} {'above' if versus > 0 else 'below'} GRPO's"
                      + ("" if elr is None else f" ({elr:.0%} of GRPO's extra length avoided)"))
     return "; ".join(words) + "."
 
 
-def _plot_demo(result: dict, settings: DemoSettings, path: str) -> None:
+def _plot_demo(result: dict, path: str) -> None:
     """Held-out answer length and accuracy over training, per arm (the warm-up model at step 0)."""
     import matplotlib
 
@@ -432,7 +435,8 @@ def _plot_study(seed_results: list[dict], summary: dict, path: str) -> None:
         length, accuracy = f["mean_length"], f["accuracy"]
         bar = ax_final.errorbar(length["mean"], accuracy["mean"], fmt="o", label=name, capsize=3,
                                 xerr=[[length["mean"] - length["ci95"][0]], [length["ci95"][1] - length["mean"]]],
-                                yerr=[[accuracy["mean"] - accuracy["ci95"][0]], [accuracy["ci95"][1] - accuracy["mean"]]])
+                                yerr=[[accuracy["mean"] - accuracy["ci95"][0]],
+                                      [accuracy["ci95"][1] - accuracy["mean"]]])
         curves = [r["arms"][name]["curve"] for r in seed_results]
         steps = [0] + [c[0] for c in curves[0]]
         warm_length = _mean([r["warm-up"]["mean_length"] for r in seed_results])
@@ -489,9 +493,10 @@ def run_environment(device: torch.device) -> dict:
             "versions": {name: _version(name) for name in _PACKAGES}, "machine": machine}
 
 
-def _announce_overwrite(output_dir: str) -> None:
-    """Says, before anything is written, that an earlier run's results in `output_dir` will be replaced."""
-    previous = os.path.join(output_dir, "results.json")
+def _announce_overwrite(output_dir: str, results_file: str) -> None:
+    """Says, before anything is written, that an earlier run's results in `output_dir` (its `results_file`,
+    results.json or study.json) will be replaced."""
+    previous = os.path.join(output_dir, results_file)
     if not os.path.exists(previous):
         return
     try:
@@ -500,7 +505,8 @@ def _announce_overwrite(output_dir: str) -> None:
         what = f"of {environment.get('date', 'an unknown date')}, commit {environment.get('commit')}"
     except (OSError, ValueError):
         what = "that could not be read"
-    print(f"gfpo demo: replacing the earlier run in {output_dir}/ (its results.json {what}); --output-dir keeps both")
+    print(f"gfpo demo: replacing the earlier run in {output_dir}/ (its {results_file} {what}); --output-dir keeps "
+          "both")
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -512,16 +518,20 @@ def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_k
              verbose: bool = False, seed: int = 0, arms=DEMO_ARMS) -> dict:
     """One seed: warm-up, then `arms` from its weights; prints the table and a verdict, writes demo.png,
     results.json, the warm-up model (`warmup_model/`) and each arm's final model (`<arm>/`)."""
-    _announce_overwrite(output_dir)
+    _announce_overwrite(output_dir, "results.json")
     os.makedirs(output_dir, exist_ok=True)
     if not verbose:  # transformers' deprecation notices about TRL's calls would bury the progress bars
         warnings.filterwarnings("ignore", category=FutureWarning)
     environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    start = time.perf_counter()
     result = run_seed(settings, seed, arms, output_dir, use_kernels, verbose)
+    environment["wall_time_seconds"] = round(time.perf_counter() - start, 1)  # warm-up, arms, evaluations
+    if hasattr(os, "getloadavg"):
+        environment["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     table, verdict = demo_table(result), demo_verdict(result) if "grpo" in arms else ""
     print("\n" + table + "\n\n" + verdict)
     plot_path = os.path.join(output_dir, "demo.png")
-    _plot_demo(result, settings, plot_path)
+    _plot_demo(result, plot_path)
     _write_json(os.path.join(output_dir, "results.json"),
                 {"environment": environment, "settings": dataclasses.asdict(settings), "result": result})
     versions = environment["versions"]
@@ -541,8 +551,8 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
         raise ValueError(f"the study needs at least 2 seeds for its intervals, got seeds={seeds}")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
-        raise ValueError(f"unknown arms {unknown}; choices: {list(ARMS)}")
-    _announce_overwrite(output_dir)
+        raise ValueError(f"arms={tuple(arms)!r}: unknown arms {unknown}; choices: {list(ARMS)}")
+    _announce_overwrite(output_dir, "study.json")
     os.makedirs(output_dir, exist_ok=True)
     if not verbose:
         warnings.filterwarnings("ignore", category=FutureWarning)

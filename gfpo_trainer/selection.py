@@ -24,6 +24,14 @@ from .filters import FilterInputs, group_filter_spec
 logger = logging.getLogger(__name__)
 
 
+def summed_rewards(trainer, rewards_per_func: torch.Tensor) -> torch.Tensor:
+    """TRL's summed reward of each row, (N,) from (N, reward functions): the weighted sum over the functions that
+    scored the row, NaN where none did."""
+    rewards = (rewards_per_func * trainer.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
 def select(trainer, batch: GenerationBatch, rewards_per_func, completions, completion_ids_list) -> Selection:
     """Kept mask and advantages of the global batch (every process computes the same), from this process's rows
     and what `batch` knows of them: their tool masks (the length filters count the model's tokens only) and the rows
@@ -31,10 +39,9 @@ def select(trainer, batch: GenerationBatch, rewards_per_func, completions, compl
     G = trainer.num_generations
     args = trainer.args
     device = rewards_per_func.device
-    # TRL's summed reward; a row whose every reward function returned None is unscorable (NaN): it ranks last
-    # under the reward-based filters and gets advantage 0
-    rewards = (rewards_per_func * trainer.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    # an unscorable row (every reward function returned None) ranks last under the reward-based filters and gets
+    # advantage 0
+    rewards = summed_rewards(trainer, rewards_per_func)
     # An infinite reward would make its group's statistics non-finite; TRL's advantages for such a group end up 0
     # (nan_to_num). Here the row is unscorable like a NaN one, and its whole group gets advantage 0 below.
     infinite = torch.isinf(rewards)
@@ -197,9 +204,7 @@ def log_trl_metrics_of_kept_rows(trainer, selection: Selection, counts_before: d
     for i, name in enumerate(trainer.reward_func_names):
         values[f"rewards/{name}/mean"] = torch.nanmean(per_func[keep, i])
         values[f"rewards/{name}/std"] = nanstd(per_func[keep, i])
-    # TRL's summed reward (an unscorable row, every function None, is NaN; infinite rewards stay as they are)
-    rewards = (per_func * trainer.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(per_func).all(dim=1)] = torch.nan
+    rewards = summed_rewards(trainer, per_func)  # infinite rewards stay as they are here, as in TRL's metric
     kept_rewards = torch.where(keep, rewards, torch.nan)
     values["reward"], values["reward_std"] = torch.nanmean(kept_rewards), nanstd(kept_rewards)
     # frac_reward_zero_std: the share of rows whose advantage was scaled by a zero std (the group's, or the batch's

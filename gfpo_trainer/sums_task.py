@@ -5,8 +5,8 @@ A toy analog of the paper's setting (a verbose SFT model that RL makes longer): 
 each prompt in one of two forms, chosen at random whatever the prompt:
 - at once: " 17";
 - step by step, a running sum per term, with filler words between the steps: " 3+5=8, hmm 8+9=17, so 17".
-A small model adds two numbers well and several at once badly, so the steps genuinely raise accuracy on prompts with
-more terms; the filler never changes the answer. RL that rewards correct answers then moves towards the steps and
+A small model is more accurate writing the steps than answering at once, with any number of terms (docs/demo.md has
+the figures); the filler never changes the answer. RL that rewards correct answers then moves towards the steps and
 lengthens the answers (with the filler they carry along), as RL lengthens a verbose SFT model's reasoning.
 """
 
@@ -18,6 +18,8 @@ import re
 
 import torch
 from tqdm.auto import tqdm
+
+from .tiny import supervised_warm_up
 
 _NUMBER = re.compile(r"\d+")
 
@@ -104,31 +106,14 @@ def signed_correctness_reward(prompts, completions, **kwargs) -> list[float]:
 
 def warm_up(model, tokenizer, task: SumsTask, train_prompts, steps: int, batch_size: int, seed: int, device,
             learning_rate: float = 3e-3, desc: str = "warm-up (supervised)") -> list[float]:
-    """Supervised warm-up on prompt -> warm-up answer + <eos> (loss on the answer only). Returns the losses."""
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    model.train()
-    losses = []
-    for _ in tqdm(range(steps), desc=desc):
-        ids, labels = [], []
-        for _ in range(batch_size):
-            terms = task.draw(train_prompts, rng)
-            p = tokenizer(task.prompt(terms), add_special_tokens=False).input_ids
-            c = tokenizer(task.warmup_completion(terms, rng), add_special_tokens=False).input_ids
-            c = c + [tokenizer.eos_token_id]
-            ids.append(p + c)
-            labels.append([-100] * len(p) + c)
-        width = max(map(len, ids))
-        input_ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x in ids], device=device)
-        label_ids = torch.tensor([x + [-100] * (width - len(x)) for x in labels], device=device)
-        lengths = torch.tensor([len(x) for x in ids], device=device)
-        attention = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=label_ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    """Supervised warm-up on the task's warm-up answers (gfpo_trainer.tiny.supervised_warm_up). Returns the losses."""
+
+    def draw_example(rng):
+        terms = task.draw(train_prompts, rng)
+        return task.prompt(terms), task.warmup_completion(terms, rng)
+
+    return supervised_warm_up(model, tokenizer, draw_example, steps, device, batch_size=batch_size, seed=seed,
+                              learning_rate=learning_rate, desc=desc)
 
 
 def answer_form(completion: str) -> tuple[bool, int]:
@@ -146,8 +131,32 @@ def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, dev
     Returns accuracy, mean length (tokens, <eos> included), the share of answers written step by step and the filler
     words per answer, overall and per number of terms ("by_terms")."""
     model.eval()
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    device = torch.device(device)
+    # sampled from `seed` on this device's generator, and every generator left as it was: evaluating during training
+    # changes none of the training's draws
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.random.default_generator.manual_seed(seed)
+        for cuda_device in devices:
+            torch.cuda.default_generators[cuda_device.index or 0].manual_seed(seed)
+        rows = _sample_answers(model, tokenizer, task, prompts, max_new_tokens, device, samples, temperature, desc)
+
+    def summary(selected):
+        n = max(len(selected), 1)
+        stepwise = [r for r in selected if r[3]]
+        at_once = [r for r in selected if not r[3]]
+        return {"accuracy": sum(r[1] for r in selected) / n, "mean_length": sum(r[2] for r in selected) / n,
+                "stepwise_fraction": len(stepwise) / n, "filler_per_answer": sum(r[4] for r in selected) / n,
+                "accuracy_stepwise": sum(r[1] for r in stepwise) / len(stepwise) if stepwise else None,
+                "accuracy_at_once": sum(r[1] for r in at_once) / len(at_once) if at_once else None}
+
+    result = summary(rows)
+    result["by_terms"] = {str(n): summary([r for r in rows if r[0] == n]) for n in sorted({r[0] for r in rows})}
+    return result
+
+
+def _sample_answers(model, tokenizer, task: SumsTask, prompts, max_new_tokens, device, samples, temperature, desc):
+    """(number of terms, correct, length, stepwise, filler words) of `samples` sampled answers per prompt."""
     rows = []  # (terms count, correct, length, stepwise, filler)
     texts = [task.prompt(p) for p in prompts for _ in range(samples)]
     for start in tqdm(range(0, len(texts), 64), desc=desc, leave=False):
@@ -163,17 +172,4 @@ def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, dev
             text = tokenizer.decode(ids, skip_special_tokens=True)
             stepwise, filler = answer_form(text)
             rows.append((prompt.count("+") + 1, correctness_reward([prompt], [text])[0], len(ids), stepwise, filler))
-    torch.random.set_rng_state(generator_state)
-
-    def summary(selected):
-        n = max(len(selected), 1)
-        stepwise = [r for r in selected if r[3]]
-        at_once = [r for r in selected if not r[3]]
-        return {"accuracy": sum(r[1] for r in selected) / n, "mean_length": sum(r[2] for r in selected) / n,
-                "stepwise_fraction": len(stepwise) / n, "filler_per_answer": sum(r[4] for r in selected) / n,
-                "accuracy_stepwise": sum(r[1] for r in stepwise) / len(stepwise) if stepwise else None,
-                "accuracy_at_once": sum(r[1] for r in at_once) / len(at_once) if at_once else None}
-
-    result = summary(rows)
-    result["by_terms"] = {str(n): summary([r for r in rows if r[0] == n]) for n in sorted({r[0] for r in rows})}
-    return result
+    return rows

@@ -65,24 +65,37 @@ def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed:
     return model
 
 
-def warm_up_on_pair_sums(model, tokenizer, pairs, steps: int, device, batch_size: int = 64, seed: int = 0) -> None:
-    """Supervised warm-up of `model` on "a+b=" prompts over `pairs`, answered " 17" or with 1-3 filler words
-    (" ok ok so 17"), half each: a model whose completions end at varied lengths, for tests and benchmarks of the
-    length filter and its early stop (the demo's task is gfpo_trainer/sums_task.py)."""
+def supervised_warm_up(model, tokenizer, draw_example, steps: int, device, batch_size: int = 64, seed: int = 0,
+                       learning_rate: float = 3e-3, desc: str | None = None) -> list[float]:
+    """Supervised training of `model` on prompt -> completion + <eos>, the loss on the completion only.
+
+    Args:
+        draw_example: `draw_example(rng) -> (prompt, completion)`, with `rng` a `random.Random` seeded with `seed`.
+        steps, batch_size: optimizer steps (AdamW at `learning_rate`) and examples per step.
+        desc: a progress bar's label; None shows none.
+
+    Returns:
+        The loss of every step."""
     import random
 
     import torch
 
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     model.train()
-    for _ in range(steps):
+    if desc is None:
+        step_range = range(steps)
+    else:
+        from tqdm.auto import tqdm
+
+        step_range = tqdm(range(steps), desc=desc)
+    losses = []
+    for _ in step_range:
         ids, labels = [], []
         for _ in range(batch_size):
-            a, b = rng.choice(pairs)
-            filler = "" if rng.random() < 0.5 else " ok" * rng.randint(1, 3) + " so"
-            p = tokenizer(f"{a}+{b}=", add_special_tokens=False).input_ids
-            c = tokenizer(f"{filler} {a + b}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            prompt, completion = draw_example(rng)
+            p = tokenizer(prompt, add_special_tokens=False).input_ids
+            c = tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
             ids.append(p + c)
             labels.append([-100] * len(p) + c)
         width = max(map(len, ids))
@@ -94,3 +107,18 @@ def warm_up_on_pair_sums(model, tokenizer, pairs, steps: int, device, batch_size
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def warm_up_on_pair_sums(model, tokenizer, pairs, steps: int, device, batch_size: int = 64, seed: int = 0) -> None:
+    """Supervised warm-up of `model` on "a+b=" prompts over `pairs`, answered " 17" or with 1-3 filler words
+    (" ok ok so 17"), half each: a model whose completions end at varied lengths, for tests and benchmarks of the
+    length filter and its early stop (the demo's task is gfpo_trainer/sums_task.py)."""
+
+    def draw_example(rng):
+        a, b = rng.choice(pairs)
+        filler = "" if rng.random() < 0.5 else " ok" * rng.randint(1, 3) + " so"
+        return f"{a}+{b}=", f"{filler} {a + b}"
+
+    supervised_warm_up(model, tokenizer, draw_example, steps, device, batch_size=batch_size, seed=seed)

@@ -62,7 +62,6 @@ from .vllm_server import ServerLimits
 logger = logging.getLogger(__name__)
 
 
-
 def _is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
@@ -193,7 +192,8 @@ class GFPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     # ------------------------------------------------------------------ deferred log-prob passes
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
         extra = {k: v for k, v in kwargs.items() if v is not None and v is not False}
         if self._gfpo_batch is not None and self._gfpo_batch.deferring and not extra:
             # A no-grad scoring pass (old policy or reference model): run it later, on the kept rows only.
@@ -213,14 +213,14 @@ class GFPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         trl_generate = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields,
                                          num_generations, has_tool_images)
-        batch = self._gfpo_batch
-        first_turn = batch is None or batch.turns == 0
+        batch = self._gfpo_batch  # None outside _generate_and_score_completions: nothing to hand the stopped rows to
+        first_turn = batch is not None and batch.turns == 0
         if batch is not None:
             batch.turns += 1
         if not (first_turn and self._filtering() and self._filter_spec is not None
                 and self._filter_spec.own_generation):
             # Tool turns (TRL's tool loop calls again with the rows that called a tool, a different subset on each
-            # process) and the other filters: TRL's own generation
+            # process), the other filters, and a call from outside a generation batch: TRL's own generation
             return trl_generate()
         # Generation draws from its own random stream, seeded from the trainer's: stopping rows early then
         # changes neither the kept completions nor what later draws (TRL's shuffle, the next batch) see, so a
@@ -241,10 +241,10 @@ class GFPOTrainer(GRPOTrainer):
         return result
 
     def _generation_path(self, seed: int, n_local: int) -> GenerationPath | None:
-        """The generation path of a first turn with a filter that owns generation (None: TRL's own call, in the
-        trainer's own random stream): HF generate with the early-stop rule, or vLLM in colocate mode (always: its
-        requests are seeded from `seed`), or vLLM in server mode with seeds or the rule. `n_local`: this process's
-        rows."""
+        """The generation path of a first turn with a filter that owns generation, or None for TRL's own call (run
+        inside GFPO's own random stream all the same): HF generate with the early-stop rule; vLLM in colocate mode
+        (one request per completion, seeded from `seed` with gfpo_vllm_request_seeds; without the rule, vLLM's own
+        LLM.generate); vLLM in server mode with seeds or the rule. `n_local`: this process's rows."""
         args, group = self.args, dict(group_size=self.num_generations, k=self.args.num_remains_in_group)
         base_seed = seed if args.gfpo_vllm_request_seeds else None
         if not self.use_vllm:
@@ -331,7 +331,8 @@ class GFPOTrainer(GRPOTrainer):
         else:
             keep, advantages = selection.keep, selection.advantages
         if keep.numel() != n_local * P:
-            raise TRLSurfaceError(f"the global batch holds {keep.numel()} rows, {P} processes x {n_local} were expected")
+            raise TRLSurfaceError(f"the global batch holds {keep.numel()} rows, {P} processes x {n_local} were "
+                                  "expected")
 
         plan = plan_trained_rows(keep, advantages, batch.skip_zero, P, self.accelerator.process_index,
                                  self.args.steps_per_generation,

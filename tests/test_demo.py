@@ -115,6 +115,20 @@ def test_evaluate_counts_accuracy_length_and_form_per_number_of_terms():
     assert result["by_terms"]["3"]["accuracy"] == 0.5 and result["by_terms"]["3"]["mean_length"] == (lengths[2] + 24) / 2
 
 
+def test_evaluate_is_seeded_and_leaves_the_random_state_alone():
+    """Held-out evaluation during training draws from its own seed and leaves the training's random state as it was."""
+    from gfpo_trainer.tiny import make_tiny_model
+
+    tokenizer = make_tokenizer()
+    model = make_tiny_model(tokenizer, hidden_size=32)
+    prompts = [(1, 2), (3, 4, 5)]
+    state = torch.get_rng_state()
+    first = evaluate(model, tokenizer, SumsTask(), prompts, 6, "cpu", samples=3, seed=5)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.rand(10)  # the training's draws in between change nothing
+    assert evaluate(model, tokenizer, SumsTask(), prompts, 6, "cpu", samples=3, seed=5) == first
+
+
 def test_excess_length_reduction_is_the_papers_eq_4():
     # the paper's average row (Table 1): GRPO 13000, SFT 9500, Shortest 8/16 12000 -> 28.6%
     assert demo.excess_length_reduction(13000, 12000, 9500) == pytest.approx(1000 / 3500)
@@ -165,20 +179,22 @@ def test_demo_verdict_in_words():
                           {"grpo": 1.0, "shortest-8of16": 1.0}, {"grpo": 1.0, "shortest-8of16": 1.0})
     assert demo.demo_verdict(result) == (
         "GRPO took held-out accuracy from 0.50 to 0.90 and answers longer by 50%; shortest-8of16 +20% at accuracy "
-        "0.88 (60% of GRPO's extra length avoided).")
+        "0.88, 0.02 below GRPO's (60% of GRPO's extra length avoided).")
 
 
-def test_announces_that_it_replaces_an_earlier_run(tmp_path, capsys):
-    demo._announce_overwrite(str(tmp_path))
+@pytest.mark.parametrize("results_file", ["results.json", "study.json"])
+def test_announces_that_it_replaces_an_earlier_run(tmp_path, capsys, results_file):
+    demo._announce_overwrite(str(tmp_path), results_file)
     assert capsys.readouterr().out == ""
-    (tmp_path / "results.json").write_text(json.dumps({"environment": {"date": "2026-11-27", "commit": "abc"}}))
-    demo._announce_overwrite(str(tmp_path))
-    assert capsys.readouterr().out == (f"gfpo demo: replacing the earlier run in {tmp_path}/ (its results.json of "
+    (tmp_path / results_file).write_text(json.dumps({"environment": {"date": "2026-11-27", "commit": "abc"}}))
+    demo._announce_overwrite(str(tmp_path), results_file)
+    assert capsys.readouterr().out == (f"gfpo demo: replacing the earlier run in {tmp_path}/ (its {results_file} of "
                                        "2026-11-27, commit abc); --output-dir keeps both\n")
 
 
 def test_demo_smoke(tmp_path):
-    """Every stage of `python -m gfpo_trainer demo` at toy sizes: warm-up, three arms, table, verdict, plot, models."""
+    """Every stage of `python -m gfpo_trainer demo` at toy sizes: warm-up, the demo's arms, table, verdict, plot,
+    models."""
     import platform
 
     import trl
@@ -201,13 +217,15 @@ def test_demo_smoke(tmp_path):
     if (REPO / ".git").exists():  # a checkout (a worktree's .git is a file); a copied tree records None
         assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", environment["commit"])
     assert environment["machine"]["cpu_cores"] >= 1 and environment["python"] == platform.python_version()
+    assert environment["wall_time_seconds"] > 0
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for model in ("warmup_model", *demo.DEMO_ARMS):  # what docs/demo.md says is written
         assert (out / model / "model.safetensors").exists() and (out / model / "tokenizer_config.json").exists()
 
 
 def test_study_smoke(tmp_path):
-    """The study at toy sizes: two seeds, two arms; its summary, table and plot are written."""
+    """The study at toy sizes: two seeds, two arms; its summary, table and plot are written; bad seeds or arms are
+    refused before anything runs."""
     result = demo.run_study(demo.DemoSettings.smoke(), [0, 1], output_dir=str(tmp_path),
                             arms=("grpo", "shortest-8of16"))
     study = json.loads((tmp_path / "study.json").read_text())
@@ -217,6 +235,8 @@ def test_study_smoke(tmp_path):
     assert (tmp_path / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match=r"at least 2 seeds for its intervals, got seeds=\[0\]"):
         demo.run_study(demo.DemoSettings.smoke(), [0], output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"arms=\('grpo', 'nope'\): unknown arms \['nope'\]; choices: "):
+        demo.run_study(demo.DemoSettings.smoke(), [0, 1], output_dir=str(tmp_path), arms=("grpo", "nope"))
 
 
 @pytest.mark.parametrize("argv, message", [

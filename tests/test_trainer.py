@@ -14,6 +14,7 @@ import gfpo_kernels  # noqa: E402
 from gfpo_kernels import reference as ref  # noqa: E402
 from gfpo_trainer import GROUP_FILTERS, GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError, check_output, check_trl_surfaces  # noqa: E402
+from gfpo_trainer.config import GFPO_SWITCHES  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 from gfpo_test_utils import kept_rows  # noqa: E402
@@ -129,6 +130,8 @@ def real_rows(output):
         (dict(loss_includes_rejected="yes"),
          re.escape("loss_includes_rejected must be one of (True, False), got loss_includes_rejected='yes'")),
         (dict(loss_includes_rejected=1), r"got loss_includes_rejected=1$"),
+        *[(dict([(name, "false")]), re.escape(f"{name} must be one of (True, False), got {name}='false'"))
+          for name in GFPO_SWITCHES],
     ],
 )
 def test_config_rejects_bad_values(tmp_path, overrides, match):
