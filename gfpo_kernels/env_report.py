@@ -29,12 +29,18 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def package_versions() -> dict[str, str]:
+    """{package: version} of the packages gfpo's figures depend on (torch with its build tag; "not installed" where
+    absent), as the report prints them: the demo records the same beside its results."""
+    return {name: _version(name) for name in _PACKAGES}
+
+
 def environment_report() -> str:
     """A plain-text report of what gfpo_kernels runs on, one `name: value` per line."""
     extension = _dispatch.EXTENSION
     lines = [f"python: {sys.version.split()[0]} ({platform.platform()})", f"gfpo: {_version('gfpo')}",
              f"gfpo commit: {extension.build.get('COMMIT', 'unknown (no build record)')}"]
-    lines += [f"{name}: {_version(name)}" for name in _PACKAGES]
+    lines += [f"{name}: {version}" for name, version in package_versions().items()]
     lines.append(f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}")
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):

@@ -14,6 +14,7 @@ bootstrap interval over the seeds, the paired accuracy difference against GRPO, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -481,7 +482,7 @@ def run_environment(device: torch.device) -> dict:
     """What a demo run's figures depend on, recorded beside them in results.json: the package versions, the commit,
     the machine (CPU model, cores this process may use, the device trained on) and the load when the run started
     (wall times on a machine shared with other jobs are longer)."""
-    from gfpo_kernels.env_report import _PACKAGES, _version  # the versions the env report prints, read alike
+    from gfpo_kernels.env_report import package_versions  # the versions the env report prints, read alike
 
     machine = {"cpu": _cpu_model(), "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
@@ -490,7 +491,7 @@ def run_environment(device: torch.device) -> dict:
         machine["load_average_1min_at_start"] = round(os.getloadavg()[0], 2)
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": _git_commit(), "python": platform.python_version(),
-            "versions": {name: _version(name) for name in _PACKAGES}, "machine": machine}
+            "versions": package_versions(), "machine": machine}
 
 
 def _announce_overwrite(output_dir: str, results_file: str) -> None:
@@ -514,17 +515,26 @@ def _write_json(path: str, data: dict) -> None:
         json.dump(data, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
 
 
+@contextlib.contextmanager
+def _future_warnings_hidden(hidden: bool):
+    """FutureWarnings ignored inside the block where `hidden` (transformers' deprecation notices about TRL's calls
+    would bury the progress bars); the caller's warning filters are restored after it."""
+    with warnings.catch_warnings():
+        if hidden:
+            warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
 def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_kernels: bool = True,
              verbose: bool = False, seed: int = 0, arms=DEMO_ARMS) -> dict:
     """One seed: warm-up, then `arms` from its weights; prints the table and a verdict, writes demo.png,
     results.json, the warm-up model (`warmup_model/`) and each arm's final model (`<arm>/`)."""
     _announce_overwrite(output_dir, "results.json")
     os.makedirs(output_dir, exist_ok=True)
-    if not verbose:  # transformers' deprecation notices about TRL's calls would bury the progress bars
-        warnings.filterwarnings("ignore", category=FutureWarning)
     environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
-    result = run_seed(settings, seed, arms, output_dir, use_kernels, verbose)
+    with _future_warnings_hidden(not verbose):
+        result = run_seed(settings, seed, arms, output_dir, use_kernels, verbose)
     environment["wall_time_seconds"] = round(time.perf_counter() - start, 1)  # warm-up, arms, evaluations
     if hasattr(os, "getloadavg"):
         environment["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
@@ -554,14 +564,13 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
         raise ValueError(f"arms={tuple(arms)!r}: unknown arms {unknown}; choices: {list(ARMS)}")
     _announce_overwrite(output_dir, "study.json")
     os.makedirs(output_dir, exist_ok=True)
-    if not verbose:
-        warnings.filterwarnings("ignore", category=FutureWarning)
     environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
     seed_results = []
     for seed in tqdm(seeds, desc="study: seeds", unit="seed"):
-        seed_results.append(run_seed(settings, seed, arms, os.path.join(output_dir, f"seed-{seed}"), use_kernels,
-                                     verbose))
+        with _future_warnings_hidden(not verbose):
+            seed_results.append(run_seed(settings, seed, arms, os.path.join(output_dir, f"seed-{seed}"),
+                                         use_kernels, verbose))
         _write_json(os.path.join(output_dir, "study.json"),  # after every seed: an interrupted study keeps its runs
                     {"environment": environment, "settings": dataclasses.asdict(settings), "seeds": seeds,
                      "arms": list(arms), "seed_results": seed_results})

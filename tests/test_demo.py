@@ -192,6 +192,24 @@ def test_announces_that_it_replaces_an_earlier_run(tmp_path, capsys, results_fil
                                        "2026-11-27, commit abc); --output-dir keeps both\n")
 
 
+def test_future_warnings_hidden_only_inside_the_run():
+    """The demo hides transformers' FutureWarnings while it trains (unless --verbose) and gives the caller its
+    warning filters back: a notebook that runs it still sees its own."""
+    import warnings
+
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with demo._future_warnings_hidden(True):
+            warnings.warn("hidden", FutureWarning)
+            warnings.warn("shown", UserWarning)
+        with demo._future_warnings_hidden(False):
+            warnings.warn("verbose", FutureWarning)
+        warnings.warn("after", FutureWarning)
+    assert [str(w.message) for w in caught] == ["shown", "verbose", "after"]
+    assert warnings.filters == before
+
+
 def test_demo_smoke(tmp_path):
     """Every stage of `python -m gfpo_trainer demo` at toy sizes: warm-up, the demo's arms, table, verdict, plot,
     models."""

@@ -12,6 +12,7 @@ import torch
 
 from gfpo_kernels import _dispatch
 from gfpo_kernels.env_report import environment_report as kernels_report
+from gfpo_kernels.env_report import package_versions
 from gfpo_trainer.env_report import environment_report
 
 from gfpo_test_utils import subprocess_env
@@ -35,6 +36,9 @@ def test_report_names_versions_extension_and_backends():
         assert lines[f"backend {op} ops, cuda tensors"].startswith(_dispatch.select_backend(op, torch.device("cuda")))
     for name in ("python", "gfpo", "gfpo commit", "triton", "trl", "transformers", "accelerate", "torch CUDA"):
         assert lines[name]
+    versions = package_versions()  # what the demo records beside its results: the report's lines
+    assert versions["torch"] == torch.__version__ and set(versions) >= {"triton", "trl", "transformers"}
+    assert all(lines[name] == version for name, version in versions.items())
 
 
 def _run_without_trl(*module_and_args: str) -> subprocess.CompletedProcess:
