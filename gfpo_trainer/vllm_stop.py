@@ -56,6 +56,34 @@ class VLLMSurfaceError(RuntimeError):
 _ENGINE_METHODS = ("add_request", "step", "abort_request", "has_unfinished_requests")
 # RequestState.make_request_output's leading parameters (vLLM 0.22 to 0.31): the loop passes them by position
 _MAKE_OUTPUT_PARAMETERS = ["new_token_ids", "pooling_output", "finish_reason", "stop_reason"]
+# attributes read on instances of vLLM classes, checked on each class's constructor, which takes each of them under
+# its own name and keeps it (an instance only exists once a request runs): (module, class, attributes, who reads them)
+_OUTPUT_FIELDS = (
+    ("vllm.outputs", "RequestOutput", ("request_id", "outputs", "finished"), "GFPO's vLLM generation"),
+    ("vllm.outputs", "CompletionOutput", ("token_ids", "logprobs"), "GFPO's vLLM generation"),
+)
+_ENGINE_LOOP_FIELDS = (
+    ("vllm.v1.engine.output_processor", "RequestState", ("detokenizer",),
+     "GFPO's early stop (a running request's length, read from its detokenizer)"),
+)
+
+
+def _check_fields(surfaces, version: str) -> None:
+    """Raises VLLMSurfaceError naming the first class of `surfaces` (as _OUTPUT_FIELDS) that is gone or whose
+    constructor no longer takes one of the attributes read on its instances."""
+    import importlib
+
+    for module, name, attributes, reader in surfaces:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+            parameters = inspect.signature(cls.__init__).parameters
+        except (ImportError, AttributeError, TypeError, ValueError) as error:
+            raise VLLMSurfaceError(f"vllm {version}: {module}.{name} is gone or unreadable ({error}); {reader} reads "
+                                   "its instances") from None
+        for attribute in attributes:
+            if attribute not in parameters:
+                raise VLLMSurfaceError(f"vllm {version}: {name} no longer takes {attribute!r}, which {reader} reads "
+                                       f"on its instances ({module})")
 
 
 def vllm_enums():
@@ -69,8 +97,8 @@ def vllm_enums():
 
 def check_vllm_surfaces(llm, engine_loop: bool = True) -> None:
     """Raises VLLMSurfaceError naming the first vLLM surface GFPO's generation needs that this vLLM lacks:
-    `LLM.generate` and seeded copies of `SamplingParams` always, and with `engine_loop` (the early-stop rule can run)
-    the engine surfaces the loop drives."""
+    `LLM.generate`, seeded copies of `SamplingParams` and the outputs' fields always, and with `engine_loop` (the
+    early-stop rule can run) every engine surface the loop drives or reads."""
     import vllm
     from vllm import SamplingParams
 
@@ -86,6 +114,7 @@ def check_vllm_surfaces(llm, engine_loop: bool = True) -> None:
     for name in ("seed", "output_kind", "n", "detokenize", "stop"):
         if not hasattr(SamplingParams(), name):
             raise VLLMSurfaceError(f"vllm {vllm.__version__}: SamplingParams has no {name!r}")
+    _check_fields(_OUTPUT_FIELDS, vllm.__version__)
     if not engine_loop:
         return
     for name in _ENGINE_METHODS:
@@ -109,6 +138,7 @@ def check_vllm_surfaces(llm, engine_loop: bool = True) -> None:
     except ImportError as error:
         raise VLLMSurfaceError(f"vllm {vllm.__version__}: {error}; GFPO's early stop reads a running request's "
                                "RequestState") from None
+    _check_fields(_ENGINE_LOOP_FIELDS, vllm.__version__)
     if not callable(getattr(IncrementalDetokenizer, "num_output_tokens", None)):
         raise VLLMSurfaceError(f"vllm {vllm.__version__}: IncrementalDetokenizer.num_output_tokens no longer exists "
                                "(GFPO's early stop reads a running request's length with it)")
@@ -128,16 +158,14 @@ def request_seeds(base_seed: int, first_row: int, num_rows: int, total_rows: int
     return seeds[first_row : first_row + num_rows].tolist()
 
 
-def check_outputs(outputs: list, request_ids: list[str] | None = None) -> None:
-    """One log-probability entry per completion token in every output that has log-probabilities (vLLM 0.22 slices
-    a streamed delta's log-probabilities by its token count, so a delta without tokens would repeat the whole
-    history): raises VLLMSurfaceError naming the first request where that fails."""
-    for i, output in enumerate(outputs):
+def check_outputs(outputs: list) -> None:
+    """One log-probability entry per completion token in every output that has log-probabilities (TRL pairs them
+    position by position): raises VLLMSurfaceError naming the first request where that fails."""
+    for output in outputs:
         completion = output.outputs[0]
         if completion.logprobs is not None and len(completion.logprobs) != len(completion.token_ids):
-            name = request_ids[i] if request_ids is not None else output.request_id
             raise VLLMSurfaceError(f"vLLM returned {len(completion.logprobs)} log-probability entries for the "
-                                   f"{len(completion.token_ids)} tokens of request {name}")
+                                   f"{len(completion.token_ids)} tokens of request {output.request_id}")
 
 
 class VLLMGroupGeneration:

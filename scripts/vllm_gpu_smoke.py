@@ -1,11 +1,17 @@
 """GPU smoke test of GFPO's colocate generation on vLLM: on a machine with CUDA GPUs and vLLM (docs/vllm.md's GPU
 recipe), the seeded batch generated with the early-stop rule on (GFPO's engine loop) and off (LLM.generate) must
 keep the same rows, token for token, on vLLM's Model Runner V2 and on its V1 runner, both in batch-invariant mode
-(VLLM_BATCH_INVARIANT=1), and with tensor parallelism (TP=2) where two GPUs exist. Each configuration runs in a
-process of its own (vLLM reads its environment when the engine starts); one line per configuration, and the exit
-status is the number that failed.
+(VLLM_BATCH_INVARIANT=1), and with vLLM's tensor parallelism (TP=2) where two GPUs exist. Each configuration runs in
+a process of its own (vLLM reads its environment when the engine starts), stopped (its whole process group) after
+--timeout seconds; one line per configuration, and the exit status is the number that failed.
+
+TP=2 here is vLLM's own: one process runs the loop on `LLM(tensor_parallel_size=2)`, whose workers vLLM starts. It
+is not the trainer's TP path, where TRL's external launcher makes every training rank an engine rank, each rank runs
+GFPO's loop on the same requests, and the seed is broadcast from the group's first rank: that path is tested only
+with two ranks simulated on a fake engine (tests/test_vllm_engine_loop.py).
 
     python scripts/vllm_gpu_smoke.py [--model DIR] [--prompts 16] [--G 16] [--k 8] [--max-tokens 256]
+        [--timeout 1200]
 
 Without --model: the tiny Qwen2 of the tests (head dimension 64), warmed up on the demo task on the GPU so that
 its completions end at varied lengths (what makes the rule cut anything); a real checkpoint tests real numerics.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,6 +99,20 @@ def child(options) -> dict:
             "seconds": [round(off["seconds"], 2), round(on["seconds"], 2)]}
 
 
+def run_child(command: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
+    """(exit status, or None where `timeout` seconds passed; stdout; stderr) of `command`, run in a session of its
+    own so that a timeout stops the engine's worker processes with it."""
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        return process.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        return None, stdout, stderr
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model directory vLLM loads (default: the tests' tiny model, warmed up)")
@@ -99,6 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--G", type=int, default=16)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--timeout", type=float, default=1200,
+                        help="seconds a configuration may take (engine start included) before it is stopped and fails")
     parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--engine-options", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -122,13 +145,14 @@ def main(argv=None) -> int:
                            "--G", str(options.G), "--k", str(options.k), "--max-tokens", str(options.max_tokens),
                            "--tp", str(tp), "--engine-options", json.dumps(engine_options)]
                 env = {**os.environ, "VLLM_BATCH_INVARIANT": "1", **environment}
-                run = subprocess.run(command, env=env, capture_output=True, text=True)
-                lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-                label = f"{name}, TP={tp}"
-                if run.returncode != 0 or not lines:
+                returncode, stdout, stderr = run_child(command, env, options.timeout)
+                lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+                label = f"{name}, TP={tp}" + (" (vLLM's, one process)" if tp > 1 else "")
+                if returncode != 0 or not lines:
                     failed += 1
-                    tail = (run.stderr or run.stdout).strip().splitlines()[-3:]
-                    print(f"FAIL {label}: exit {run.returncode}: {' | '.join(tail)}")
+                    tail = " | ".join((stderr or stdout).strip().splitlines()[-3:])
+                    status = f"stopped after {options.timeout:.0f} s" if returncode is None else f"exit {returncode}"
+                    print(f"FAIL {label}: {status}: {tail}", flush=True)
                     continue
                 result = json.loads(lines[-1][len("RESULT "):])
                 verdict = "FAIL" if result["problems"] else "ok"
@@ -136,7 +160,7 @@ def main(argv=None) -> int:
                 print(f"{verdict} {label}: {result['cut']} of {result['rows']} rows cut; engine steps off/on "
                       f"{result['steps'][0]}/{result['steps'][1]}, tokens {result['tokens'][0]}/{result['tokens'][1]}, "
                       f"seconds {result['seconds'][0]}/{result['seconds'][1]}"
-                      + "".join(f"; {p}" for p in result["problems"]))
+                      + "".join(f"; {p}" for p in result["problems"]), flush=True)
     return failed
 
 

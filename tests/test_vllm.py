@@ -222,6 +222,25 @@ class TestEngineLoop:
         with pytest.raises(VLLMSurfaceError, match="LLM has no llm_engine"):
             check_vllm_surfaces(object())
 
+    def test_attributes_read_on_instances_checked(self, llm, monkeypatch):
+        """The attributes the loop reads on a running request's state and on every output are checked on their
+        classes when the trainer is built (a vLLM that renamed one fails there, not at the first cut)."""
+        from vllm.outputs import CompletionOutput
+        from vllm.v1.engine.output_processor import RequestState
+
+        monkeypatch.setattr(RequestState, "__init__", lambda self, request_id, logprobs_processor: None)
+        with pytest.raises(VLLMSurfaceError, match=r"RequestState no longer takes 'detokenizer', which GFPO's early "
+                                                   r"stop \(a running request's length"):
+            check_vllm_surfaces(llm)
+        check_vllm_surfaces(llm, engine_loop=False)  # the rule off reads no request state
+        monkeypatch.setattr(CompletionOutput, "__init__", lambda self, index, text, token_ids: None)
+        with pytest.raises(VLLMSurfaceError, match=r"CompletionOutput no longer takes 'logprobs', which GFPO's vLLM "
+                                                   r"generation reads"):
+            check_vllm_surfaces(llm, engine_loop=False)
+        monkeypatch.delattr("vllm.outputs.CompletionOutput")
+        with pytest.raises(VLLMSurfaceError, match=r"vllm.outputs.CompletionOutput is gone or unreadable"):
+            check_vllm_surfaces(llm, engine_loop=False)
+
 
 # --------------------------------------------------------------------------- GFPOTrainer on the engine
 
