@@ -20,8 +20,8 @@ parameters, `max_tokens` fixed and `ignore_eos`, so every arm does the same mode
 With `max_tokens` fixed and `ignore_eos`, every request of a group ends in the same step, so the rule never cuts a
 request there: those arms measure the steady cost of a step (the all-watched arm its worst bookkeeping). Two more
 arms, interleaved with them on the first engine, generate as a training batch does, lengths varying (each request's
-`max_tokens` drawn once from a geometric law, median a quarter of `--varied-max-tokens`, capped there, fixed seed,
-the same in every round; `ignore_eos` so a request ends at its drawn length): k of a group finish first and the
+`max_tokens` drawn once from a geometric law, median about a quarter of `--varied-max-tokens`, capped there, fixed
+seed, the same in every round; `ignore_eos` so a request ends at its drawn length): k of a group finish first and the
 rule cuts the others in the step the k-th finishes, several groups in one step where their k-th lengths coincide:
 
 - `llm-generate-varied`: `LLM.generate` on those requests: every request runs to its length.
@@ -524,8 +524,8 @@ def markdown(data: dict) -> str:
     varied = data.get("summary_varied")
     if varied:
         lines += ["", "## Lengths varying: the rule cuts", "",
-                  f"Each request's max_tokens drawn once (geometric, median {result['varied_max_tokens'] // 4}, at "
-                  f"most {result['varied_max_tokens']}, seed {result['lengths_seed']}; ignore_eos), the same requests "
+                  "Each request's max_tokens drawn once (geometric, median about "
+                  f"{result['varied_max_tokens'] // 4}, at most {result['varied_max_tokens']}, seed {result['lengths_seed']}; ignore_eos), the same requests "
                   "and seeds for both arms of a round. Every step of the call counts, the first (prefill) and the cut "
                   "steps included. loop = the caller's time after a step (until the next step, or until the call "
                   "returns after the last): where the rule runs and cuts. frontend = LLMEngine.step less the engine "
@@ -578,7 +578,7 @@ def main(argv=None) -> None:
     parser.add_argument("--G", type=int, default=16, help="requests per prompt")
     parser.add_argument("--max-tokens", type=int, default=32, help="every request's length in the fixed arms")
     parser.add_argument("--varied-max-tokens", type=int, default=64,
-                        help="the varied arms' longest request (their median a quarter of it)")
+                        help="the varied arms' longest request (their median about a quarter of it)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the results here, and the table beside it (.md)")
