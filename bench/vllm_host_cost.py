@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -209,8 +210,8 @@ class StepClock:
     """Per engine step, in wall and in thread CPU time: LLMEngine.step, its engine-core part, the model executor's
     part of that, and the caller's time since the previous step ended (`gap`), with what of that gap went to the
     rule's cuts (`rule`: VLLMGroupGeneration._abort_dropped, where the bench times it; `abort`:
-    LLMEngine.abort_request; `cuts`: the requests aborted); and the requests running. `end_call` records the same
-    for the caller's time after the last step (`tail`)."""
+    LLMEngine.abort_request; `cuts`: the requests aborted; `gc`: Python's garbage collections in it); and the
+    requests running. `end_call` records the same for the caller's time after the last step (`tail`)."""
 
     def __init__(self, llm, processor=None):
         engine = llm.llm_engine
@@ -218,10 +219,13 @@ class StepClock:
         executor = core.model_executor
         self.records: list[dict] = []
         self.tail: dict = {}
-        self._parts = {"model": [0.0, 0.0], "core": [0.0, 0.0], "rule": [0.0, 0.0], "abort": [0.0, 0.0]}
+        self._parts = {"model": [0.0, 0.0], "core": [0.0, 0.0], "rule": [0.0, 0.0], "abort": [0.0, 0.0],
+                       "gc": [0.0, 0.0]}
         self._cuts = 0
         self._last_end = None
+        self._gc_start = None
         parts = self._parts
+        gc.callbacks.append(self._collection)
 
         executor.execute_model = self.timed(executor.execute_model, "model")
         executor.sample_tokens = self.timed(executor.sample_tokens, "model")
@@ -244,6 +248,9 @@ class StepClock:
             result = step(*args, **kwargs)
             end = _now()
             record["running"], record["processor"] = running, 0.0
+            for clock, index in (("wall", 0), ("cpu", 1)):  # collections inside the step, apart from the gap's
+                record[clock]["gc_in_step"] = parts["gc"][index]
+            parts["gc"][0] = parts["gc"][1] = 0.0
             if processor is not None:  # the logits processor's own CPU time in this step
                 record["processor"], processor.seconds = processor.seconds, 0.0
             for clock, index in (("wall", 0), ("cpu", 1)):
@@ -269,14 +276,26 @@ class StepClock:
                 parts[part][1] += end[1] - start[1]
         return wrapper
 
+    def _collection(self, phase: str, info: dict) -> None:
+        """gc.callbacks hook: the time of each garbage collection, added to `gc`."""
+        if phase == "start":
+            self._gc_start = _now()
+        elif self._gc_start is not None:
+            end = _now()
+            self._parts["gc"][0] += end[0] - self._gc_start[0]
+            self._parts["gc"][1] += end[1] - self._gc_start[1]
+            self._gc_start = None
+
     def _between(self, now) -> dict:
-        """The caller's time from the end of the last step to `now`, and its cuts; resets their counters."""
+        """The caller's time from the end of the last step to `now`, its cuts and collections; resets their
+        counters."""
         record = {"cuts": self._cuts}
         for clock, index in (("wall", 0), ("cpu", 1)):
             record[clock] = {"gap": None if self._last_end is None else now[index] - self._last_end[index],
-                             "rule": self._parts["rule"][index], "abort": self._parts["abort"][index]}
+                             "rule": self._parts["rule"][index], "abort": self._parts["abort"][index],
+                             "gc": self._parts["gc"][index]}
         self._cuts = 0
-        for part in ("rule", "abort"):
+        for part in ("rule", "abort", "gc"):
             self._parts[part][0] = self._parts[part][1] = 0.0
         return record
 
@@ -363,7 +382,10 @@ def run(request_counts: list[int], G: int, max_tokens: int, varied_max_tokens: i
             calls = {arm: [] for arm in ARMS + VARIED_ARMS}
             for r in range(warmup + rounds):
                 seeds = request_seeds(1000 + r, 0, n, n)
-                for arm in ARMS + VARIED_ARMS:
+                # the varied pair in turn first and second, round by round; checked against each other after both
+                varied = VARIED_ARMS if r % 2 == 0 else VARIED_ARMS[::-1]
+                varied_outputs = {}
+                for arm in ARMS + varied:
                     engine = floor if arm == "logits-processor-floor" else llm
                     clock = clocks[id(engine)]
                     clock.start_call()
@@ -372,13 +394,11 @@ def run(request_counts: list[int], G: int, max_tokens: int, varied_max_tokens: i
                     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
                     clock.end_call()
                     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                    cut = 0
-                    if arm == "llm-generate-varied":
-                        reference = outputs
-                        if tokens != sum(lengths):
-                            raise RuntimeError(f"{arm}: {tokens} tokens, not the {sum(lengths)} drawn")
-                    elif arm == "engine-loop-varied":
-                        cut = check_varied(outputs, stopped, reference)
+                    cut = sum(stopped) if stopped else 0
+                    if arm == "llm-generate-varied" and tokens != sum(lengths):
+                        raise RuntimeError(f"{arm}: {tokens} tokens, not the {sum(lengths)} drawn")
+                    if arm in VARIED_ARMS:
+                        varied_outputs[arm] = (outputs, stopped)
                     elif tokens != n * max_tokens:
                         raise RuntimeError(f"{arm}: {tokens} tokens, not {n} x {max_tokens}")
                     print(f"{n} requests, round {r} {arm}: {wall * 1e3:.0f} ms, {len(clock.records)} steps, "
@@ -387,6 +407,7 @@ def run(request_counts: list[int], G: int, max_tokens: int, varied_max_tokens: i
                         records[arm].append(clock.records)
                         calls[arm].append({"wall": wall, "cpu": cpu, "steps": len(clock.records), "tokens": tokens,
                                            "cut": cut, "tail": clock.tail})
+                check_varied(*varied_outputs["engine-loop-varied"], varied_outputs["llm-generate-varied"][0])
             results[n] = {"steps": records, "calls": calls, "lengths": lengths}
         if processor.calls < (warmup + rounds) * len(request_counts) * max_tokens:
             raise RuntimeError(f"the floor engine called its logits processor {processor.calls} times")
@@ -437,24 +458,30 @@ def summarize(result: dict) -> dict:
 
 
 def _varied_round(records: list[dict], tail: dict, clock: str) -> dict:
-    """One call of a varied arm, every step: the caller's time after each step (the next step's gap, the call's tail
-    after the last) with the cuts made in it; means and the worst step (us), totals (ms)."""
-    after = records[1:] + [tail]
-    loop = [a[clock]["gap"] for a in after]
-    frontend = [r[clock]["step"] - r[clock]["core"] + gap for r, gap in zip(records, loop)]
-    whole = [r[clock]["step"] + gap for r, gap in zip(records, loop)]
+    """One call of a varied arm. Between steps: the caller's time after each step but the last (its loop, where the
+    rule runs and cuts) with the cuts made in it; mean, median and worst (us). The tail, the caller's time after the
+    last step until the call returns, apart (us), with the garbage collections in it. Totals over the call (ms): the
+    loop with the tail, the frontend (LLMEngine.step less the engine core, plus the loop and the tail), the
+    collections anywhere. Cuts and the time per cut count the tail's too."""
+    between = records[1:]
+    loop = [a[clock]["gap"] for a in between]
+    tail_loop = tail[clock]["gap"]
+    frontend = [r[clock]["step"] - r[clock]["core"] for r in records]
+    after = between + [tail]
     cuts = [a["cuts"] for a in after]
     worst = max(range(len(loop)), key=loop.__getitem__)
     bunch = max(range(len(cuts)), key=cuts.__getitem__)
     total_cuts = sum(cuts)
+    collections = sum(a[clock]["gc"] for a in after) + sum(r[clock]["gc_in_step"] for r in records)
     return {
-        "steps": len(records), "loop_mean_us": statistics.fmean(loop) * 1e6, "loop_worst_us": loop[worst] * 1e6,
-        "loop_median_us": statistics.median(loop) * 1e6, "worst_step_cuts": cuts[worst],
-        "frontend_mean_us": statistics.fmean(frontend) * 1e6, "frontend_worst_us": max(frontend) * 1e6,
-        "whole_step_mean_us": statistics.fmean(whole) * 1e6, "whole_step_worst_us": max(whole) * 1e6,
-        "frontend_total_ms": sum(frontend) * 1e3, "loop_total_ms": sum(loop) * 1e3,
+        "steps": len(records), "loop_mean_us": statistics.fmean(loop) * 1e6,
+        "loop_median_us": statistics.median(loop) * 1e6, "loop_worst_us": loop[worst] * 1e6,
+        "worst_step_cuts": cuts[worst], "tail_us": tail_loop * 1e6, "tail_gc_us": tail[clock]["gc"] * 1e6,
+        "frontend_mean_us": (sum(frontend) + sum(loop)) / len(records) * 1e6,
+        "loop_total_ms": (sum(loop) + tail_loop) * 1e3,
+        "frontend_total_ms": (sum(frontend) + sum(loop) + tail_loop) * 1e3, "gc_total_ms": collections * 1e3,
         "cuts": total_cuts, "cut_steps": sum(1 for c in cuts if c), "most_cuts": cuts[bunch],
-        "most_cuts_loop_us": loop[bunch] * 1e6,
+        "most_cuts_loop_us": (loop + [tail_loop])[bunch] * 1e6,
         "rule_us_per_cut": sum(a[clock]["rule"] for a in after) / total_cuts * 1e6 if total_cuts else 0.0,
         "abort_us_per_cut": sum(a[clock]["abort"] for a in after) / total_cuts * 1e6 if total_cuts else 0.0,
     }
@@ -462,9 +489,9 @@ def _varied_round(records: list[dict], tail: dict, clock: str) -> dict:
 
 def summarize_varied(result: dict) -> dict:
     """Per number of requests, clock and varied arm: medians over the rounds of _varied_round's figures; and
-    engine-loop-varied's excess over llm-generate-varied round by round (the two ran back to back on the same
-    requests): `extra_loop_mean_us` (the rule's loop per step over the whole call, against LLM.generate's) and
-    `extra_loop_worst_us` (its worst step against LLM.generate's median step)."""
+    engine-loop-varied's excess over llm-generate-varied round by round (the two ran one after the other on the same
+    requests): `extra_loop_mean_us` (the mean loop between steps), `extra_tail_us` and `extra_loop_total_ms` (loop
+    and tail over the call)."""
     out = {}
     for n, data in result["by_requests"].items():
         out[n] = {}
@@ -478,10 +505,9 @@ def summarize_varied(result: dict) -> dict:
                 part[arm]["call_ms"] = statistics.median(c[clock] for c in data["calls"][arm]) * 1e3
                 part[arm]["tokens"] = statistics.median(c["tokens"] for c in data["calls"][arm])
             rule, reference = per_round["engine-loop-varied"], per_round["llm-generate-varied"]
-            for key, extra in (("extra_loop_mean_us", [a["loop_mean_us"] - b["loop_mean_us"]
-                                                       for a, b in zip(rule, reference)]),
-                               ("extra_loop_worst_us", [a["loop_worst_us"] - b["loop_median_us"]
-                                                        for a, b in zip(rule, reference)])):
+            for key, figure in (("extra_loop_mean_us", "loop_mean_us"), ("extra_tail_us", "tail_us"),
+                                ("extra_loop_total_ms", "loop_total_ms")):
+                extra = [a[figure] - b[figure] for a, b in zip(rule, reference)]
                 part["engine-loop-varied"][key] = {"median": statistics.median(extra), "min": min(extra),
                                                    "max": max(extra)}
             out[n][clock] = part
@@ -507,8 +533,10 @@ def markdown(data: dict) -> str:
              "the model on the host); processor = the floor's logits processor itself (inside model). extra = the "
              "excess over llm-generate, round by round: median (min, max). call = the whole generate call, ms."]
 
-    def paired(extra):
-        return "" if extra is None else f"{extra['median']:.0f} ({extra['min']:.0f}, {extra['max']:.0f})"
+    def paired(extra, digits=0):
+        if extra is None:
+            return ""
+        return f"{extra['median']:.{digits}f} ({extra['min']:.{digits}f}, {extra['max']:.{digits}f})"
 
     for clock in ("cpu", "wall"):
         lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
@@ -525,22 +553,24 @@ def markdown(data: dict) -> str:
     if varied:
         lines += ["", "## Lengths varying: the rule cuts", "",
                   "Each request's max_tokens drawn once (geometric, median about "
-                  f"{result['varied_max_tokens'] // 4}, at most {result['varied_max_tokens']}, seed {result['lengths_seed']}; ignore_eos), the same requests "
-                  "and seeds for both arms of a round. Every step of the call counts, the first (prefill) and the cut "
-                  "steps included. loop = the caller's time after a step (until the next step, or until the call "
-                  "returns after the last): where the rule runs and cuts. frontend = LLMEngine.step less the engine "
-                  "core, plus loop. Per step: mean over the call, and the worst step; medians over the rounds. extra "
-                  "loop mean = engine-loop-varied's mean loop less llm-generate-varied's, round by round; extra loop "
-                  "worst = its worst step's loop less llm-generate-varied's median step loop: median (min, max). "
-                  "cuts: requests cut in the call (steps with cuts, most in one step, that step's loop in us). "
-                  "per cut: the rule's time in _abort_dropped (make_request_output of each cut request and the "
-                  "abort) and in LLMEngine.abort_request alone, divided by the requests cut (us)."]
+                  f"{result['varied_max_tokens'] // 4}, at most {result['varied_max_tokens']}, seed "
+                  f"{result['lengths_seed']}; ignore_eos), the same requests and seeds for both arms of a round, which "
+                  "run one after the other, each first in every other round. loop = the caller's time between two "
+                  "steps (where the rule runs and cuts; its time before the first step, adding the requests, is not "
+                  "counted in either arm): mean, median and worst over the call, us, with the cuts made in the worst. "
+                  "tail = the caller's time after the last step until the call returns (us), with the garbage "
+                  "collections in it. extra = engine-loop-varied less llm-generate-varied, round by round: median "
+                  "(min, max). loop + tail, frontend (LLMEngine.step less the engine core, plus loop and tail) and gc "
+                  "(Python's collections anywhere in the call): totals over the call, ms. cuts: requests cut in the "
+                  "call (steps with cuts, most in one step, that step's loop in us). per cut: the rule's time in "
+                  "_abort_dropped (make_request_output of each cut request and the abort) and in "
+                  "LLMEngine.abort_request alone, divided by the requests cut (us). Medians over the rounds."]
         for clock in ("cpu", "wall"):
             lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
-                      "| requests | arm | steps | tokens | loop mean | loop worst (cuts there) | extra loop mean "
-                      "| extra loop worst | frontend mean | frontend worst | whole step mean | whole step worst "
-                      "| frontend total (ms) | call (ms) | cuts (steps, most, its loop) | per cut: rule, abort |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "| requests | arm | steps | tokens | loop mean | extra loop mean | loop median | loop worst "
+                      "(cuts there) | tail (gc in it) | extra tail | loop + tail (ms) | extra loop + tail (ms) "
+                      "| frontend (ms) | gc (ms) | call (ms) | cuts (steps, most, its loop) | per cut: rule, abort |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for n, by_clock in varied.items():
                 for arm in VARIED_ARMS:
                     row = by_clock[clock][arm]
@@ -548,13 +578,13 @@ def markdown(data: dict) -> str:
                             f"{row['most_cuts_loop_us']:.0f})" if row["cuts"] else "")
                     per_cut = f"{row['rule_us_per_cut']:.1f}, {row['abort_us_per_cut']:.1f}" if row["cuts"] else ""
                     lines.append(f"| {n} | {arm} | {row['steps']:.0f} | {row['tokens']:.0f} | "
-                                 f"{row['loop_mean_us']:.1f} | "
+                                 f"{row['loop_mean_us']:.1f} | {paired(row.get('extra_loop_mean_us'))} | "
+                                 f"{row['loop_median_us']:.1f} | "
                                  f"{row['loop_worst_us']:.0f} ({row['worst_step_cuts']:.0f}) | "
-                                 f"{paired(row.get('extra_loop_mean_us'))} | "
-                                 f"{paired(row.get('extra_loop_worst_us'))} | "
-                                 f"{row['frontend_mean_us']:.0f} | {row['frontend_worst_us']:.0f} | "
-                                 f"{row['whole_step_mean_us']:.0f} | {row['whole_step_worst_us']:.0f} | "
-                                 f"{row['frontend_total_ms']:.1f} | {row['call_ms']:.0f} | {cuts} | {per_cut} |")
+                                 f"{row['tail_us']:.0f} ({row['tail_gc_us']:.0f}) | "
+                                 f"{paired(row.get('extra_tail_us'))} | {row['loop_total_ms']:.1f} | "
+                                 f"{paired(row.get('extra_loop_total_ms'), 1)} | {row['frontend_total_ms']:.1f} | "
+                                 f"{row['gc_total_ms']:.1f} | {row['call_ms']:.0f} | {cuts} | {per_cut} |")
     lines += ["", f"Predicted 7B decode step with 1024 running requests on an H100: {PREDICTED_7B_STEP_MS:.0f} ms "
               "(2 x 7.6e9 FLOPs a token at 600 TFLOP/s, before attention); the goal: the rule's extra host time per "
               f"step at most max(1 ms, 5% of it = {0.05 * PREDICTED_7B_STEP_MS:.2f} ms)."]

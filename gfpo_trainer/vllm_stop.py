@@ -336,7 +336,12 @@ class VLLMGroupGeneration:
                 state = states.get(engine_ids[i])
                 if state is None:
                     raise VLLMSurfaceError(f"the vLLM engine holds no state for running request {request_ids[i]!r}")
-                if state.detokenizer.num_output_tokens() >= limit:
+                try:
+                    length = state.detokenizer.num_output_tokens()
+                except AttributeError as error:  # checked when the trainer is built; a vLLM that differs at run time
+                    raise VLLMSurfaceError(f"GFPO's early stop cannot read the length of running request "
+                                           f"{request_ids[i]!r} from vLLM's RequestState: {error}") from None
+                if length >= limit:
                     cut.append((group, i, state.make_request_output([], None, abort, None)))
         if cut:
             self.engine.abort_request([request_ids[i] for _, i, _ in cut])

@@ -99,18 +99,28 @@ def child(options) -> dict:
             "seconds": [round(off["seconds"], 2), round(on["seconds"], 2)]}
 
 
+def _stop_group(process: subprocess.Popen) -> None:
+    """Kills every process left in `process`'s session (the engine's workers hold GPUs)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # none left
+        pass
+
+
 def run_child(command: list[str], env: dict, timeout: float) -> tuple[int | None, str, str]:
     """(exit status, or None where `timeout` seconds passed; stdout; stderr) of `command`, run in a session of its
-    own so that a timeout stops the engine's worker processes with it."""
+    own, which is stopped whatever ends the call (its end, the timeout, Ctrl-C here): no engine worker outlives it."""
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
         return process.returncode, stdout, stderr
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _stop_group(process)
         stdout, stderr = process.communicate()
         return None, stdout, stderr
+    finally:
+        _stop_group(process)
 
 
 def main(argv=None) -> int:

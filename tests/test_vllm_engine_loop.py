@@ -319,6 +319,17 @@ def test_a_failure_while_cutting_leaves_no_request():
     assert not engine.has_unfinished_requests() and len(engine.aborts) == 1
 
 
+def test_a_request_state_without_its_length_is_a_surface_error(monkeypatch):
+    """A vLLM whose running request state no longer answers the length the rule reads (checked when the trainer is
+    built; here it changes after): one VLLMSurfaceError naming the request, and every request aborted."""
+    monkeypatch.delattr(Detokenizer, "num_output_tokens")
+    engine = FakeEngine()
+    with pytest.raises(VLLMSurfaceError, match=r"cannot read the length of running request '.+' from vLLM's "
+                                                r"RequestState: .*num_output_tokens"):
+        generate(engine)
+    assert not engine.has_unfinished_requests()
+
+
 def test_two_tensor_parallel_ranks_abort_the_same_requests():
     """Two ranks of a TP group run the loop on their own engines (their own request ids) with the same seeds: the
     same rows aborted in the same calls, in the same order."""
@@ -502,9 +513,7 @@ def test_tensor_parallel_ranks_generate_alike(monkeypatch, tools):
         assert stopped[1] == [i in sum(aborted[0], []) for i in range(G, 2 * G)]
 
 
-def test_gpu_smoke_script_keeps_what_the_filter_keeps():
-    """scripts/vllm_gpu_smoke.py's kept rows (its verdict on a GPU) are the length filter's: group_topk_mask of the
-    lengths, a stopped row ranked one token longer, ties to the lower index."""
+def _smoke_script():
     import importlib.util
     from pathlib import Path
 
@@ -512,8 +521,48 @@ def test_gpu_smoke_script_keeps_what_the_filter_keeps():
     spec = importlib.util.spec_from_file_location("vllm_gpu_smoke", path)
     smoke = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smoke)
+    return smoke
+
+
+def test_gpu_smoke_script_keeps_what_the_filter_keeps():
+    """scripts/vllm_gpu_smoke.py's kept rows (its verdict on a GPU) are the length filter's: group_topk_mask of the
+    lengths, a stopped row ranked one token longer, ties to the lower index."""
+    smoke = _smoke_script()
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 6, (4 * G,), generator=generator)  # many ties
     stopped = torch.rand(4 * G, generator=generator) < 0.3
     want = ref.group_topk_mask((lengths + stopped).float(), G, K, largest=False).nonzero().squeeze(1).tolist()
     assert smoke.kept(lengths.tolist(), stopped.tolist(), G, K) == want
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("child_sleeps", [120, 0], ids=["past-timeout", "exits-leaving-a-worker"])
+def test_gpu_smoke_script_stops_a_configuration_and_its_workers(tmp_path, child_sleeps):
+    """A configuration that outlives --timeout is reported as stopped (None), one that exits is reported with its
+    status; either way the processes it started (the engine's workers) are killed with it."""
+    import os
+    import sys
+    import time
+
+    pid_file = tmp_path / "worker.pid"
+    child = ("import subprocess, sys, time; "
+             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], stdout=subprocess.DEVNULL, "
+             "stderr=subprocess.DEVNULL); "
+             f"open({str(pid_file)!r}, 'w').write(str(w.pid)); print('RESULT {{}}', flush=True); "
+             f"time.sleep({child_sleeps})")
+    status, stdout, _ = _smoke_script().run_child([sys.executable, "-c", child], dict(os.environ), timeout=5)
+    assert status == (None if child_sleeps else 0) and stdout.strip() == "RESULT {}"
+    worker = int(pid_file.read_text())
+    for _ in range(100):
+        if not _alive(worker):
+            break
+        time.sleep(0.05)
+    assert not _alive(worker)

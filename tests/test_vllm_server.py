@@ -55,8 +55,8 @@ STARTUP_LIMIT_S = 900  # the server starts in about 70 s on 2 idle cores; a load
 # the server's cap on requests in flight: GFPO's client keeps to it; TRL's own path sends the batch as one request of
 # len(PROMPTS) x G sequences, which vLLM counts whole, so the cap holds that many
 SERVER_QUEUE_CAP = len(PROMPTS) * G
-# whether this vLLM's server takes --max-num-queued-reqs (0.31 does, 0.22 does not): without it the server has no cap
-# and the client keeps every completion in flight
+# whether this vLLM's server takes --max-num-queued-reqs (docs/vllm.md says which do): without it the server has no
+# cap and the client keeps every completion in flight
 SERVER_TAKES_QUEUE_CAP = "max_num_queued_reqs" in {f.name for f in dataclasses.fields(EngineArgs)}
 
 
@@ -203,7 +203,7 @@ def _run(server, base_seed, stop, limits=None, prompts=None, **overrides):
 def assert_server_generated_less(generated: float, received_on: int, received_off: int) -> None:
     """The server generated fewer tokens with the rule (`generated`, read from its /metrics) than without
     (`received_off`), and no fewer than the client received with it: a cut stream can run a token or so past its cut
-    before the server sees the client leave, never to its end (seen on vLLM 0.22.1 and 0.31.0)."""
+    before the server sees the client leave, never to its end."""
     assert received_on <= generated < received_off, (generated, received_on, received_off)
 
 
