@@ -214,7 +214,8 @@ class VLLMGroupGeneration:
                                    "GFPO's vLLM generation sends one request per completion (n=1)")
         prompts = list(prompts)
         if self.seeds is not None and len(self.seeds) != len(prompts):
-            raise VLLMSurfaceError(f"TRL's vLLM generation sent {len(prompts)} prompts, {len(self.seeds)} were expected")
+            raise VLLMSurfaceError(f"TRL's vLLM generation sent {len(prompts)} prompts, {len(self.seeds)} were "
+                                   "expected")
         self.stopped = [False] * len(prompts)
         if self.stop:
             outputs = self._run(prompts, sampling_params)
