@@ -407,7 +407,11 @@ def run(request_counts: list[int], G: int, max_tokens: int, varied_max_tokens: i
                         records[arm].append(clock.records)
                         calls[arm].append({"wall": wall, "cpu": cpu, "steps": len(clock.records), "tokens": tokens,
                                            "cut": cut, "tail": clock.tail})
+                    # freed here, not when the next arm's call returns and rebinds `outputs` (freeing a call's
+                    # thousands of log-probability dicts takes milliseconds, which that call's tail would count)
+                    del outputs, stopped
                 check_varied(*varied_outputs["engine-loop-varied"], varied_outputs["llm-generate-varied"][0])
+                del varied_outputs  # (as above)
             results[n] = {"steps": records, "calls": calls, "lengths": lengths}
         if processor.calls < (warmup + rounds) * len(request_counts) * max_tokens:
             raise RuntimeError(f"the floor engine called its logits processor {processor.calls} times")
