@@ -255,6 +255,29 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
+def parse_seeds(text: str) -> list[int]:
+    """`demo --seeds`: a range ("0-3": seeds 0, 1, 2, 3), a list ("0,2,5") or both ("0-3,8"). A bare number is
+    refused: it read as a count of seeds once, and as one seed it would run a different study without a word."""
+    seeds = []
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not (low.isdigit() and (high.isdigit() if dash else True)):
+            raise ValueError(f"--seeds={text!r}: {part.strip()!r} is neither a seed nor a range; give seeds as a range "
+                             "or a list, e.g. --seeds 0-3 or --seeds 0,2,5")
+        if dash and int(high) < int(low):
+            raise ValueError(f"--seeds={text!r}: the range {part.strip()!r} is empty (its end is below its start)")
+        seeds.extend(range(int(low), int(high) + 1) if dash else [int(low)])
+    if "-" not in text and "," not in text:
+        n = int(text)
+        raise ValueError(f"--seeds={text!r}: a bare number is ambiguous; give a range or a list: --seeds 0-{n - 1} "
+                         f"for the {n} seeds 0..{n - 1}, or --seeds {n}-{n} for seed {n} alone" if n > 0 else
+                         f"--seeds={text!r}: a bare number is ambiguous; give a range or a list, e.g. --seeds 0-3")
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise ValueError(f"--seeds={text!r}: seeds {repeated} appear more than once")
+    return seeds
+
+
 def _demo(options) -> int:
     from .demo import ARMS, DEMO_ARMS, STUDY_ARMS, DemoSettings, run_demo, run_study
 
@@ -270,16 +293,26 @@ def _demo(options) -> int:
             print(f"error: --arms={options.arms!r}: unknown arm {', '.join(map(repr, unknown)) or '(none given)'}; "
                   f"choices: {', '.join(ARMS)}", file=sys.stderr)
             return 2
-    if options.seeds is not None and options.seeds < 2:
+    try:
+        seeds = None if options.seeds is None else parse_seeds(options.seeds)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if seeds is not None and len(seeds) < 2:
         print(f"error: --seeds={options.seeds}: the study needs at least 2 seeds for its intervals (leave --seeds out "
               "for one run)", file=sys.stderr)
         return 2
     settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
+    if options.rl_steps is not None:
+        if options.rl_steps < 1:
+            print(f"error: --rl-steps={options.rl_steps}: give at least 1 RL step", file=sys.stderr)
+            return 2
+        settings = dataclasses.replace(settings, rl_steps=options.rl_steps)
     common = dict(use_kernels=not options.no_kernels, verbose=options.verbose, arms=arms)
     if options.seeds is None:
         run_demo(settings, output_dir=options.output_dir or "gfpo_demo_output", **common)
     else:
-        run_study(settings, range(options.seeds), output_dir=options.output_dir or "gfpo_study_output", **common)
+        run_study(settings, seeds, output_dir=options.output_dir or "gfpo_study_output", **common)
     return 0
 
 
@@ -292,8 +325,11 @@ def main(argv=None) -> int:
     sizes.add_argument("--quick", action="store_true", help="fewer warm-up and RL steps (docs/demo.md: times)")
     sizes.add_argument("--smoke", action="store_true",
                        help="every stage at toy sizes, in seconds; the figures mean nothing (for tests)")
-    demo.add_argument("--seeds", type=int, default=None, metavar="N",
-                      help="the study: every arm of --arms on seeds 0..N-1 (N >= 2), with 95%% intervals over seeds")
+    demo.add_argument("--seeds", default=None, metavar="SEEDS",
+                      help="the study: every arm of --arms on these seeds, a range or a list (0-4, 0,2,5), at least "
+                      "2, with 95%% intervals over seeds")
+    demo.add_argument("--rl-steps", type=int, default=None, metavar="N",
+                      help="RL steps per arm (default: the preset's, 300, or 200 with --quick)")
     demo.add_argument("--arms", default=None,
                       help="comma-separated arms (default: grpo, shortest-8of16; with --seeds every arm); "
                       "`--arms list` prints them")

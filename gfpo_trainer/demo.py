@@ -49,6 +49,8 @@ class Arm:
         adaptive_num_remains: k per difficulty quartile, hardest first (adaptive difficulty); None: fixed k.
         reward: "correct" (1 right, 0 wrong) or "signed" (1 right, -1 wrong: the paper's range).
         paper: the arm's key in the paper's tables (docs/demo/gfpo-paper-tables.json), None where it has none.
+        loss_includes_rejected: GFPOConfig.loss_includes_rejected (the paper's objective: rejected rows in the loss's
+            normaliser with advantage 0).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Arm:
     adaptive_num_remains: tuple[int, ...] | None = None
     reward: str = "correct"
     paper: str | None = None
+    loss_includes_rejected: bool = False
 
     def config_fields(self) -> dict:
         """The GFPOConfig fields this arm sets."""
@@ -65,6 +68,8 @@ class Arm:
                       group_filter=self.group_filter)
         if self.adaptive_num_remains is not None:
             fields.update(adaptive_difficulty=True, adaptive_num_remains=list(self.adaptive_num_remains))
+        if self.loss_includes_rejected:
+            fields.update(loss_includes_rejected=True)
         return fields
 
 
@@ -77,6 +82,7 @@ ARMS = {arm.name: arm for arm in (
     Arm("token-efficiency-8of16-signed", 16, 8, "token_efficiency", reward="signed", paper="token_efficiency_8/16"),
     # the paper's k per difficulty, easy to very hard 4, 6, 8, 8 (here hardest first)
     Arm("adaptive-16", 16, 8, "length", adaptive_num_remains=(8, 8, 6, 4), paper="adaptive_16"),
+    Arm("shortest-8of16-paper-objective", 16, 8, "length", paper="8/16", loss_includes_rejected=True),
 )}
 DEMO_ARMS = ("grpo", "shortest-8of16")
 STUDY_ARMS = tuple(ARMS)
@@ -150,6 +156,7 @@ def _callbacks(name: str, settings: DemoSettings, evaluate_held_out, verbose: bo
     class DemoProgress(TrainerCallback):
         def __init__(self):
             self.curve = []  # (step, held-out accuracy, held-out length)
+            self.curve_figures = []  # the whole held-out figures (evaluate's dict) at the same steps
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.bar = None if verbose else tqdm(total=settings.rl_steps, desc=name, unit="step", dynamic_ncols=True)
@@ -159,6 +166,7 @@ def _callbacks(name: str, settings: DemoSettings, evaluate_held_out, verbose: bo
                 figures = evaluate_held_out(model, samples=2)
                 model.train()
                 self.curve.append((state.global_step, figures["accuracy"], figures["mean_length"]))
+                self.curve_figures.append({"step": state.global_step, **figures})
                 if self.bar is not None:
                     self.bar.set_postfix({"held-out acc": f"{figures['accuracy']:.2f}",
                                           "len": f"{figures['mean_length']:.1f}"}, refresh=False)
@@ -176,6 +184,22 @@ def _generated_tokens(log: dict, rows: int) -> float:
     """The completion tokens a step generated, every sampled completion as far as it ran (GFPO logs it; GRPO's
     completions/mean_length covers every completion)."""
     return log["gfpo/generated_tokens"] if "gfpo/generated_tokens" in log else log["completions/mean_length"] * rows
+
+
+def _trained_tokens(log: dict, rows: int) -> float:
+    """The completion tokens a step trained on: the kept rows' (GFPO), every row's (GRPO)."""
+    if "gfpo/kept_completion_length" in log:
+        return log["gfpo/kept_completion_length"] * log["gfpo/kept_fraction"] * rows
+    return log["completions/mean_length"] * rows
+
+
+def _step_signal(log: dict) -> dict:
+    """The learning signal of a step's trained rows: their mean reward, their reward spread (std over the batch's
+    trained rows) and the share of trained rows in groups whose trained rewards are all equal (advantage 0)."""
+    kept = "gfpo/kept_reward_mean" in log  # GFPO: over the kept rows; GRPO: TRL's, over every row
+    return {"reward": log["gfpo/kept_reward_mean" if kept else "reward"],
+            "reward_std": log["gfpo/kept_reward_std" if kept else "reward_std"],
+            "frac_reward_zero_std": log["gfpo/kept_frac_reward_zero_std" if kept else "frac_reward_zero_std"]}
 
 
 def run_arm(arm: Arm, start_dir: str, tokenizer, task: SumsTask, train, held_out, settings: DemoSettings,
@@ -205,10 +229,15 @@ def run_arm(arm: Arm, start_dir: str, tokenizer, task: SumsTask, train, held_out
     trainer.save_model()  # save_strategy="no": this is the run's one model on disk
     history = [h for h in trainer.state.log_history if "reward" in h]
     final = evaluate_held_out(trainer.model, settings.eval_samples)
-    return {"final": final, "curve": progress.curve,
-            "generated_tokens": [_generated_tokens(h, args.per_device_train_batch_size) for h in history],
+    rows = args.per_device_train_batch_size
+    signal = [_step_signal(h) for h in history]
+    return {"final": final, "curve": progress.curve, "curve_figures": progress.curve_figures,
+            "generated_tokens": [_generated_tokens(h, rows) for h in history],
+            "trained_tokens": [_trained_tokens(h, rows) for h in history],
             "step_time": [h["step_time"] for h in history],
-            "train_reward": [h.get("gfpo/kept_reward_mean", h["reward"]) for h in history]}
+            "train_reward": [s["reward"] for s in signal],
+            "train_reward_std": [s["reward_std"] for s in signal],
+            "train_frac_reward_zero_std": [s["frac_reward_zero_std"] for s in signal]}
 
 
 def run_seed(settings: DemoSettings, seed: int, arms, output_dir: str, use_kernels: bool = True,
