@@ -298,11 +298,11 @@ def _demo(options) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if seeds is not None and len(seeds) < 2:
-        print(f"error: --seeds={options.seeds}: the study needs at least 2 seeds for its intervals (leave --seeds out "
-              "for one run)", file=sys.stderr)
-        return 2
     settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
+    if options.task is not None:
+        from .sums_task import TASKS
+
+        settings = dataclasses.replace(settings, task=TASKS[options.task])
     if options.rl_steps is not None:
         if options.rl_steps < 1:
             print(f"error: --rl-steps={options.rl_steps}: give at least 1 RL step", file=sys.stderr)
@@ -328,6 +328,8 @@ def main(argv=None) -> int:
     demo.add_argument("--seeds", default=None, metavar="SEEDS",
                       help="the study: every arm of --arms on these seeds, a range or a list (0-4, 0,2,5), at least "
                       "2, with 95%% intervals over seeds")
+    demo.add_argument("--task", default=None, choices=("sums", "easy-hard-sums"),
+                      help="the task (gfpo_trainer/sums_task.py, TASKS; default sums)")
     demo.add_argument("--rl-steps", type=int, default=None, metavar="N",
                       help="RL steps per arm (default: the preset's, 300, or 200 with --quick)")
     demo.add_argument("--arms", default=None,

@@ -29,7 +29,7 @@ import warnings
 import torch
 from tqdm.auto import tqdm
 
-from .sums_task import SumsTask, correctness_reward, evaluate, signed_correctness_reward, warm_up
+from .sums_task import TASKS, SumsTask, correctness_reward, evaluate, signed_correctness_reward, warm_up
 from .tiny import make_tiny_model, make_tokenizer
 
 __all__ = ["ARMS", "DEMO_ARMS", "STUDY_ARMS", "Arm", "DemoSettings", "correctness_reward", "run_demo", "run_study"]
@@ -483,6 +483,12 @@ def _plot_study(seed_results: list[dict], summary: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _task_name(settings: DemoSettings) -> str | None:
+    """The name of settings.task in sums_task.TASKS (None for a task made by hand)."""
+    return next((name for name, task in TASKS.items() if task == settings.task and type(task) is type(settings.task)),
+                None)
+
+
 def _git_commit() -> str | None:
     """The commit of the checkout this package runs from, "+dirty" when tracked files differ; None outside git."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -586,8 +592,8 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
     """Every arm on every seed (warm-up per seed, arms in turn, so they share the machine's load), then the summary
     over seeds; writes study.json, study.md (the table) and study.png into `output_dir`."""
     seeds = list(seeds)
-    if len(seeds) < 2:
-        raise ValueError(f"the study needs at least 2 seeds for its intervals, got seeds={seeds}")
+    if not seeds:
+        raise ValueError("the study needs at least 1 seed, got seeds=[]")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ValueError(f"arms={tuple(arms)!r}: unknown arms {unknown}; choices: {list(ARMS)}")
@@ -601,8 +607,11 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
             seed_results.append(run_seed(settings, seed, arms, os.path.join(output_dir, f"seed-{seed}"),
                                          use_kernels, verbose))
         _write_json(os.path.join(output_dir, "study.json"),  # after every seed: an interrupted study keeps its runs
-                    {"environment": environment, "settings": dataclasses.asdict(settings), "seeds": seeds,
-                     "arms": list(arms), "seed_results": seed_results})
+                    {"environment": environment, "settings": dataclasses.asdict(settings), "task": _task_name(settings),
+                     "seeds": seeds, "arms": list(arms), "seed_results": seed_results})
+    if len(seeds) < 2:  # a piece of a study: its runs are kept, the statistics wait for the merge
+        print(f"\none seed: no intervals; {os.path.join(output_dir, 'study.json')} holds its runs")
+        return {"summary": None, "table": "", "seed_results": seed_results}
     summary = summarize(seed_results, arms)
     environment["wall_time_seconds"] = round(time.perf_counter() - start, 1)
     if hasattr(os, "getloadavg"):
@@ -615,8 +624,8 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
             table += "\n\n" + paper_comparison_table(summary, json.load(f))
     print("\n" + table)
     _write_json(os.path.join(output_dir, "study.json"),
-                {"environment": environment, "settings": dataclasses.asdict(settings), "seeds": seeds,
-                 "arms": list(arms), "summary": summary, "seed_results": seed_results})
+                {"environment": environment, "settings": dataclasses.asdict(settings), "task": _task_name(settings),
+                 "seeds": seeds, "arms": list(arms), "summary": summary, "seed_results": seed_results})
     with open(os.path.join(output_dir, "study.md"), "w") as f:
         f.write(table + "\n")
     _plot_study(seed_results, summary, os.path.join(output_dir, "study.png"))

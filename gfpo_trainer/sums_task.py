@@ -90,6 +90,43 @@ class SumsTask:
         return f" {rng.choice(self.filler_words)}" if rng.random() < self.filler_probability else ""
 
 
+@dataclasses.dataclass(frozen=True)
+class EasyHardSumsTask(SumsTask):
+    """Sums of two kinds, each half of the training prompts, both answered in both forms at warm-up (the same
+    SumsTask answers, whatever the kind): easy prompts, `easy_terms` numbers in [0, `easy_max_term`), a closed set the
+    warm-up teaches at once and step by step alike; hard prompts, `max_terms` numbers in [0, `max_term`), where the
+    steps pay. A stand-in for the paper's regime: RL lengthens the hard prompts' answers because the steps pay there;
+    if the model carries the steps over to the easy prompts, where they pay nothing, that extra length is excess.
+
+    The easy prompts are too few to hold any out: the held-out set has every easy prompt (repeated to as many as the
+    hard ones) and `eval_prompts` held-out hard prompts; `by_terms` in the evaluation tells the kinds apart.
+    """
+
+    min_terms: int = 2  # the easy prompts' number of terms
+    max_terms: int = 4  # the hard prompts' number of terms
+    easy_max_term: int = 5
+
+    def prompts(self) -> list[tuple[int, ...]]:
+        import itertools
+
+        easy = list(itertools.product(range(self.easy_max_term), repeat=self.min_terms))
+        return easy + list(itertools.product(range(self.max_term), repeat=self.max_terms))
+
+    def split(self, eval_prompts: int, seed: int) -> tuple[list[list[tuple[int, ...]]], list[tuple[int, ...]]]:
+        """(train, held-out): train is [every easy prompt, the hard prompts not held out] (shuffled); held out,
+        `eval_prompts` hard prompts drawn with `seed` and as many easy ones (every easy prompt, cycled)."""
+        rng = random.Random(seed)
+        easy = [p for p in self.prompts() if len(p) == self.min_terms]
+        hard = [p for p in self.prompts() if len(p) == self.max_terms]
+        rng.shuffle(easy)
+        rng.shuffle(hard)
+        held_out_easy = [easy[i % len(easy)] for i in range(eval_prompts)]
+        return [easy, hard[eval_prompts:]], held_out_easy + hard[:eval_prompts]
+
+
+TASKS = {"sums": SumsTask(), "easy-hard-sums": EasyHardSumsTask()}
+
+
 def correctness_reward(prompts, completions, **kwargs) -> list[float]:
     """1.0 when the last number of the completion is the sum of the numbers in the prompt ("a+b+c="), else 0.0."""
     rewards = []
