@@ -279,8 +279,23 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def _demo(options) -> int:
-    from .demo import ARMS, DEMO_ARMS, STUDY_ARMS, DemoSettings, run_demo, run_study
+    from .demo import run_demo
+    from .study import ARMS, DEMO_ARMS, STUDY_ARMS, DemoSettings, merge_studies, run_study
 
+    if options.merge is not None:
+        given = [flag for flag, value in (("--seeds", options.seeds), ("--arms", options.arms),
+                                          ("--task", options.task), ("--rl-steps", options.rl_steps),
+                                          ("--quick", options.quick), ("--smoke", options.smoke)) if value]
+        if given:
+            print(f"error: --merge joins pieces that ran already; {', '.join(given)} cannot go with it (each piece's "
+                  "settings are in its study.json)", file=sys.stderr)
+            return 2
+        try:
+            merge_studies(options.merge, output_dir=options.output_dir or "gfpo_study_output")
+        except ValueError as error:
+            print(f"error: --merge: {_one_line(error)}", file=sys.stderr)
+            return 2
+        return 0
     if options.arms == "list":
         for name, arm in ARMS.items():
             print(f"{name}: {arm}")
@@ -328,7 +343,10 @@ def main(argv=None) -> int:
     demo.add_argument("--seeds", default=None, metavar="SEEDS",
                       help="the study: every arm of --arms on these seeds, a range or a list (0-4, 0,2,5), at least "
                       "2, with 95%% intervals over seeds")
-    demo.add_argument("--task", default=None, choices=("sums", "easy-hard-sums"),
+    demo.add_argument("--merge", nargs="+", default=None, metavar="PIECE_DIR",
+                      help="join the pieces of a study (the --output-dir of each `--seeds` run) into one study in "
+                      "--output-dir: study.json, study.md, study.png")
+    demo.add_argument("--task", default=None, choices=("sums", "easy-hard-sums", "small-large-sums"),
                       help="the task (gfpo_trainer/sums_task.py, TASKS; default sums)")
     demo.add_argument("--rl-steps", type=int, default=None, metavar="N",
                       help="RL steps per arm (default: the preset's, 300, or 200 with --quick)")

@@ -66,6 +66,10 @@ class SumsTask:
             train.append(same[eval_prompts:])
         return train, held_out
 
+    def kind(self, terms: tuple[int, ...]) -> str:
+        """The kind of prompt the evaluation reports apart ("by_kind"): here its number of terms."""
+        return str(len(terms))
+
     @staticmethod
     def draw(train: list[list[tuple[int, ...]]], rng: random.Random) -> tuple[int, ...]:
         """A training prompt: a number of terms uniformly, then a prompt of that many terms uniformly."""
@@ -93,38 +97,45 @@ class SumsTask:
 @dataclasses.dataclass(frozen=True)
 class EasyHardSumsTask(SumsTask):
     """Sums of two kinds, each half of the training prompts, both answered in both forms at warm-up (the same
-    SumsTask answers, whatever the kind): easy prompts, `easy_terms` numbers in [0, `easy_max_term`), a closed set the
-    warm-up teaches at once and step by step alike; hard prompts, `max_terms` numbers in [0, `max_term`), where the
-    steps pay. A stand-in for the paper's regime: RL lengthens the hard prompts' answers because the steps pay there;
-    if the model carries the steps over to the easy prompts, where they pay nothing, that extra length is excess.
+    SumsTask answers, whatever the kind): easy prompts, `min_terms` numbers in [0, `easy_max_term`), a closed set the
+    warm-up teaches at once and step by step alike; hard prompts, `max_terms` numbers in [0, `max_term`) (those that are
+    not easy), where the steps pay. A stand-in for the paper's regime: RL lengthens the hard prompts' answers because
+    the steps pay there; if the model carries the steps over to the easy prompts, where they pay nothing, that extra
+    length is excess.
 
     The easy prompts are too few to hold any out: the held-out set has every easy prompt (repeated to as many as the
-    hard ones) and `eval_prompts` held-out hard prompts; `by_terms` in the evaluation tells the kinds apart.
+    hard ones) and `eval_prompts` held-out hard prompts; `kind` tells them apart (the evaluation's "by_kind").
     """
 
     min_terms: int = 2  # the easy prompts' number of terms
     max_terms: int = 4  # the hard prompts' number of terms
     easy_max_term: int = 5
 
+    def kind(self, terms: tuple[int, ...]) -> str:
+        """"easy" or "hard"."""
+        return "easy" if len(terms) == self.min_terms and max(terms) < self.easy_max_term else "hard"
+
     def prompts(self) -> list[tuple[int, ...]]:
         import itertools
 
         easy = list(itertools.product(range(self.easy_max_term), repeat=self.min_terms))
-        return easy + list(itertools.product(range(self.max_term), repeat=self.max_terms))
+        hard = itertools.product(range(self.max_term), repeat=self.max_terms)
+        return easy + [p for p in hard if self.kind(p) == "hard"]
 
     def split(self, eval_prompts: int, seed: int) -> tuple[list[list[tuple[int, ...]]], list[tuple[int, ...]]]:
         """(train, held-out): train is [every easy prompt, the hard prompts not held out] (shuffled); held out,
         `eval_prompts` hard prompts drawn with `seed` and as many easy ones (every easy prompt, cycled)."""
         rng = random.Random(seed)
-        easy = [p for p in self.prompts() if len(p) == self.min_terms]
-        hard = [p for p in self.prompts() if len(p) == self.max_terms]
+        easy = [p for p in self.prompts() if self.kind(p) == "easy"]
+        hard = [p for p in self.prompts() if self.kind(p) == "hard"]
         rng.shuffle(easy)
         rng.shuffle(hard)
         held_out_easy = [easy[i % len(easy)] for i in range(eval_prompts)]
         return [easy, hard[eval_prompts:]], held_out_easy + hard[:eval_prompts]
 
 
-TASKS = {"sums": SumsTask(), "easy-hard-sums": EasyHardSumsTask()}
+TASKS = {"sums": SumsTask(), "easy-hard-sums": EasyHardSumsTask(),
+         "small-large-sums": EasyHardSumsTask(min_terms=4, max_terms=4, easy_max_term=3)}
 
 
 def correctness_reward(prompts, completions, **kwargs) -> list[float]:
@@ -166,7 +177,7 @@ def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, dev
     mean accuracy of sampled answers), seeded with `seed`.
 
     Returns accuracy, mean length (tokens, <eos> included), the share of answers written step by step and the filler
-    words per answer, overall and per number of terms ("by_terms")."""
+    words per answer, overall, per number of terms ("by_terms") and per kind of prompt ("by_kind": task.kind)."""
     model.eval()
     device = torch.device(device)
     # sampled from `seed` on this device's generator, and every generator left as it was: evaluating during training
@@ -189,12 +200,14 @@ def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, dev
 
     result = summary(rows)
     result["by_terms"] = {str(n): summary([r for r in rows if r[0] == n]) for n in sorted({r[0] for r in rows})}
+    result["by_kind"] = {kind: summary([r for r in rows if r[5] == kind]) for kind in sorted({r[5] for r in rows})}
     return result
 
 
 def _sample_answers(model, tokenizer, task: SumsTask, prompts, max_new_tokens, device, samples, temperature, desc):
-    """(number of terms, correct, length, stepwise, filler words) of `samples` sampled answers per prompt."""
-    rows = []  # (terms count, correct, length, stepwise, filler)
+    """(number of terms, correct, length, stepwise, filler words, kind) of `samples` sampled answers per prompt."""
+    rows = []
+    kinds = {task.prompt(p): task.kind(p) for p in prompts}
     texts = [task.prompt(p) for p in prompts for _ in range(samples)]
     for start in tqdm(range(0, len(texts), 64), desc=desc, leave=False):
         chunk = texts[start : start + 64]
@@ -208,5 +221,6 @@ def _sample_answers(model, tokenizer, task: SumsTask, prompts, max_new_tokens, d
                 ids = [i for i in ids if i != tokenizer.pad_token_id]
             text = tokenizer.decode(ids, skip_special_tokens=True)
             stepwise, filler = answer_form(text)
-            rows.append((prompt.count("+") + 1, correctness_reward([prompt], [text])[0], len(ids), stepwise, filler))
+            rows.append((prompt.count("+") + 1, correctness_reward([prompt], [text])[0], len(ids), stepwise, filler,
+                         kinds[prompt]))
     return rows

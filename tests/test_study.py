@@ -1,0 +1,162 @@
+"""The length study (gfpo_trainer/study.py, study_report.py): arms, runs in pieces and their merge, the report."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("scipy")
+
+from gfpo_trainer import study  # noqa: E402
+from gfpo_trainer.study_report import ELR_IN_WORDS, paper_comparison_table, study_verdict  # noqa: E402
+from gfpo_trainer.study_stats import figure  # noqa: E402
+
+REPO = Path(__file__).parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _final(accuracy, length):
+    terms = {n: {"accuracy": accuracy, "mean_length": length, "stepwise_fraction": 0.5} for n in ("2", "4")}
+    return {"accuracy": accuracy, "mean_length": length, "stepwise_fraction": 0.5, "filler_per_answer": 0.1,
+            "accuracy_stepwise": accuracy, "accuracy_at_once": accuracy, "by_terms": terms}
+
+
+def _seed_result(seed, grpo_length, arm_length):
+    def run(accuracy, length):
+        return {"final": _final(accuracy, length), "curve": [(50, accuracy, length), (100, accuracy, length)],
+                "generated_tokens": [100.0, 100.0], "trained_tokens": [50.0, 50.0], "step_time": [1.0, 1.0],
+                "train_reward": [0.5, 0.5], "train_reward_std": [0.4, 0.4], "train_frac_reward_zero_std": [0.2, 0.2]}
+
+    return {"seed": seed, "warm-up": _final(0.5, 10.0), "warmup_time": 1.0,
+            "arms": {"grpo": run(0.9, grpo_length), "shortest-8of16": run(0.9, arm_length)}}
+
+
+def _write_piece(directory: Path, seeds, settings=None, arms=("grpo", "shortest-8of16"), done=None):
+    directory.mkdir(parents=True)
+    piece = {"environment": {"date": "2026-11-28", "commit": "abc"},
+             "settings": settings or {"rl_steps": 100, "task": {"max_terms": 4}}, "task": "sums", "seeds": seeds,
+             "arms": list(arms), "seed_results": [_seed_result(s, 20.0, 15.0 + s) for s in (done or seeds)]}
+    (directory / "study.json").write_text(json.dumps(piece))
+    return piece
+
+
+def test_merge_joins_pieces_in_seed_order(tmp_path, capsys):
+    """Pieces of one study, run apart, make one study file: every run kept, in seed order, each piece's environment
+    recorded, then the summary, the report with its verdict and the plot."""
+    first = _write_piece(tmp_path / "piece-2-3", [2, 3])
+    second = _write_piece(tmp_path / "piece-0-1", [0, 1])
+    out = tmp_path / "merged"
+    result = study.merge_studies([str(tmp_path / "piece-2-3"), str(tmp_path / "piece-0-1")], str(out))
+    merged = json.loads((out / "study.json").read_text())
+    assert merged["seeds"] == [0, 1, 2, 3]
+    assert merged["seed_results"] == json.loads(json.dumps(second["seed_results"] + first["seed_results"]))
+    assert [p["seeds"] for p in merged["environment"]["pieces"]] == [[2, 3], [0, 1]]
+    assert merged["environment"]["pieces"][0]["commit"] == "abc" and merged["task"] == "sums"
+    # ELR per seed: (20 - (15 + s)) / (20 - 10) for s = 0..3
+    assert merged["summary"]["arms"]["shortest-8of16"]["elr_per_seed"]["per_seed"] == pytest.approx(
+        [0.5, 0.4, 0.3, 0.2])
+    assert (out / "study.md").read_text() == result["report"] + "\n" and "## Verdict" in result["report"]
+    assert (out / "study.png").read_bytes()[:8] == PNG
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith(f"written: {out / 'study.md'} (the tables and the verdict), {out / 'study.json'} "
+                                     f"(every run per seed, and the summary), {out / 'study.png'} (the plot); the "
+                                     f"models under each piece's seed-*/")
+    assert ELR_IN_WORDS in printed
+
+
+def test_merge_refuses_pieces_that_do_not_make_one_study(tmp_path):
+    _write_piece(tmp_path / "a", [0, 1])
+    _write_piece(tmp_path / "b", [2, 3], settings={"rl_steps": 200, "task": {"max_terms": 4}})
+    _write_piece(tmp_path / "c", [1, 4])
+    _write_piece(tmp_path / "d", [5, 6], done=[5])
+    _write_piece(tmp_path / "e", [7], arms=("grpo",))
+    _write_piece(tmp_path / "f", [8])
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'b'} and {tmp_path / 'a'} differ in settings: "):
+        study.merge_studies([tmp_path / "a", tmp_path / "b"], out)
+    with pytest.raises(ValueError, match=rf"^seed 1 is in two pieces: {tmp_path / 'a'} and {tmp_path / 'c'}$"):
+        study.merge_studies([tmp_path / "a", tmp_path / "c"], out)
+    with pytest.raises(ValueError, match=r"seeds \[6\] of \[5, 6\] have no results \(the run stopped early\)"):
+        study.merge_studies([tmp_path / "a", tmp_path / "d"], out)
+    with pytest.raises(ValueError, match=r"differ in arms: \['grpo'\] against \['grpo', 'shortest-8of16'\]"):
+        study.merge_studies([tmp_path / "a", tmp_path / "e"], out)
+    with pytest.raises(ValueError, match=r"no study.json there"):
+        study.merge_studies([tmp_path / "a", tmp_path / "nowhere"], out)
+    with pytest.raises(ValueError, match=r"the pieces hold 1 seed; the study needs at least 2"):
+        study.merge_studies([tmp_path / "f"], out)
+    assert not (tmp_path / "out").exists()  # nothing written by a refused merge
+
+
+def test_merge_on_the_command_line(tmp_path, capsys):
+    from gfpo_trainer.cli import main
+
+    _write_piece(tmp_path / "a", [0, 1])
+    _write_piece(tmp_path / "b", [1, 2])
+    assert main(["demo", "--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--output-dir",
+                 str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: --merge: seed 1 is in two pieces: {tmp_path / 'a'} and {tmp_path / 'b'}\n"
+
+
+def test_pieces_merged_are_the_study_run_at_once(tmp_path):
+    """Two one-seed pieces merged hold the same runs as the two seeds run in one study (times apart)."""
+    settings, arms = study.DemoSettings.smoke(), ("grpo", "shortest-8of16")
+    whole = study.run_study(settings, [0, 1], output_dir=str(tmp_path / "whole"), arms=arms)
+    for seed in (0, 1):
+        piece = study.run_study(settings, [seed], output_dir=str(tmp_path / f"piece-{seed}"), arms=arms)
+        assert piece["summary"] is None and json.loads((tmp_path / f"piece-{seed}" / "study.json").read_text())
+    merged = study.merge_studies([str(tmp_path / "piece-1"), str(tmp_path / "piece-0")], str(tmp_path / "merged"))
+
+    def without_times(results):
+        results = json.loads(json.dumps(results))  # as study.json holds them
+        for r in results:
+            r.pop("warmup_time")
+            for run in r["arms"].values():
+                run.pop("step_time"), run.pop("load_average_1min_at_start")
+        return results
+
+    assert without_times(merged["study"]["seed_results"]) == without_times(whole["study"]["seed_results"])
+    assert merged["study"]["settings"] == json.loads(json.dumps(whole["study"]["settings"]))
+    assert merged["study"]["task"] is None  # the smoke task is none of TASKS
+    for name in ("study.json", "study.md", "study.png"):
+        assert (tmp_path / "whole" / name).exists()
+    with pytest.raises(ValueError, match=r"arms=\('grpo', 'nope'\): unknown arms \['nope'\]; choices: "):
+        study.run_study(settings, [0, 1], output_dir=str(tmp_path), arms=("grpo", "nope"))
+    with pytest.raises(ValueError, match=r"seeds=\[\]: the study needs at least 1 seed"):
+        study.run_study(settings, [], output_dir=str(tmp_path))
+
+
+def test_paper_objective_arm():
+    arm = study.ARMS["shortest-8of16-paper-objective"]
+    assert arm.config_fields() == {"num_generations": 16, "num_remains_in_group": 8, "group_filter": "length",
+                                   "loss_includes_rejected": True}
+    assert "loss_includes_rejected" not in study.ARMS["shortest-8of16"].config_fields()
+
+
+def test_study_verdict_follows_the_intervals():
+    summary = {"warm-up": {"accuracy": figure([0.5, 0.6]), "mean_length": figure([10.0, 12.0])},
+               "arms": {"grpo": {"accuracy": figure([0.9, 0.9]), "mean_length": figure([20.0, 22.0])},
+                        "shortest-8of16": {"elr_per_seed": figure([0.5, 0.52]),
+                                           "accuracy_minus_grpo": figure([-0.01, 0.01])},
+                        "token-efficiency-8of16": {"elr_per_seed": figure([-0.1, 0.3]),
+                                                   "accuracy_minus_grpo": figure([-0.05, -0.06])}}}
+    lines = study_verdict(summary, seeds=2).splitlines()
+    assert lines[0] == ("Over 2 seeds GRPO took held-out accuracy from 0.550 [-0.085, 1.185] to 0.900 [0.900, 0.900] "
+                        "and answers from 11.0 [-1.7, 23.7] to 21.0 [8.3, 33.7] tokens (means, 95% t-intervals over "
+                        "seeds).")
+    assert lines[1] == ("- shortest-8of16: avoided 51% [38%, 64%] of GRPO's extra length; accuracy +0.000 [-0.127, "
+                        "+0.127] against GRPO: not resolved (the interval contains 0 but is wider than +-0.03).")
+    assert lines[2] == ("- token-efficiency-8of16: ELR 10% [-244%, 264%]: not shown shorter than GRPO; accuracy -0.055 "
+                        "[-0.119, +0.009] against GRPO: not resolved (the interval contains 0 but is wider than +-0.03).")
+    assert lines[-1] == "Only 2 seeds: the t-intervals are wide (t = 12.71 standard errors on each side); the " \
+                        "protocols run 8."
+
+
+def test_paper_comparison_reads_the_papers_average_row():
+    paper = json.loads((REPO / "docs" / "demo" / "gfpo-paper-tables.json").read_text())
+    summary = {"arms": {"grpo": {}, "shortest-8of16": {"accuracy_minus_grpo": figure([-0.03, -0.01]),
+                                                       "elr_per_seed": figure([0.3, 0.5])}}}
+    table = paper_comparison_table(summary, paper, study.ARMS)
+    # the paper's average: GRPO 72.1%, Shortest 8/16 73.4% and ELR 29.7%
+    assert table.splitlines()[2] == "shortest-8of16 | +0.013 | 30% | -0.020 [-0.147, +0.107] | 40% [-87%, 167%]"
+    assert all(arm.paper in paper["benchmarks"]["Average"] for arm in study.ARMS.values())
