@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import importlib
 import os
+import pkgutil
 import re
 import sys
 import warnings
@@ -45,17 +45,21 @@ class ConfigError(ValueError):
 
 
 def _did_you_mean(name, choices) -> str:
-    """" (did you mean 'x'?)" for the closest of `choices` to `name`, "" when none is close (difflib's ratio >= 0.6)."""
-    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """" (did you mean 'x'?)" for the closest of `choices` to `name`, "" when none is close: the rule of every
+    unknown-name error of the package (gfpo_kernels._validation.did_you_mean)."""
+    from gfpo_kernels._validation import did_you_mean  # not at the top: gfpo_kernels imports torch, --help needs none
+
+    return did_you_mean(name, choices)
 
 
 def _unknown_hints(unknown: list, choices) -> str:
     """The did-you-mean hint of the one unknown name, or of each that has a close match, naming it."""
+    from gfpo_kernels._validation import closest_name
+
     if len(unknown) == 1:
         return _did_you_mean(unknown[0], choices)
-    pairs = [(name, difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)) for name in unknown]
-    pairs = [f"{close[0]!r} for {name!r}" for name, close in pairs if close]
+    pairs = [(name, closest_name(name, choices)) for name in unknown]
+    pairs = [f"{close!r} for {name!r}" for name, close in pairs if close is not None]
     return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
 
 
@@ -87,7 +91,8 @@ def resolve_model(model, base_dir: str) -> str:
 
 def load_reward_func(spec: str, base_dir: str | None = None):
     """"package.module:function" or "package.module.function" -> the function; modules are looked for in `base_dir`
-    (the config file's folder) first, when given."""
+    (the config file's folder) first, when given. A module or function that is not there is a ConfigError naming
+    what is there, and the close name if there is one."""
     if base_dir is not None and base_dir not in sys.path:
         sys.path.insert(0, base_dir)
     module_name, sep, attr = spec.partition(":")
@@ -98,12 +103,24 @@ def load_reward_func(spec: str, base_dir: str | None = None):
     try:
         module = importlib.import_module(module_name)
     except (ImportError, SyntaxError) as error:  # a SyntaxError's message names the file and line
+        missing = getattr(error, "name", None)
+        if isinstance(error, ModuleNotFoundError) and base_dir is not None and missing == module_name.split(".")[0]:
+            # the module itself is missing (not one that it imports): say where it was looked for and what is there
+            modules = sorted(found.name for found in pkgutil.iter_modules([base_dir]))
+            raise ConfigError(f"reward function {spec!r}: no module {missing!r}{_did_you_mean(missing, modules)} in "
+                              f"the config file's folder {base_dir} (modules there: {modules}) or elsewhere on the "
+                              "Python path") from None
         raise ConfigError(
             f"reward function {spec!r}: cannot import module {module_name!r} ({type(error).__name__}: {error})"
         ) from None
     func = getattr(module, attr, None)
     if not callable(func):
-        raise ConfigError(f"reward function {spec!r}: module {module_name!r} has no function {attr!r}")
+        functions = sorted(name for name, value in vars(module).items()
+                           if callable(value) and not isinstance(value, type) and not name.startswith("_"))
+        found = (f"has no function {attr!r}" if func is None
+                 else f"has {attr!r} of type {type(func).__name__}, not a function")
+        raise ConfigError(f"reward function {spec!r}: module {module_name!r} {found}{_did_you_mean(attr, functions)}; "
+                          f"its functions: {functions}")
     return func
 
 
@@ -233,7 +250,8 @@ def _checked(name: str, value, action):
     if ok is not None and not ok(value):
         raise ConfigError(f"args: {name}={value!r} is not {what}")
     if ok is None and action.choices is not None and value not in action.choices:
-        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}")
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
+                          f"{_did_you_mean(value, action.choices)}")
     return value
 
 
@@ -247,7 +265,8 @@ def _convert_value(name: str, value: str, action):
         what = "a bool (true/false, yes/no, 1/0)" if what == "string_to_bool" else what
         raise ConfigError(f"args: {name}={value!r} cannot be read as {what}") from None
     if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}")
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
+                          f"{_did_you_mean(value, action.choices)}")
     return converted
 
 

@@ -110,8 +110,16 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
         (dict(dataset="/nonexistent/train.jsonl"),
          r"dataset file '/nonexistent/train.jsonl' does not exist \(looked for /nonexistent/train.jsonl\)"),
-        (dict(reward_funcs=["gfpo_trainer.demo:nope"]), r"module 'gfpo_trainer.demo' has no function 'nope'"),
-        (dict(reward_funcs=["no_such_module:f"]), r"cannot import module 'no_such_module'"),
+        (dict(reward_funcs=["gfpo_trainer.demo:nope"]), r"module 'gfpo_trainer.demo' has no function 'nope'; its "
+         r"functions: \[.*'correctness_reward', .*\]$"),
+        (dict(reward_funcs=["gfpo_trainer.demo:correctnes_reward"]),
+         r"^reward function 'gfpo_trainer.demo:correctnes_reward': module 'gfpo_trainer.demo' has no function "
+         r"'correctnes_reward' \(did you mean 'correctness_reward'\?\); its functions: \[.*'correctness_reward'"),
+        (dict(reward_funcs=["gfpo_trainer.filters:GROUP_FILTERS"]),
+         r"module 'gfpo_trainer.filters' has 'GROUP_FILTERS' of type tuple, not a function; its functions: \[.*"
+         r"'group_filter_spec'"),
+        (dict(reward_funcs=["no_such_module:f"]), r"^reward function 'no_such_module:f': no module 'no_such_module' in "
+         r"the config file's folder .* \(modules there: \[.*\]\) or elsewhere on the Python path$"),
         (dict(args={"num_generationz": 8}),
          r"^unknown GFPOConfig fields \['num_generationz'\] under 'args' \(did you mean 'num_generations'\?\)$"),
         (dict(args={"lerning_rate": 1.0, "xyzzy": 1, "num_generationz": 8}),
@@ -124,7 +132,12 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(args={"num_generations": "four"}), r"^args: num_generations='four' cannot be read as int$"),
         (dict(args={"learning_rate": "1e-6x"}), r"^args: learning_rate='1e-6x' cannot be read as float$"),
         (dict(args={"use_gfpo_kernels": "maybe"}), r"^args: use_gfpo_kernels='maybe' cannot be read as a bool"),
-        (dict(args={"lr_scheduler_type": "cosin"}), r"^args: lr_scheduler_type='cosin' is not one of \['linear', "),
+        (dict(args={"lr_scheduler_type": "cosin"}),
+         r"^args: lr_scheduler_type='cosin' is not one of \['linear', .*\] \(did you mean 'cosine'\?\)$"),
+        (dict(args={"group_filter": "lenght", "num_remains_in_group": 4}),
+         re.escape(f"args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='lenght' (did you "
+                   "mean 'length'?)")),
+        (dict(args={"scale_rewards": "grup"}), r"got scale_rewards='grup' \(did you mean 'group'\?\)$"),
         (dict(args={"adaptive_difficulty": True, "adaptive_num_remains": ["8", "x", 4, 2]}),
          r"^args: adaptive_num_remains='x' cannot be read as int$"),
         (dict(dataset_split="test"),
@@ -141,8 +154,11 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(dataset=["a.jsonl", "b.jsonl"]), r"^dataset must be a file path or a datasets hub name, got \['a.jsonl'"),
         # GRPOConfig takes these and TRL fails only at the first training step
         (dict(args={"loss_type": "foo"}), r"^args: loss_type must be one of \('grpo', .*'vespo'\), got loss_type='foo'$"),
+        (dict(args={"loss_type": "dapoo"}), r"^args: loss_type must be one of .*, got loss_type='dapoo' \(did you mean "
+         r"'dapo'\?\)$"),
         (dict(args={"importance_sampling_level": "tok"}),
-         r"^args: importance_sampling_level must be one of \('token', 'sequence'\), got importance_sampling_level='tok'$"),
+         r"^args: importance_sampling_level must be one of \('token', 'sequence'\), got importance_sampling_level='tok' "
+         r"\(did you mean 'token'\?\)$"),
     ],
 )
 def test_train_config_errors(model_dir, dataset_file, tmp_path, change, match):
@@ -168,6 +184,28 @@ def test_yaml_strings_take_the_field_types(model_dir, dataset_file, tmp_path):
     config_file = tmp_path / "config.yaml"
     config_file.write_text(text)
     assert main(["train", "--config", str(config_file)]) == 0  # trains: the optimizer got a float learning rate
+
+
+def test_a_reward_module_that_is_not_there_names_the_folder_and_its_modules(model_dir, dataset_file, tmp_path,
+                                                                           monkeypatch, capsys):
+    """A misspelt reward module: one line naming where it was looked for, the modules there and the close one."""
+    (tmp_path / "gfpo_cli_typo_rewards.py").write_text("def digits(completions, **kwargs):\n    return [0.0]\n")
+    (tmp_path / "notes.txt").write_text("not a module\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the config's folder is put first on it
+    config = _config(model_dir, dataset_file, tmp_path, reward_funcs=["gfpo_cli_typo_reward:digits"])
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(config_file)]) == 2
+    assert capsys.readouterr().err == (
+        "error: reward function 'gfpo_cli_typo_reward:digits': no module 'gfpo_cli_typo_reward' (did you mean "
+        f"'gfpo_cli_typo_rewards'?) in the config file's folder {tmp_path} (modules there: ['gfpo_cli_typo_rewards']) "
+        "or elsewhere on the Python path\n")
+    # a module that imports a missing one is not itself missing: the import error says which
+    (tmp_path / "gfpo_cli_rewards_needing_more.py").write_text("import gfpo_no_such_dependency\n")
+    with pytest.raises(ConfigError, match=r"^reward function 'gfpo_cli_rewards_needing_more:f': cannot import module "
+                                          r"'gfpo_cli_rewards_needing_more' \(ModuleNotFoundError: No module named "
+                                          r"'gfpo_no_such_dependency'\)$"):
+        load_reward_func("gfpo_cli_rewards_needing_more:f", str(tmp_path))
 
 
 def test_reward_module_with_a_syntax_error(tmp_path, monkeypatch):
