@@ -15,9 +15,10 @@ A training config (YAML):
       group_filter: length
 
 Paths in the file are read from the file's folder, wherever the command runs: `model` and `dataset` when relative,
-the args in PATH_ARGS, and the reward modules (imported from that folder first). `model` is a local directory when
-one exists there; otherwise it must be a Hub name, `namespace/name`: anything else (`tiny_model`, `./models/x`,
-`~/x`, `a/b/c`) is a directory that does not exist, an error naming where it was looked for, before any download.
+the args output_dir (default gfpo-output), logging_dir, resume_from_checkpoint and deepspeed, and the reward modules
+(imported from that folder first). `model` is a local directory when one exists there; otherwise it must be a Hub
+name, `namespace/name`: anything else (`tiny_model`, `./models/x`, `~/x`, `a/b/c`) is a directory that does not
+exist, an error naming where it was looked for, before any download.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "pa
 # names such as gpt2 redirect from namespaced ones, openai-community/gpt2): one '/', letters, digits, '-', '_', '.'
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # GFPOConfig (TrainingArguments) fields that name files or folders: read from the config file's folder when relative
+# (the module docstring names them)
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed")
 _TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "reward_funcs", "args")
 
@@ -270,6 +272,18 @@ def _convert_value(name: str, value: str, action):
     return converted
 
 
+def saved_line(output_dir: str) -> str:
+    """`train`'s last line: where the trained model was saved, and what that folder holds (its files, its folders
+    marked with a /, then its checkpoints, first to last)."""
+    entries = sorted(os.listdir(output_dir))
+    checkpoints = sorted((e for e in entries if re.fullmatch(r"checkpoint-\d+", e)), key=lambda e: int(e[11:]))
+    held = ", ".join(e + "/" * os.path.isdir(os.path.join(output_dir, e)) for e in entries if e not in checkpoints)
+    if checkpoints:
+        held += f"; checkpoints: {checkpoints[0]}" + (f" to {checkpoints[-1]} ({len(checkpoints)})"
+                                                      if len(checkpoints) > 1 else "")
+    return f"saved the trained model to {output_dir}: {held}"
+
+
 def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
@@ -302,8 +316,36 @@ def _demo(options) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatting, with a description or epilog filled paragraph by paragraph, and an indented paragraph
+    (the example config) kept as it is written."""
+
+    def _fill_text(self, text, width, indent):
+        return "\n\n".join(paragraph if paragraph.startswith(" ") else super(_HelpFormatter, self)._fill_text(
+            paragraph, width, indent) for paragraph in text.split("\n\n"))
+
+
+def _doc_paragraphs() -> list[str]:
+    """This module's docstring, paragraph by paragraph (none under python -OO): the help's description and the
+    train command's example config."""
+    return (__doc__ or "").strip("\n").split("\n\n")
+
+
+def _sentence(summary: str) -> str:
+    """A command's one-line summary (`help=`, lower case, no full stop) as the first sentence of its own --help."""
+    return summary[:1].upper() + summary[1:] + ("" if summary.endswith(".") else ".")
+
+
+TRAIN_DESCRIPTION = (
+    "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column, reward functions and GFPOConfig "
+    "fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
+    "args.output_dir (default gfpo-output, beside the config file)."
+)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gfpo_trainer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gfpo_trainer", description=" ".join(_doc_paragraphs()[0].split()),
+                                     epilog="Each command's --help says what it does and what it takes.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="GRPO vs GFPO on a task where RL lengthens answers, with a tiny model "
                                "(no downloads)")
@@ -320,12 +362,16 @@ def main(argv=None) -> int:
                       help="where the plot, results and models go (default gfpo_demo_output, gfpo_study_output)")
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
     demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
-    train = commands.add_parser("train", help="train with GFPO from a YAML config")
+    train = commands.add_parser("train", help="train with GFPO from a YAML config", description=TRAIN_DESCRIPTION,
+                                epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter)
     train.add_argument("--config", required=True,
                        help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
                        "and optionally dataset_split (default train)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
                         "extension, backends, and whether the installed TRL and vLLM are supported")
+    for command in commands._choices_actions:  # a command's --help opens with its summary from the list above
+        if commands.choices[command.dest].description is None:
+            commands.choices[command.dest].description = _sentence(command.help)
     options = parser.parse_args(argv)
     if options.command == "env":  # needs no TRL: a bug report must be possible from a broken install
         from .env_report import environment_report
@@ -375,4 +421,6 @@ def main(argv=None) -> int:
               "over those (set args.resume_from_checkpoint to continue it)", file=sys.stderr)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
+    if trainer.is_world_process_zero():  # the process that saved it
+        print(saved_line(output_dir))
     return 0
