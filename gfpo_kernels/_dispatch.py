@@ -24,6 +24,7 @@ import threading
 import torch
 
 from ._extension import STATUS as EXTENSION
+from ._validation import did_you_mean
 
 BACKENDS = ("triton", "cpp", "torch", "reference")
 OP_BACKENDS = {
@@ -82,7 +83,8 @@ def _can_run(backend: str, op: str, device: torch.device, group_size: int = 1) -
 def forced_backend() -> str | None:
     name = getattr(_forced, "name", None) or os.environ.get("GFPO_KERNELS_BACKEND") or None
     if name is not None and name not in BACKENDS:  # a misspelt name would otherwise force nothing, silently
-        raise ValueError(f"GFPO_KERNELS_BACKEND must be one of {BACKENDS} (or unset), got {name!r}")
+        raise ValueError(f"GFPO_KERNELS_BACKEND must be one of {BACKENDS} (or unset), got {name!r}"
+                         f"{did_you_mean(name, BACKENDS)}")
     return name
 
 
@@ -121,7 +123,7 @@ def use_backend(name: str | None):
         ValueError: an unknown name. RuntimeError (at the op's call): the forced backend cannot run that input.
     """
     if name is not None and name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}")
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {name!r}{did_you_mean(name, BACKENDS)}")
     previous = getattr(_forced, "name", None)
     _forced.name = name
     try:

@@ -3,11 +3,25 @@ with the same message. Every message names the argument and the offending value.
 
 from __future__ import annotations
 
+import difflib
 import numbers
 
 import torch
 
 SCALES = ("group", "batch", "none")
+
+
+def closest_name(value, choices) -> str | None:
+    """The one of `choices` closest to `value` (as text), None when none is close: difflib's similarity ratio >= 0.6.
+    One rule for every name a user types: loss types, filters, config keys and fields, reward functions."""
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(value, choices) -> str:
+    """The end of an unknown-name error: " (did you mean 'x'?)" with closest_name(value, choices), "" when none."""
+    close = closest_name(value, choices)
+    return f" (did you mean {close!r}?)" if close is not None else ""
 
 
 def check_group_size(group_size) -> int:
@@ -97,7 +111,7 @@ def check_k(k, num_groups: int, group_size: int, device: torch.device) -> int | 
 
 def check_scale_eps(scale, eps) -> None:
     if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got scale={scale!r}")
+        raise ValueError(f"scale must be one of {SCALES}, got scale={scale!r}{did_you_mean(scale, SCALES)}")
     # eps > 0: it is what keeps a zero-variance group's advantages 0 rather than 0 / 0
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0 or eps == float("inf"):
         raise ValueError(f"eps must be a finite float > 0, got eps={eps!r}")

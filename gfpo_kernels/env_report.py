@@ -35,13 +35,35 @@ def package_versions() -> dict[str, str]:
     return {name: _version(name) for name in _PACKAGES}
 
 
+def torch_without_cuda() -> str | None:
+    """Which build this torch is when it has no CUDA ("CPU", "ROCm"), None for a CUDA build: the extension's CUDA
+    kernels, compiled whenever nvcc is found (setup.py), run only beside a CUDA build of torch."""
+    if torch.version.cuda is not None:
+        return None
+    return "ROCm" if getattr(torch.version, "hip", None) else "CPU"
+
+
+def extension_state(extension) -> str:
+    """The report's `extension gfpo_kernels._C` line: loaded or why not, and which of its kernels this torch runs. A
+    build with CUDA kernels beside a torch without CUDA says they are unusable, so a bug report never reads as if
+    the CUDA kernels had run."""
+    if not extension.loaded:
+        return f"not loaded: it {extension.problem}"
+    if not extension.cuda:
+        return "loaded, built for CPU only"
+    build = torch_without_cuda()
+    if build is None:
+        return "loaded, built with CUDA"
+    return f"loaded, CUDA kernels compiled, unusable: this torch is a {build} build"
+
+
 def environment_report() -> str:
     """A plain-text report of what gfpo_kernels runs on, one `name: value` per line."""
     extension = _dispatch.EXTENSION
     lines = [f"python: {sys.version.split()[0]} ({platform.platform()})", f"gfpo: {_version('gfpo')}",
              f"gfpo commit: {extension.build.get('COMMIT', 'unknown (no build record)')}"]
     lines += [f"{name}: {version}" for name, version in package_versions().items()]
-    lines.append(f"torch CUDA: {torch.version.cuda or 'none (CPU build)'}")
+    lines.append(f"torch CUDA: {torch.version.cuda or f'none ({torch_without_cuda()} build)'}")
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
@@ -49,11 +71,7 @@ def environment_report() -> str:
                          f"{props.total_memory / 2**30:.0f} GiB")
     else:
         lines.append("device: CPU only (no CUDA device visible)")
-    if extension.loaded:
-        state = f"loaded, {'built with CUDA' if extension.cuda else 'built for CPU only'}"
-    else:
-        state = f"not loaded: it {extension.problem}"
-    lines.append(f"extension gfpo_kernels._C: {state}")
+    lines.append(f"extension gfpo_kernels._C: {extension_state(extension)}")
     lines.append(f"extension built against: {extension.built_against()}")
     lines.append(f"TRITON_INTERPRET: {'on' if _dispatch.triton_interpreting() else 'off'}")
     forced = _dispatch.forced_backend()
@@ -65,6 +83,10 @@ def environment_report() -> str:
                 chosen = _dispatch.select_backend(op, torch.device(device))
             except RuntimeError as error:
                 chosen = f"error: {error}"
-            suffix = "" if device == "cpu" or torch.cuda.is_available() else " (if CUDA tensors were given)"
+            suffix = ""
+            if device == "cuda" and not torch.cuda.is_available():  # what the extension would run, hypothetically
+                build = torch_without_cuda()
+                suffix = (" (if CUDA tensors were given)" if build is None
+                          else f" (beside a CUDA build of torch: this one is a {build} build)")
             lines.append(f"backend {op} ops, {device} tensors: {chosen}{suffix}")
     return "\n".join(lines)

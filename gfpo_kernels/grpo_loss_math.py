@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._validation import did_you_mean
 from .loss_types import LOSS_TYPES, TermInputs, loss_spec, vespo_gamma_weights
 
 __all__ = ["IMPORTANCE_SAMPLING_LEVELS", "LOSS_TYPES", "GRPOLossOptions", "TokenGradInputs", "check_loss_kind",
@@ -58,7 +59,8 @@ def check_loss_kind(loss_type, importance_sampling_level) -> None:
     loss_spec(loss_type)
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got "
-                         f"importance_sampling_level={importance_sampling_level!r}")
+                         f"importance_sampling_level={importance_sampling_level!r}"
+                         f"{did_you_mean(importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)}")
 
 
 @dataclasses.dataclass(frozen=True)

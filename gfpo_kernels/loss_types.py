@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._validation import did_you_mean
+
 # vespo's log-space clamps (TRL's get_gamma_weights): log(1e-8) below, 20 above
 _VESPO_LOG_MIN = math.log(1e-8)
 _VESPO_LOG_MAX = 20.0
@@ -351,5 +353,6 @@ def loss_spec(loss_type) -> LossTypeSpec:
     """The spec of `loss_type`; ValueError naming the value for any other (a kernel never falls back to a default)."""
     spec = LOSS_SPECS.get(loss_type) if isinstance(loss_type, str) else None
     if spec is None:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got loss_type={loss_type!r}")
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got loss_type={loss_type!r}"
+                         f"{did_you_mean(loss_type, LOSS_TYPES)}")
     return spec

@@ -15,18 +15,19 @@ A training config (YAML):
       group_filter: length
 
 Paths in the file are read from the file's folder, wherever the command runs: `model` and `dataset` when relative,
-the args in PATH_ARGS, and the reward modules (imported from that folder first). `model` is a local directory when
-one exists there; otherwise it must be a Hub name, `namespace/name`: anything else (`tiny_model`, `./models/x`,
-`~/x`, `a/b/c`) is a directory that does not exist, an error naming where it was looked for, before any download.
+the args output_dir (default gfpo-output), logging_dir, resume_from_checkpoint and deepspeed, and the reward modules
+(imported from that folder first). `model` is a local directory when one exists there; otherwise it must be a Hub
+name, `namespace/name`: anything else (`tiny_model`, `./models/x`, `~/x`, `a/b/c`) is a directory that does not
+exist, an error naming where it was looked for, before any download.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import importlib
 import os
+import pkgutil
 import re
 import sys
 import warnings
@@ -36,6 +37,7 @@ _LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "pa
 # names such as gpt2 redirect from namespaced ones, openai-community/gpt2): one '/', letters, digits, '-', '_', '.'
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # GFPOConfig (TrainingArguments) fields that name files or folders: read from the config file's folder when relative
+# (the module docstring names them)
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed")
 _TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "reward_funcs", "args")
 
@@ -45,17 +47,21 @@ class ConfigError(ValueError):
 
 
 def _did_you_mean(name, choices) -> str:
-    """" (did you mean 'x'?)" for the closest of `choices` to `name`, "" when none is close (difflib's ratio >= 0.6)."""
-    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """" (did you mean 'x'?)" for the closest of `choices` to `name`, "" when none is close: the rule of every
+    unknown-name error of the package (gfpo_kernels._validation.did_you_mean)."""
+    from gfpo_kernels._validation import did_you_mean  # not at the top: gfpo_kernels imports torch, --help needs none
+
+    return did_you_mean(name, choices)
 
 
 def _unknown_hints(unknown: list, choices) -> str:
     """The did-you-mean hint of the one unknown name, or of each that has a close match, naming it."""
+    from gfpo_kernels._validation import closest_name
+
     if len(unknown) == 1:
         return _did_you_mean(unknown[0], choices)
-    pairs = [(name, difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)) for name in unknown]
-    pairs = [f"{close[0]!r} for {name!r}" for name, close in pairs if close]
+    pairs = [(name, closest_name(name, choices)) for name in unknown]
+    pairs = [f"{close!r} for {name!r}" for name, close in pairs if close is not None]
     return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
 
 
@@ -87,7 +93,8 @@ def resolve_model(model, base_dir: str) -> str:
 
 def load_reward_func(spec: str, base_dir: str | None = None):
     """"package.module:function" or "package.module.function" -> the function; modules are looked for in `base_dir`
-    (the config file's folder) first, when given."""
+    (the config file's folder) first, when given. A module or function that is not there is a ConfigError naming
+    what is there, and the close name if there is one."""
     if base_dir is not None and base_dir not in sys.path:
         sys.path.insert(0, base_dir)
     module_name, sep, attr = spec.partition(":")
@@ -98,12 +105,24 @@ def load_reward_func(spec: str, base_dir: str | None = None):
     try:
         module = importlib.import_module(module_name)
     except (ImportError, SyntaxError) as error:  # a SyntaxError's message names the file and line
+        missing = getattr(error, "name", None)
+        if isinstance(error, ModuleNotFoundError) and base_dir is not None and missing == module_name.split(".")[0]:
+            # the module itself is missing (not one that it imports): say where it was looked for and what is there
+            modules = sorted(found.name for found in pkgutil.iter_modules([base_dir]))
+            raise ConfigError(f"reward function {spec!r}: no module {missing!r}{_did_you_mean(missing, modules)} in "
+                              f"the config file's folder {base_dir} (modules there: {modules}) or elsewhere on the "
+                              "Python path") from None
         raise ConfigError(
             f"reward function {spec!r}: cannot import module {module_name!r} ({type(error).__name__}: {error})"
         ) from None
     func = getattr(module, attr, None)
     if not callable(func):
-        raise ConfigError(f"reward function {spec!r}: module {module_name!r} has no function {attr!r}")
+        functions = sorted(name for name, value in vars(module).items()
+                           if callable(value) and not isinstance(value, type) and not name.startswith("_"))
+        found = (f"has no function {attr!r}" if func is None
+                 else f"has {attr!r} of type {type(func).__name__}, not a function")
+        raise ConfigError(f"reward function {spec!r}: module {module_name!r} {found}{_did_you_mean(attr, functions)}; "
+                          f"its functions: {functions}")
     return func
 
 
@@ -233,7 +252,8 @@ def _checked(name: str, value, action):
     if ok is not None and not ok(value):
         raise ConfigError(f"args: {name}={value!r} is not {what}")
     if ok is None and action.choices is not None and value not in action.choices:
-        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}")
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
+                          f"{_did_you_mean(value, action.choices)}")
     return value
 
 
@@ -247,8 +267,21 @@ def _convert_value(name: str, value: str, action):
         what = "a bool (true/false, yes/no, 1/0)" if what == "string_to_bool" else what
         raise ConfigError(f"args: {name}={value!r} cannot be read as {what}") from None
     if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}")
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
+                          f"{_did_you_mean(value, action.choices)}")
     return converted
+
+
+def saved_line(output_dir: str) -> str:
+    """`train`'s last line: where the trained model was saved, and what that folder holds (its files, its folders
+    marked with a /, then its checkpoints, first to last)."""
+    entries = sorted(os.listdir(output_dir))
+    checkpoints = sorted((e for e in entries if re.fullmatch(r"checkpoint-\d+", e)), key=lambda e: int(e[11:]))
+    held = ", ".join(e + "/" * os.path.isdir(os.path.join(output_dir, e)) for e in entries if e not in checkpoints)
+    if checkpoints:
+        held += f"; checkpoints: {checkpoints[0]}" + (f" to {checkpoints[-1]} ({len(checkpoints)})"
+                                                      if len(checkpoints) > 1 else "")
+    return f"saved the trained model to {output_dir}: {held}"
 
 
 def _one_line(error: Exception) -> str:
@@ -331,8 +364,36 @@ def _demo(options) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatting, with a description or epilog filled paragraph by paragraph, and an indented paragraph
+    (the example config) kept as it is written."""
+
+    def _fill_text(self, text, width, indent):
+        return "\n\n".join(paragraph if paragraph.startswith(" ") else super(_HelpFormatter, self)._fill_text(
+            paragraph, width, indent) for paragraph in text.split("\n\n"))
+
+
+def _doc_paragraphs() -> list[str]:
+    """This module's docstring, paragraph by paragraph (none under python -OO): the help's description and the
+    train command's example config."""
+    return (__doc__ or "").strip("\n").split("\n\n")
+
+
+def _sentence(summary: str) -> str:
+    """A command's one-line summary (`help=`, lower case, no full stop) as the first sentence of its own --help."""
+    return summary[:1].upper() + summary[1:] + ("" if summary.endswith(".") else ".")
+
+
+TRAIN_DESCRIPTION = (
+    "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column, reward functions and GFPOConfig "
+    "fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
+    "args.output_dir (default gfpo-output, beside the config file)."
+)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gfpo_trainer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gfpo_trainer", description=" ".join(_doc_paragraphs()[0].split()),
+                                     epilog="Each command's --help says what it does and what it takes.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="GRPO vs GFPO on a task where RL lengthens answers, with a tiny model "
                                "(no downloads)")
@@ -357,12 +418,16 @@ def main(argv=None) -> int:
                       help="where the plot, results and models go (default gfpo_demo_output, gfpo_study_output)")
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
     demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
-    train = commands.add_parser("train", help="train with GFPO from a YAML config")
+    train = commands.add_parser("train", help="train with GFPO from a YAML config", description=TRAIN_DESCRIPTION,
+                                epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter)
     train.add_argument("--config", required=True,
                        help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
                        "and optionally dataset_split (default train)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
                         "extension, backends, and whether the installed TRL and vLLM are supported")
+    for command in commands._choices_actions:  # a command's --help opens with its summary from the list above
+        if commands.choices[command.dest].description is None:
+            commands.choices[command.dest].description = _sentence(command.help)
     options = parser.parse_args(argv)
     if options.command == "env":  # needs no TRL: a bug report must be possible from a broken install
         from .env_report import environment_report
@@ -412,4 +477,6 @@ def main(argv=None) -> int:
               "over those (set args.resume_from_checkpoint to continue it)", file=sys.stderr)
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
+    if trainer.is_world_process_zero():  # the process that saved it
+        print(saved_line(output_dir))
     return 0

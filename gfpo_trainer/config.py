@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from gfpo_kernels._validation import did_you_mean
 from gfpo_kernels.grpo_loss_math import check_loss_kind
 from gfpo_kernels.loss_types import loss_spec
 
@@ -133,7 +134,8 @@ class GFPOConfig(GRPOConfig):
         except TypeError:  # unhashable
             mapped = s
         if not (isinstance(mapped, str) and mapped in SCALE_REWARDS):
-            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, True or False, got scale_rewards={s!r}")
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, True or False, got scale_rewards={s!r}"
+                             f"{did_you_mean(s, SCALE_REWARDS)}")
         # GRPOConfig takes any loss_type and fails at the first training step; TRL 1.14.2 to 1.16 compute the same
         # loss types, every one of them the fused loss's too (gfpo_kernels.loss_types.LOSS_SPECS)
         check_loss_kind(self.loss_type, self.importance_sampling_level)

@@ -15,6 +15,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from gfpo_kernels._validation import did_you_mean
+
 
 class FilterInputs(NamedTuple):
     """What a filter scores, every row of the global batch (N = groups x G, each group's G rows contiguous).
@@ -119,5 +121,6 @@ def group_filter_spec(group_filter) -> GroupFilterSpec | None:
         return None
     spec = GROUP_FILTER_SPECS.get(group_filter) if isinstance(group_filter, str) else None
     if spec is None:
-        raise ValueError(f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={group_filter!r}")
+        raise ValueError(f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={group_filter!r}"
+                         f"{did_you_mean(group_filter, GROUP_FILTERS)}")
     return spec

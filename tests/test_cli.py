@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ trl = pytest.importorskip("trl")
 yaml = pytest.importorskip("yaml")
 
 from gfpo_trainer import GROUP_FILTERS  # noqa: E402
-from gfpo_trainer.cli import ConfigError, build_trainer, load_reward_func, main  # noqa: E402
+from gfpo_trainer.cli import ConfigError, build_trainer, load_reward_func, main, saved_line  # noqa: E402
 from gfpo_trainer.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
@@ -57,11 +58,30 @@ def _config(model_dir, dataset_file, tmp_path, **changes):
     return config
 
 
-def test_train_command(model_dir, dataset_file, tmp_path):
+def test_train_command(model_dir, dataset_file, tmp_path, capsys):
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path)))
     assert main(["train", "--config", str(config_file)]) == 0
-    assert (tmp_path / "out" / "config.json").exists()  # the trained model was saved
+    out = tmp_path / "out"
+    assert (out / "config.json").exists()  # the trained model was saved
+    # and the command's last line says where, and what is there: every file of the folder, the model's among them
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"saved the trained model to {out}: ")
+    listed = last.split(": ", 1)[1].split(", ")
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(listed)
+    assert sorted(listed) == sorted(path.name for path in out.iterdir())
+
+
+def test_saved_line_lists_files_folders_and_checkpoints_in_step_order(tmp_path):
+    for name in ("model.safetensors", "config.json"):
+        (tmp_path / name).write_text("")
+    for name in ("runs", "checkpoint-10", "checkpoint-9", "checkpoint-100"):
+        (tmp_path / name).mkdir()
+    assert saved_line(str(tmp_path)) == (f"saved the trained model to {tmp_path}: config.json, model.safetensors, "
+                                         "runs/; checkpoints: checkpoint-9 to checkpoint-100 (3)")
+    for name in ("checkpoint-10", "checkpoint-100"):
+        (tmp_path / name).rmdir()
+    assert saved_line(str(tmp_path)).endswith("runs/; checkpoints: checkpoint-9")
 
 
 def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_path, capsys):
@@ -75,7 +95,9 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
     assert main(["train", "--config", str(config_file)]) == 0
     checkpoint = tmp_path / "out" / "checkpoint-2"
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert state["global_step"] == 2 and "warning:" not in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert state["global_step"] == 2 and "warning:" not in printed.err
+    assert printed.out.endswith("; checkpoints: checkpoint-1 to checkpoint-2 (2)\n")
 
     resumed = dict(args, max_steps=3, resume_from_checkpoint=str(checkpoint))
     config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path, args=resumed)))
@@ -110,8 +132,16 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
         (dict(dataset="/nonexistent/train.jsonl"),
          r"dataset file '/nonexistent/train.jsonl' does not exist \(looked for /nonexistent/train.jsonl\)"),
-        (dict(reward_funcs=["gfpo_trainer.demo:nope"]), r"module 'gfpo_trainer.demo' has no function 'nope'"),
-        (dict(reward_funcs=["no_such_module:f"]), r"cannot import module 'no_such_module'"),
+        (dict(reward_funcs=["gfpo_trainer.demo:nope"]), r"module 'gfpo_trainer.demo' has no function 'nope'; its "
+         r"functions: \[.*'correctness_reward', .*\]$"),
+        (dict(reward_funcs=["gfpo_trainer.demo:correctnes_reward"]),
+         r"^reward function 'gfpo_trainer.demo:correctnes_reward': module 'gfpo_trainer.demo' has no function "
+         r"'correctnes_reward' \(did you mean 'correctness_reward'\?\); its functions: \[.*'correctness_reward'"),
+        (dict(reward_funcs=["gfpo_trainer.filters:GROUP_FILTERS"]),
+         r"module 'gfpo_trainer.filters' has 'GROUP_FILTERS' of type tuple, not a function; its functions: \[.*"
+         r"'group_filter_spec'"),
+        (dict(reward_funcs=["no_such_module:f"]), r"^reward function 'no_such_module:f': no module 'no_such_module' in "
+         r"the config file's folder .* \(modules there: \[.*\]\) or elsewhere on the Python path$"),
         (dict(args={"num_generationz": 8}),
          r"^unknown GFPOConfig fields \['num_generationz'\] under 'args' \(did you mean 'num_generations'\?\)$"),
         (dict(args={"lerning_rate": 1.0, "xyzzy": 1, "num_generationz": 8}),
@@ -124,7 +154,12 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(args={"num_generations": "four"}), r"^args: num_generations='four' cannot be read as int$"),
         (dict(args={"learning_rate": "1e-6x"}), r"^args: learning_rate='1e-6x' cannot be read as float$"),
         (dict(args={"use_gfpo_kernels": "maybe"}), r"^args: use_gfpo_kernels='maybe' cannot be read as a bool"),
-        (dict(args={"lr_scheduler_type": "cosin"}), r"^args: lr_scheduler_type='cosin' is not one of \['linear', "),
+        (dict(args={"lr_scheduler_type": "cosin"}),
+         r"^args: lr_scheduler_type='cosin' is not one of \['linear', .*\] \(did you mean 'cosine'\?\)$"),
+        (dict(args={"group_filter": "lenght", "num_remains_in_group": 4}),
+         re.escape(f"args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='lenght' (did you "
+                   "mean 'length'?)")),
+        (dict(args={"scale_rewards": "grup"}), r"got scale_rewards='grup' \(did you mean 'group'\?\)$"),
         (dict(args={"adaptive_difficulty": True, "adaptive_num_remains": ["8", "x", 4, 2]}),
          r"^args: adaptive_num_remains='x' cannot be read as int$"),
         (dict(dataset_split="test"),
@@ -141,8 +176,11 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(dataset=["a.jsonl", "b.jsonl"]), r"^dataset must be a file path or a datasets hub name, got \['a.jsonl'"),
         # GRPOConfig takes these and TRL fails only at the first training step
         (dict(args={"loss_type": "foo"}), r"^args: loss_type must be one of \('grpo', .*'vespo'\), got loss_type='foo'$"),
+        (dict(args={"loss_type": "dapoo"}), r"^args: loss_type must be one of .*, got loss_type='dapoo' \(did you mean "
+         r"'dapo'\?\)$"),
         (dict(args={"importance_sampling_level": "tok"}),
-         r"^args: importance_sampling_level must be one of \('token', 'sequence'\), got importance_sampling_level='tok'$"),
+         r"^args: importance_sampling_level must be one of \('token', 'sequence'\), got "
+         r"importance_sampling_level='tok' \(did you mean 'token'\?\)$"),
     ],
 )
 def test_train_config_errors(model_dir, dataset_file, tmp_path, change, match):
@@ -168,6 +206,28 @@ def test_yaml_strings_take_the_field_types(model_dir, dataset_file, tmp_path):
     config_file = tmp_path / "config.yaml"
     config_file.write_text(text)
     assert main(["train", "--config", str(config_file)]) == 0  # trains: the optimizer got a float learning rate
+
+
+def test_a_reward_module_that_is_not_there_names_the_folder_and_its_modules(model_dir, dataset_file, tmp_path,
+                                                                           monkeypatch, capsys):
+    """A misspelt reward module: one line naming where it was looked for, the modules there and the close one."""
+    (tmp_path / "gfpo_cli_typo_rewards.py").write_text("def digits(completions, **kwargs):\n    return [0.0]\n")
+    (tmp_path / "notes.txt").write_text("not a module\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the config's folder is put first on it
+    config = _config(model_dir, dataset_file, tmp_path, reward_funcs=["gfpo_cli_typo_reward:digits"])
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(config_file)]) == 2
+    assert capsys.readouterr().err == (
+        "error: reward function 'gfpo_cli_typo_reward:digits': no module 'gfpo_cli_typo_reward' (did you mean "
+        f"'gfpo_cli_typo_rewards'?) in the config file's folder {tmp_path} (modules there: ['gfpo_cli_typo_rewards']) "
+        "or elsewhere on the Python path\n")
+    # a module that imports a missing one is not itself missing: the import error says which
+    (tmp_path / "gfpo_cli_rewards_needing_more.py").write_text("import gfpo_no_such_dependency\n")
+    with pytest.raises(ConfigError, match=r"^reward function 'gfpo_cli_rewards_needing_more:f': cannot import module "
+                                          r"'gfpo_cli_rewards_needing_more' \(ModuleNotFoundError: No module named "
+                                          r"'gfpo_no_such_dependency'\)$"):
+        load_reward_func("gfpo_cli_rewards_needing_more:f", str(tmp_path))
 
 
 def test_reward_module_with_a_syntax_error(tmp_path, monkeypatch):
@@ -263,6 +323,14 @@ def test_paths_are_read_from_the_config_files_folder(model_dir, tmp_path, monkey
     assert (project / "out" / "config.json").exists() and not (elsewhere / "out").exists()
 
 
+def test_output_dir_defaults_to_gfpo_output_beside_the_config(model_dir, dataset_file, tmp_path, monkeypatch):
+    config = _config(model_dir, dataset_file, tmp_path)
+    del config["args"]["output_dir"]
+    monkeypatch.chdir(tmp_path.parent)  # not the config's folder
+    assert build_trainer(config, base_dir=str(tmp_path / "runs" / "a")).args.output_dir == str(
+        tmp_path / "runs" / "a" / "gfpo-output")
+
+
 def test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn(model_dir, dataset_file, tmp_path):
     """transformers' TrainingArguments warns (FutureWarning: `gradient_checkpointing` is deprecated ...) while the
     config is built; a config that fails prints its error line and nothing else. Also a mistyped local model
@@ -294,7 +362,8 @@ def test_warnings_of_a_good_config_are_still_shown(monkeypatch, tmp_path):
     trained = []
     trainer = types.SimpleNamespace(args=types.SimpleNamespace(resume_from_checkpoint=None,
                                                                output_dir=str(tmp_path / "out")),
-                                    train=lambda resume_from_checkpoint: trained.append(True), save_model=lambda: None)
+                                    train=lambda resume_from_checkpoint: trained.append(True),
+                                    save_model=lambda: (tmp_path / "out").mkdir(), is_world_process_zero=lambda: True)
 
     def build(config, base_dir=None):
         warnings.warn("`old_option` is deprecated", FutureWarning)
@@ -436,6 +505,64 @@ def test_requirement_check_names_what_is_missing_or_too_old():
     assert module.unsatisfied([f"torch>={installed}", "numpy", "triton>=1; platform_system == 'Nowhere'"]) == []
     assert module.unsatisfied(["torch<2", "gfpo-no-such-package"]) == [
         f"torch<2 (installed: {torch.__version__})", "gfpo-no-such-package (not installed)"]
+
+
+def _help(argv: list[str], capsys, monkeypatch) -> list[str]:
+    """What `python -m gfpo_trainer ARGV --help` prints, in blocks (blank lines apart), at 100 columns."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out.strip("\n").split("\n\n")
+
+
+def _prose(block: str) -> str:
+    return " ".join(block.split())
+
+
+@pytest.mark.parametrize("argv", [[], ["demo"], ["train"], ["env"]])
+def test_help_prints_whole_sentences(argv, capsys, monkeypatch):
+    """Every paragraph of prose that --help prints ends its sentence (a ':' only before an indented example), and a
+    command's help opens with the summary the command list gives it, as a sentence."""
+    blocks = _help(argv, capsys, monkeypatch)
+    assert blocks[0].startswith("usage: python -m gfpo_trainer")
+    kinds = ["usage" if b.startswith("usage:") else "options" if b.startswith(("options:", "positional arguments:"))
+             else "example" if b.startswith(" ") else "prose" for b in blocks]
+    prose = [(_prose(b), kinds[i + 1] if i + 1 < len(kinds) else None) for i, b in enumerate(blocks)
+             if kinds[i] == "prose"]
+    assert prose and kinds[1] == "prose"  # a description, right below the usage
+    for text, next_kind in prose:
+        assert text.endswith(".") or (text.endswith(":") and next_kind == "example"), text
+    if argv:
+        listing = _prose(next(b for b in _help([], capsys, monkeypatch) if b.startswith("positional arguments:")))
+        others = "|".join(name for name in ("demo", "train", "env") if name != argv[0])
+        summary = re.search(rf" {argv[0]} (.+?)(?= (?:{others}) |$| options:)", listing)[1]
+        assert prose[0][0].lower().startswith(summary.lower().rstrip("."))
+
+
+def test_top_level_help_prints_the_whole_description(capsys, monkeypatch):
+    """The description is the module docstring's whole first paragraph, not its first line."""
+    import gfpo_trainer.cli as cli
+
+    first_paragraph = _prose(cli.__doc__.split("\n\n")[0])
+    assert first_paragraph.endswith(".") and first_paragraph.count("python -m gfpo_trainer") == 3
+    assert _prose(_help([], capsys, monkeypatch)[1]) == first_paragraph
+
+
+def test_train_help_shows_a_config_that_is_valid(capsys, monkeypatch):
+    """train --help prints the example config: a YAML mapping of the config's keys, with every required one, and the
+    paths rule naming every path field."""
+    from gfpo_trainer.cli import _TOP_LEVEL_KEYS, PATH_ARGS
+
+    blocks = _help(["train"], capsys, monkeypatch)
+    example = next(b for b in blocks if b.startswith(" "))
+    assert blocks[blocks.index(example) - 1] == "A training config (YAML):"
+    config = yaml.safe_load(textwrap.dedent(example))
+    assert {"model", "dataset", "reward_funcs"} <= set(config) <= set(_TOP_LEVEL_KEYS)
+    assert config["args"]["num_remains_in_group"] < config["args"]["num_generations"]
+    rule = _prose(blocks[blocks.index(example) + 1])
+    assert rule.startswith("Paths in the file are read from the file's folder")
+    assert all(name in rule for name in PATH_ARGS)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["train", "--help"]])

@@ -24,10 +24,11 @@ def test_report_names_versions_extension_and_backends():
     lines = dict(line.split(": ", 1) for line in environment_report().splitlines())
     assert lines["torch"] == torch.__version__
     extension = _dispatch.EXTENSION
-    assert lines["extension gfpo_kernels._C"] == (
-        f"loaded, {'built with CUDA' if _dispatch.HAS_CPP_CUDA else 'built for CPU only'}" if _dispatch.HAS_CPP
-        else f"not loaded: it {extension.problem}"
-    )
+    if not _dispatch.HAS_CPP:
+        assert lines["extension gfpo_kernels._C"] == f"not loaded: it {extension.problem}"
+    else:  # the wording of each case: test_report_says_whether_this_torch_runs_the_cuda_kernels
+        assert lines["extension gfpo_kernels._C"].startswith("loaded, ")
+        assert ("CUDA" in lines["extension gfpo_kernels._C"]) == _dispatch.HAS_CPP_CUDA
     if "TORCH" in extension.build:  # a build of the extension: what it recorded
         assert lines["gfpo commit"] == extension.build["COMMIT"]
         assert lines["extension built against"].startswith(f"torch {extension.build['TORCH']} (LibTorch stable ABI")
@@ -39,6 +40,36 @@ def test_report_names_versions_extension_and_backends():
     versions = package_versions()  # what the demo records beside its results: the report's lines
     assert versions["torch"] == torch.__version__ and set(versions) >= {"triton", "trl", "transformers"}
     assert all(lines[name] == version for name, version in versions.items())
+
+
+@pytest.mark.parametrize("torch_cuda, hip, cuda_kernels, torch_line, extension_line, cuda_backend_suffix", [
+    # a CPU torch beside a build with CUDA kernels (setup.py compiles them whenever nvcc is found)
+    (None, None, True, "none (CPU build)", "loaded, CUDA kernels compiled, unusable: this torch is a CPU build",
+     " (beside a CUDA build of torch: this one is a CPU build)"),
+    (None, None, False, "none (CPU build)", "loaded, built for CPU only",
+     " (beside a CUDA build of torch: this one is a CPU build)"),
+    (None, "6.4.0", True, "none (ROCm build)", "loaded, CUDA kernels compiled, unusable: this torch is a ROCm build",
+     " (beside a CUDA build of torch: this one is a ROCm build)"),
+    # a CUDA torch on a machine without a visible GPU: the kernels would run once one is there
+    ("13.0", None, True, "13.0", "loaded, built with CUDA", " (if CUDA tensors were given)"),
+    ("13.0", None, False, "13.0", "loaded, built for CPU only", " (if CUDA tensors were given)"),
+])
+def test_report_says_whether_this_torch_runs_the_cuda_kernels(monkeypatch, torch_cuda, hip, cuda_kernels, torch_line,
+                                                               extension_line, cuda_backend_suffix):
+    """A bug report never reads as if CUDA kernels had run beside a torch that has no CUDA: what the report reads (the
+    torch build, the extension's kernels, whether a GPU is visible) is replaced, and each line is checked whole."""
+    import dataclasses
+
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_dispatch, "EXTENSION", dataclasses.replace(_dispatch.EXTENSION, loaded=True,
+                                                                    cuda=cuda_kernels, problem=None))
+    lines = dict(line.split(": ", 1) for line in kernels_report().splitlines())
+    assert lines["torch CUDA"] == torch_line
+    assert lines["extension gfpo_kernels._C"] == extension_line
+    for op in ("group", "linear_grpo"):
+        assert lines[f"backend {op} ops, cuda tensors"].endswith(cuda_backend_suffix)
 
 
 def _run_without_trl(*module_and_args: str) -> subprocess.CompletedProcess:

@@ -29,6 +29,13 @@ def test_unknown_filter_names_value_and_choices(bad):
         group_filter_spec(bad)
 
 
+def test_unknown_filter_gets_the_closest_name():
+    with pytest.raises(ValueError) as error:
+        group_filter_spec("lenght")
+    assert str(error.value) == f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter='lenght' (did " \
+                               "you mean 'length'?)"
+
+
 def test_length_score_puts_a_cut_row_one_token_further():
     lengths, stopped = torch.tensor([3.0, 5.0, 5.0, 2.0]), torch.tensor([0.0, 1.0, 0.0, 0.0])
     spec = GROUP_FILTER_SPECS["length"]

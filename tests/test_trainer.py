@@ -110,7 +110,8 @@ def real_rows(output):
         (dict(adaptive_difficulty=True, adaptive_num_remains=[4] * 4, num_remains_in_group=None), r"needs num_remains_in_group"),
         (dict(multi_objective_aggregation="normalize_then_sum"), r"multi_objective_aggregation='normalize_then_sum'"),
         (dict(scale_rewards="groupp"),
-         r"scale_rewards must be one of \('group', 'batch', 'none'\), True or False, got scale_rewards='groupp'"),
+         r"scale_rewards must be one of \('group', 'batch', 'none'\), True or False, got scale_rewards='groupp' "
+         r"\(did you mean 'group'\?\)$"),
         (dict(scale_rewards="true"), r"got scale_rewards='true'"),
         (dict(scale_rewards=2), r"got scale_rewards=2"),
         (dict(scale_rewards=["group"]), r"got scale_rewards=\['group'\]"),

@@ -80,6 +80,52 @@ def test_misspelt_backend_in_the_environment_raises(monkeypatch):
     assert gfpo_kernels.group_topk_mask(torch.arange(8.0, device=DEVICE), 4, 2).tolist() == [False, False, True, True] * 2
 
 
+def test_closest_name_is_difflibs_closest_above_its_cutoff():
+    """The one rule of every did-you-mean hint (gfpo_kernels._validation): difflib's similarity ratio 2M/T >= 0.6."""
+    from gfpo_kernels._validation import closest_name, did_you_mean
+
+    assert closest_name("lenght", ("length", "token_efficiency")) == "length"  # ratio 2*5/12 = 0.83
+    assert closest_name("grpoo", ("group", "dr_grpo", "grpo")) == "grpo"  # 0.89, against 0.6 and 0.67
+    assert closest_name("ppo", ("grpo", "sapo")) is None  # "po" in common: 2*2/7 = 0.57
+    assert closest_name(3, ("length",)) is None
+    assert did_you_mean("tok", ("token", "sequence")) == " (did you mean 'token'?)"  # 2*3/8 = 0.75
+    assert did_you_mean("shortest", ("length", "token_efficiency")) == ""
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: gfpo_kernels.group_advantages(torch.zeros(8), 4, scale="grop"),
+     "scale must be one of ('group', 'batch', 'none'), got scale='grop' (did you mean 'group'?)"),
+    (lambda: gfpo_kernels.fused_linear_grpo_loss(*_linear_inputs(), loss_type="dapoo"),
+     "loss_type must be one of ('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'), got "
+     "loss_type='dapoo' (did you mean 'dapo'?)"),
+    (lambda: gfpo_kernels.fused_linear_grpo_loss(*_linear_inputs(), importance_sampling_level="tok"),
+     "importance_sampling_level must be one of ('token', 'sequence'), got importance_sampling_level='tok' (did you "
+     "mean 'token'?)"),
+    (lambda: gfpo_kernels.fused_linear_grpo_loss(*_linear_inputs(), loss_type="made_up"),  # nothing close: no hint
+     "loss_type must be one of ('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'), got "
+     "loss_type='made_up'"),
+    (lambda: gfpo_kernels.use_backend("trition").__enter__(),
+     "backend must be one of ('triton', 'cpp', 'torch', 'reference') or None, got 'trition' (did you mean 'triton'?)"),
+])
+def test_unknown_names_get_the_closest_choice(call, message):
+    with pytest.raises(ValueError) as error:
+        call()
+    assert str(error.value) == message
+
+
+def _linear_inputs():
+    """hidden (1, 2, 4), weight (5, 4), target_ids, mask (1, 2), advantages (1,): a valid call but for the option."""
+    return torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), torch.ones(1)
+
+
+def test_misspelt_backend_in_the_environment_gets_the_closest_choice(monkeypatch):
+    monkeypatch.setenv("GFPO_KERNELS_BACKEND", "refrence")
+    with pytest.raises(ValueError) as error:
+        gfpo_kernels.group_topk_mask(torch.randn(8, device=DEVICE), 4, 2)
+    assert str(error.value) == ("GFPO_KERNELS_BACKEND must be one of ('triton', 'cpp', 'torch', 'reference') (or "
+                                "unset), got 'refrence' (did you mean 'reference'?)")
+
+
 def test_errors_from_the_cpp_ops_name_the_argument():
     """The custom ops check their own input too (they are callable directly, e.g. from torch.compile). Their
     std::invalid_argument reaches Python as ValueError up to torch 2.14 and as RuntimeError from 2.15 on (run under
