@@ -338,8 +338,9 @@ def _demo(options) -> int:
         arms = tuple(a.strip() for a in options.arms.split(",") if a.strip())
         unknown = [a for a in arms if a not in ARMS]
         if unknown or not arms:
-            print(f"error: --arms={options.arms!r}: unknown arm {', '.join(map(repr, unknown)) or '(none given)'}; "
-                  f"choices: {', '.join(ARMS)}", file=sys.stderr)
+            hint = _did_you_mean(unknown[0], ARMS) if unknown else ""
+            print(f"error: --arms={options.arms!r}: unknown arm {', '.join(map(repr, unknown)) or '(none given)'}"
+                  f"{hint}; choices: {', '.join(ARMS)}", file=sys.stderr)
             return 2
     try:
         seeds = None if options.seeds is None else parse_seeds(options.seeds)

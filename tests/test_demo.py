@@ -110,6 +110,8 @@ def test_demo_smoke(tmp_path):
     (["--seeds", "3-1"], "error: --seeds='3-1': the range '3-1' is empty (its end is below its start)"),
     (["--seeds", "0-2,2"], "error: --seeds='0-2,2': seeds [2] appear more than once"),
     (["--arms", "grpo,nope"], "error: --arms='grpo,nope': unknown arm 'nope'; choices: " + ", ".join(demo.ARMS)),
+    (["--arms", "grpo,shortest-8of61"], "error: --arms='grpo,shortest-8of61': unknown arm 'shortest-8of61' (did you "
+                                        "mean 'shortest-8of16'?); choices: " + ", ".join(demo.ARMS)),
     (["--rl-steps", "0"], "error: --rl-steps=0: give at least 1 RL step"),
     (["--merge", "a", "--seeds", "0-1"], "error: --merge joins pieces that ran already; --seeds, --smoke cannot go "
                                          "with it (each piece's settings are in its study.json)"),
