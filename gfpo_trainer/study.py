@@ -464,7 +464,10 @@ def finish_study(study: dict, output_dir: str) -> dict:
     from .study_stats import summarize
 
     arms, seeds = study["arms"], study["seeds"]
-    summary = summarize(study["seed_results"], arms)
+    summary = summarize(study["seed_results"], arms, kept_shares={
+        name: ARMS[name].num_remains_in_group / ARMS[name].num_generations for name in arms
+        if ARMS[name].num_remains_in_group is not None and ARMS[name].adaptive_num_remains is None
+        and not ARMS[name].loss_includes_rejected and ARMS[name].group_filter == "length"})
     study = {**study, "summary": summary}
     report = study_report(summary, len(seeds), _paper_tables(), ARMS)
     verdict = study_verdict(summary, len(seeds))

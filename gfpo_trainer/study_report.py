@@ -34,9 +34,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def study_table(summary: dict) -> str:
     """The main table: held-out accuracy and length, the paired accuracy difference to GRPO, ELR per seed and of the
-    means, tokens generated and trained per step against GRPO's."""
+    means, tokens generated per step against GRPO's with the early stop's floor (the least a step of the length filter
+    can generate: every completion as long as the kept ones' mean) and tokens trained per step against GRPO's."""
     warm = summary["warm-up"]
-    rows = [["warm-up", fmt(warm["accuracy"], "{:.3f}"), "-", fmt(warm["mean_length"], "{:.1f}"), "-", "-", "-", "-"]]
+    rows = [["warm-up", fmt(warm["accuracy"], "{:.3f}"), "-", fmt(warm["mean_length"], "{:.1f}")] + ["-"] * 5]
     for name, f in summary["arms"].items():
         paired = name != "grpo" and "accuracy_minus_grpo" in f
         rows.append([
@@ -44,11 +45,12 @@ def study_table(summary: dict) -> str:
             fmt(f["mean_length"], "{:.1f}"), fmt(f["elr_per_seed"], "{:.0%}") if paired else "-",
             "-" if not paired or f["elr"]["mean"] is None else f"{f['elr']['mean']:.0%}",
             fmt(f["tokens_per_step_over_grpo"], "{:.2f}x") if paired else "-",
+            fmt(f.get("early_stop_floor_over_grpo"), "{:.2f}x") if paired else "-",
             fmt(f.get("trained_tokens_per_step_over_grpo"), "{:.2f}x") if paired else "-",
         ])
     return _table(["arm", "held-out accuracy", "accuracy - GRPO (paired)", "held-out length (tokens)",
                    "ELR (per seed)", "ELR (of the means)", "tokens generated / step vs GRPO",
-                   "tokens trained / step vs GRPO"], rows)
+                   "early stop's floor vs GRPO", "tokens trained / step vs GRPO"], rows)
 
 
 def signal_table(summary: dict) -> str:

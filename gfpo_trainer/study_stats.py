@@ -110,7 +110,7 @@ def _phase_mean(values, low: int, high: int) -> float | None:
     return _mean(window) if window else None
 
 
-def summarize(seed_results: list[dict], arms) -> dict:
+def summarize(seed_results: list[dict], arms, kept_shares: dict | None = None) -> dict:
     """Per arm, over the seeds (each figure a `figure`: mean, t-interval, bootstrap interval, per-seed values):
 
     - held-out accuracy, length, stepwise share, filler words and accuracy within each form (the final evaluation),
@@ -121,7 +121,11 @@ def summarize(seed_results: list[dict], arms) -> dict:
       curves ("checkpoints");
     - training signal per phase of training (PHASES): the share of trained rows with advantage 0, the trained rows'
       reward spread and mean;
-    - the plateau rule ("plateau": the change in length and accuracy between the curve's last two windows).
+    - the plateau rule ("plateau": the change in length and accuracy between the curve's last two windows);
+    - for the arms in `kept_shares` ({name: k / G} of the arms whose dropped completions stop early), the early stop's
+      floor against GRPO's tokens ("early_stop_floor_over_grpo"): a dropped completion runs until it is as long as
+      the k-th shortest of its group, at least the kept ones' mean, so a step generates at least G / k times the
+      tokens it trains.
     """
     per_seed = []
     for result in seed_results:
@@ -160,6 +164,10 @@ def summarize(seed_results: list[dict], arms) -> dict:
             f["plateau"] = {"length_change": length, "accuracy_change": accuracy, "levelled": levelled}
         if "grpo" in arms:
             f.update(_against_grpo(per_seed, name))
+            if name in (kept_shares or {}) and "trained_tokens" in per_seed[0][name]:
+                f["early_stop_floor_over_grpo"] = figure(
+                    [_mean(s[name]["trained_tokens"]) / kept_shares[name] / _mean(s["grpo"]["generated_tokens"])
+                     for s in per_seed])
         summary["arms"][name] = f
     return summary
 

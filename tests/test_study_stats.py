@@ -95,8 +95,11 @@ def test_summarize_on_synthetic_seeds():
         _seed(11.0, _run(0.85, 21.0, flat, [100.0] * steps, [100.0] * steps, [0.2] * steps),
               _run(0.85, 16.0, rising, [140.0] * steps, [55.0] * steps, [0.4] * 200 + [0.6] * 50)),
     ]
-    summary = summarize(seeds, ("grpo", "gfpo"))
+    summary = summarize(seeds, ("grpo", "gfpo"), kept_shares={"gfpo": 0.5})
     arm = summary["arms"]["gfpo"]
+    # the early stop's floor: k of G rows trained 60, 50, 55 tokens, so the G rows ran at least twice that
+    assert arm["early_stop_floor_over_grpo"]["per_seed"] == pytest.approx([1.2, 1.0, 1.1])
+    assert "early_stop_floor_over_grpo" not in summary["arms"]["grpo"]
     # ELR per seed: (20-15)/(20-10) = 0.5, (22-22)/(22-12) = 0, (21-16)/(21-11) = 0.5
     assert arm["elr_per_seed"]["per_seed"] == pytest.approx([0.5, 0.0, 0.5])
     assert arm["elr_per_seed"]["mean"] == pytest.approx(1 / 3)
