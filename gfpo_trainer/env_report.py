@@ -13,31 +13,33 @@ from gfpo_kernels.env_report import environment_report as kernels_report
 
 
 def trl_report(trl_version: str) -> str:
-    """Whether TRL `trl_version` is in the range gfpo supports (gfpo_trainer._compat.SUPPORTED_TRL)."""
+    """Whether TRL `trl_version` is in the range gfpo is tested on (gfpo_trainer._compat.TESTED_TRL)."""
     from . import _compat  # imports TRL: the caller has checked that it is installed
 
-    supported = (f"gfpo supports trl {', '.join(_compat.SUPPORTED_TRL)}, tested with "
-                 f"{', '.join(_compat.KNOWN_WORKING_TRL)}")
-    if _compat.is_supported_trl(trl_version):
-        return f"{trl_version}, supported ({supported})"
-    return (f"{trl_version}, NOT supported ({supported}; GFPOTrainer warns that it is untested, and stops where "
-            "GRPOTrainer's internals moved)")
+    tested = (f"gfpo is tested on trl {', '.join(_compat.TESTED_TRL)}, with "
+              f"{', '.join(_compat.KNOWN_WORKING_TRL)}")
+    if _compat.is_tested_trl(trl_version):
+        return f"{trl_version}, tested ({tested})"
+    return (f"{trl_version}, UNTESTED ({tested}; GFPOTrainer trains with a warning where the GRPOTrainer internals "
+            f"it hooks match, and stops where they moved; {_compat.TESTED_TRL_INSTALL} installs a tested one)")
 
 
 def vllm_report(trl_version: str) -> str:
     """The vLLM installed (gfpo_trainer._compat.vllm_version) and whether TRL `trl_version` generates with it (its
-    range: gfpo_trainer._compat.VLLM_RANGE_BY_TRL); the trainer refuses use_vllm=True outside that range."""
+    range: gfpo_trainer._compat.vllm_range); the trainer refuses use_vllm=True outside that range."""
     from . import _compat  # imports TRL: the caller has checked that it is installed
 
-    found, bounds = _compat.vllm_version(), _compat.supported_vllm(trl_version)
-    if bounds is None:
-        known = ", ".join(sorted(_compat.VLLM_RANGE_BY_TRL))
+    found, known = _compat.vllm_version(), _compat.vllm_range(trl_version)
+    if known is None:
+        tested = ", ".join(sorted(_compat.VLLM_RANGE_BY_TRL))
         return (f"{found or 'not installed'} (trl {trl_version} is not a release gfpo knows the vLLM range of: "
-                f"trl {known})")
-    supported = f"trl {trl_version} generates with vllm {bounds[0]} to {bounds[1]}"
+                f"trl {tested}; and its metadata declares none)")
+    supported = f"trl {trl_version} generates with vllm {known.text}"
+    if known.declared:
+        supported += " (its metadata's range; gfpo has not tested that trl)"
     if found is None:
         return f"not installed ({supported}; {_compat.VLLM_INSTALL_HINT} installs one)"
-    if _compat.is_supported_vllm(found, trl_version):
+    if known.contains(found):
         return f"{found}, supported ({supported})"
     return f"{found}, NOT supported ({supported}; {_compat.VLLM_INSTALL_HINT} installs one)"
 

@@ -36,12 +36,16 @@ How the requests reach the server (ServerLimits, Transport): at most `max_in_fli
 `max_num_queued_reqs`, where /server_info reports one, else every completion of the call, which vLLM queues); a
 request the server turns away before any token (503 when its queue limits are reached, as an answer or, to a
 streamed request, as the one error event of its stream; 429, 502 and 504 from it or a gateway; a refused or dropped
-connection) is sent again after a growing, jittered pause until its retry deadline
-(gfpo_vllm_server_retry_deadline); the call fails when the server has sent nothing on any open request for the read
-timeout (gfpo_vllm_server_read_timeout). Every failure is a ServerError of one line naming the server, the
-completion (row, prompt, seed) and the reason. The requests carry the headers, proxy and TLS settings TRL's client
-(a requests.Session) would use for the same URL, environment included (HTTP(S)_PROXY, NO_PROXY,
-REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE).
+connection, an answer broken off) is sent again after a growing, jittered pause until its retry deadline
+(gfpo_vllm_server_retry_deadline), counted from its first try. "Before any token" means before the client has read
+one: with the rule off the answer is read only once whole, so a connection that fails while the server generates is
+sent again too, and the server (which aborts a request whose client left) generates that completion again from its
+start, with the same seed; a completion is never returned in part. Once a token has been read (the rule on), a
+broken stream fails the call: the rule may already have acted on it. The call fails when the server has sent nothing
+on any open request for the read timeout (gfpo_vllm_server_read_timeout). Every failure is a ServerError of one line
+naming the server, the completion (row, prompt, seed) and the reason. The requests carry the headers, proxy and TLS
+settings TRL's client (a requests.Session) would use for the same URL, environment included (HTTP(S)_PROXY,
+NO_PROXY, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE).
 """
 
 from __future__ import annotations
@@ -605,9 +609,11 @@ class ServerGroupGeneration:
                         raise self._fail(row, f"its stream broke after {len(self._tokens[row])} tokens: "
                                               f"{type(error).__name__}: {_one_line(error)}") from None
                     reason = f"{type(error).__name__}: {_one_line(error)}"
-                except aiohttp.ClientPayloadError as error:
-                    raise self._fail(row, f"its answer broke off after {len(self._tokens[row])} tokens: "
-                                          f"{_one_line(error)}") from None
+                except aiohttp.ClientPayloadError as error:  # the answer's body ended before it was whole
+                    if self._tokens[row]:
+                        raise self._fail(row, f"its answer broke off after {len(self._tokens[row])} tokens: "
+                                              f"{_one_line(error)}") from None
+                    reason = f"its answer broke off: {_one_line(error)}"
                 except aiohttp.ClientError as error:
                     raise self._fail(row, f"{type(error).__name__}: {_one_line(error)}") from None
                 pause = _pause(tries, retry_after, self._random)

@@ -56,6 +56,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
   HF_HUB_OFFLINE=1 GFPO_REQUIRE_VLLM=1
 # in one pytest session (vLLM imported once): the tests, the end-to-end benchmark's vLLM arms one step each with their
-# counts checked (--benchmark-disable), and docs/vllm.md's examples as written (they run only where vLLM is installed)
+# counts checked (--benchmark-disable), docs/vllm.md's examples as written (they run only where vLLM is installed),
+# and docs/gpu-recipe.md's colocate configs on the CPU engine and its server command against vLLM's parser
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py tests/test_vllm_server.py bench/test_bench_e2e.py \
-  tests/test_readme_examples.py -k vllm --benchmark-disable "$@"
+  tests/test_readme_examples.py tests/test_gpu_recipe.py -k vllm --benchmark-disable "$@"

@@ -1,13 +1,21 @@
-"""The TRL version range and the surface checks in gfpo_trainer/_compat.py (no model, no training: fast)."""
+"""The TRL version range and the surface checks in gfpo_trainer/_compat.py (no training: fast).
+
+A TRL outside the tested range cannot be installed here (the package index serves 1.16.0 as its newest), so those
+tests set the version where the code reads it: `trl.__version__`, and for TRL's vLLM range its package metadata
+(`_compat._installed_trl_metadata`)."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 
 trl = pytest.importorskip("trl")
 
 from gfpo_trainer import _compat
-from gfpo_trainer._compat import TRLSurfaceError, check_trl_surfaces, is_supported_trl
+from gfpo_trainer._compat import TRLSurfaceError, check_trl_surfaces, is_tested_trl
+
+ROOT = Path(__file__).parents[1]
+TESTED = ">=1.14.2,<1.17 (1.14.2, 1.15.0, 1.16.0): pip install 'trl>=1.14.2,<1.17'"
 
 
 @pytest.fixture
@@ -20,17 +28,50 @@ def _grpo_like(**overrides):
     return type("GRPOLike", (trl.GRPOTrainer,), overrides)
 
 
-def test_supported_range_bounds():
-    assert not is_supported_trl("1.14.1") and is_supported_trl("1.14.2")
-    assert is_supported_trl("1.15.0") and is_supported_trl("1.16.0")
-    assert is_supported_trl("1.16.3")
-    assert not is_supported_trl("1.13.0")
-    assert not is_supported_trl("1.17.0")
-    assert not is_supported_trl("1.17.0.dev0")
+def test_tested_range_bounds():
+    assert not is_tested_trl("1.14.1") and is_tested_trl("1.14.2")
+    assert is_tested_trl("1.15.0") and is_tested_trl("1.16.0")
+    assert is_tested_trl("1.16.3")
+    assert not is_tested_trl("1.13.0")
+    assert not is_tested_trl("1.17.0")
+    assert not is_tested_trl("1.17.0.dev0")
+
+
+def _optional_requirements(extra: str, name: str):
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        lines = tomllib.load(file)["project"]["optional-dependencies"][extra]
+    (requirement,) = [r for r in map(Requirement, lines) if r.name == name]
+    return requirement
+
+
+def test_packaging_says_what_the_run_time_check_says():
+    """The `trainer` and `vllm` extras ask for TRL's lower bound only, so pip keeps a newer TRL a user has (it
+    leaves an installed version that meets the requirement in place), and the trainer's run-time check decides; the
+    lower bound and the `test` extra's range are _compat.TESTED_TRL's, and the install line the messages name asks for
+    exactly that range."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    tested = SpecifierSet(",".join(_compat.TESTED_TRL))
+    lower = SpecifierSet(_compat.TESTED_TRL[0])
+    for extra in ("trainer", "vllm"):
+        requirement = _optional_requirements(extra, "trl")
+        assert requirement.specifier == lower, (extra, str(requirement))
+        assert all(requirement.specifier.contains(newer) for newer in ("1.17.0", "1.18.0", "2.0.0"))
+    assert _optional_requirements("vllm", "trl").extras == {"vllm"}
+    assert _optional_requirements("test", "trl").specifier == tested
+    install = _compat.TESTED_TRL_INSTALL
+    assert install.startswith("pip install '") and install.endswith("'")
+    assert Requirement(install[len("pip install '"):-1]).specifier == tested
+    assert not tested.contains("1.14.1") and tested.contains("1.16.0") and not tested.contains("1.17.0")
 
 
 def test_installed_trl_is_in_range_and_passes_silently(fresh_warnings):
-    assert is_supported_trl(trl.__version__), trl.__version__
+    assert is_tested_trl(trl.__version__), trl.__version__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_trl_surfaces()
@@ -55,11 +96,37 @@ def test_forwarding_signature_without_batch_size_is_refused(fresh_warnings):
 
 def test_untested_version_with_matching_surfaces_warns_once(monkeypatch, fresh_warnings):
     monkeypatch.setattr(trl, "__version__", "1.17.0")
-    with pytest.warns(UserWarning, match=r"trl 1\.17\.0 is untested.*1\.16\.0"):
+    with pytest.warns(UserWarning) as record:
         check_trl_surfaces()
+    assert [str(w.message) for w in record] == [
+        "gfpo: trl 1.17.0 is untested: the GRPOTrainer surfaces GFPOTrainer hooks all match it, but the loss math and "
+        f"batch semantics are verified only on the tested releases; gfpo is tested on trl {TESTED}"]
+    assert f"UserWarning: {record[0].message}\n" in (ROOT / "docs" / "trl-compatibility.md").read_text()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_trl_surfaces()  # once per version
+
+
+def test_a_trainer_builds_on_an_untested_trl_whose_surfaces_match(monkeypatch, fresh_warnings, tmp_path):
+    """What a user with TRL 1.17 sees when every hooked surface still matches: GFPOTrainer is built (on the tiny
+    model) with the one warning, naming the tested range and its install line."""
+    from datasets import Dataset
+
+    from gfpo_trainer import GFPOConfig, GFPOTrainer
+    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    tokenizer = make_tokenizer()
+    args = GFPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=4,
+                      num_remains_in_group=2, group_filter="length", per_device_train_batch_size=4,
+                      max_completion_length=4)
+    with pytest.warns(UserWarning, match=r"trl 1\.17\.0 is untested") as record:
+        trainer = GFPOTrainer(model=make_tiny_model(tokenizer), reward_funcs=lambda completions, **kw: [0.0] *
+                              len(completions), args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list([{"prompt": "1+1="}] * 4))
+    untested = [str(w.message) for w in record if "untested" in str(w.message)]
+    assert len(untested) == 1 and untested[0].endswith(TESTED)
+    assert isinstance(trainer, trl.GRPOTrainer)
 
 
 def test_untested_version_with_moved_surface_raises_naming_it(monkeypatch, fresh_warnings):
@@ -70,9 +137,9 @@ def test_untested_version_with_moved_surface_raises_naming_it(monkeypatch, fresh
 
     with pytest.raises(TRLSurfaceError) as info:
         check_trl_surfaces(_grpo_like(_calculate_rewards=rewards))
-    message = str(info.value)
-    assert "trl 1.17.0" in message and "GRPOTrainer._calculate_rewards" in message
-    assert ">=1.14.2,<1.17" in message and "1.14.2" in message and "1.16.0" in message
+    assert str(info.value) == (
+        "trl 1.17.0: GRPOTrainer._calculate_rewards takes ['inputs', 'prompts', 'completions'], GFPOTrainer expects "
+        f"['inputs', 'prompts', 'completions', 'completion_ids_list']; gfpo is tested on trl {TESTED}")
 
 
 def test_untested_version_with_removed_surface_raises(monkeypatch, fresh_warnings):
@@ -105,6 +172,63 @@ def test_vllm_version_bounds():
     assert not _compat.is_supported_vllm("0.21.9", "1.16.0") and not _compat.is_supported_vllm("0.32.0", "1.16.0")
     assert _compat.is_supported_vllm("0.20.0", "1.14.2") and not _compat.is_supported_vllm("0.31.0", "1.14.2")
     assert _compat.supported_vllm("1.17.0") is None and not _compat.is_supported_vllm("0.31.0", "1.17.0")
+
+
+def test_the_vllm_table_agrees_with_the_installed_trl_s_metadata():
+    """For the TRL installed, the range its own `vllm` extra declares (what `pip install 'trl[vllm]'` installs, and
+    what an untested TRL's range is read from) holds the same releases as VLLM_RANGE_BY_TRL."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    declared = _compat.declared_vllm(trl.__version__)
+    assert declared is not None
+    (line,) = [r for r in requires("trl") if Requirement(r).name == "vllm"]
+    assert declared == Requirement(line).specifier
+    low, high = _compat.supported_vllm(trl.__version__)
+    assert {s.operator: s.version for s in declared} == {">=": low, "<=": high}
+    assert _compat.declared_vllm("1.17.0") is None  # another release than the one installed: its metadata is unknown
+
+
+def _untested_trl_with_vllm(monkeypatch, declares):
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    requirements = ["accelerate>=1.4.0", *declares, 'aiohttp>=3.13.3; extra == "vllm"']
+    monkeypatch.setattr(_compat, "_installed_trl_metadata", lambda: ("1.17.0", requirements))
+
+
+@pytest.mark.parametrize("found, error", [
+    ("0.33.0", None),
+    ("0.23.0rc1", None),  # by its base version, as TRL compares
+    ("0.31.0+cpu", None),
+    ("0.22.1", "use_vllm=True: vllm 0.22.1 is installed, GFPOTrainer supports vllm <=0.33.0,>=0.23.0 (the range trl "
+               "1.17.0 declares; gfpo has not tested that trl): pip install --no-build-isolation '.[trainer,vllm]' "
+               "in gfpo's source tree (docs/vllm.md) installs one"),
+    (None, "use_vllm=True needs vllm <=0.33.0,>=0.23.0 (the range trl 1.17.0 declares; gfpo has not tested that "
+           "trl), and vLLM is not installed: pip install --no-build-isolation '.[trainer,vllm]' in gfpo's source "
+           "tree (docs/vllm.md)"),
+])
+def test_an_untested_trl_generates_with_the_vllm_it_declares(monkeypatch, found, error):
+    """TRL 1.17 (simulated: its version and a `vllm` extra declaring 0.23.0 to 0.33.0): use_vllm=True takes the
+    vLLM range TRL itself declares, which is what `trl[vllm]` (gfpo's `vllm` extra) installed."""
+    _untested_trl_with_vllm(monkeypatch, ['vllm<=0.33.0,>=0.23.0; extra == "vllm"'])
+    monkeypatch.setattr(_compat, "vllm_version", lambda: found)
+    if error is None:
+        _compat.check_vllm_version()
+        return
+    with pytest.raises(ImportError) as info:
+        _compat.check_vllm_version()
+    assert str(info.value) == error
+
+
+def test_an_untested_trl_that_declares_no_vllm_is_refused_naming_the_tested_range(monkeypatch):
+    _untested_trl_with_vllm(monkeypatch, [])
+    monkeypatch.setattr(_compat, "vllm_version", lambda: "0.31.0")
+    with pytest.raises(ImportError) as info:
+        _compat.check_vllm_version()
+    assert str(info.value) == (
+        f"use_vllm=True: vllm 0.31.0 is installed, GFPOTrainer supports the vllm of a tested trl (gfpo is tested on "
+        f"trl {TESTED}): pip install --no-build-isolation '.[trainer,vllm]' in gfpo's source tree (docs/vllm.md) "
+        "installs one")
 
 
 def test_vllm_install_hint_is_the_docs_install_line():

@@ -155,13 +155,25 @@ def test_report_names_vllm_and_whether_trl_supports_it(monkeypatch, installed, e
     assert _vllm_line() == expected
 
 
-def test_report_on_a_trl_without_a_known_vllm_range(monkeypatch):
+@pytest.mark.parametrize("declares, installed, expected", [
+    (['vllm<=0.33.0,>=0.23.0; extra == "vllm"'], "0.31.0",
+     "0.31.0, supported (trl 1.17.0 generates with vllm <=0.33.0,>=0.23.0 (its metadata's range; gfpo has not tested "
+     "that trl))"),
+    (['vllm<=0.33.0,>=0.23.0; extra == "vllm"'], "0.22.1",
+     f"0.22.1, NOT supported (trl 1.17.0 generates with vllm <=0.33.0,>=0.23.0 (its metadata's range; gfpo has not "
+     f"tested that trl); {HINT} installs one)"),
+    ([], "0.31.0", "0.31.0 (trl 1.17.0 is not a release gfpo knows the vLLM range of: trl 1.14, 1.15, 1.16; and its "
+                   "metadata declares none)"),
+])
+def test_report_on_a_trl_outside_the_vllm_table(monkeypatch, declares, installed, expected):
+    """An untested TRL (1.17.0, simulated: the metadata gfpo reads is replaced): its vLLM range is the one its own
+    `vllm` extra declares, said to be that."""
     pytest.importorskip("trl")
     from gfpo_trainer import _compat, env_report
 
-    monkeypatch.setattr(_compat, "vllm_version", lambda: "0.31.0")
-    assert env_report.vllm_report("1.17.0") == (
-        "0.31.0 (trl 1.17.0 is not a release gfpo knows the vLLM range of: trl 1.14, 1.15, 1.16)")
+    monkeypatch.setattr(_compat, "vllm_version", lambda: installed)
+    monkeypatch.setattr(_compat, "_installed_trl_metadata", lambda: ("1.17.0", ["accelerate>=1.4.0", *declares]))
+    assert env_report.vllm_report("1.17.0") == expected
 
 
 def test_report_without_trl_says_vllm_was_not_checked(monkeypatch):
@@ -173,19 +185,20 @@ def test_report_without_trl_says_vllm_was_not_checked(monkeypatch):
     assert "\ntrl support: not checked (TRL is not installed)\n" in environment_report()
 
 
-@pytest.mark.parametrize("version, supported", [("1.16.0", True), ("1.14.2", True), ("1.14.1", False),
-                                                ("1.17.0.dev0", False)])
-def test_report_says_whether_the_trl_installed_is_supported(monkeypatch, version, supported):
+@pytest.mark.parametrize("version, tested", [("1.16.0", True), ("1.14.2", True), ("1.14.1", False),
+                                             ("1.17.0.dev0", False), ("1.18.0", False)])
+def test_report_says_whether_the_trl_installed_is_tested(monkeypatch, version, tested):
     """The range is the table in gfpo_trainer._compat (>= 1.14.2, < 1.17, tested with 1.14.2, 1.15.0 and 1.16.0)."""
     pytest.importorskip("trl")
     from gfpo_trainer import _compat, env_report
 
-    assert _compat.SUPPORTED_TRL == (">=1.14.2", "<1.17")
+    assert _compat.TESTED_TRL == (">=1.14.2", "<1.17")
     assert _compat.KNOWN_WORKING_TRL == ("1.14.2", "1.15.0", "1.16.0")
-    table = "gfpo supports trl >=1.14.2, <1.17, tested with 1.14.2, 1.15.0, 1.16.0"
-    expected = (f"trl support: {version}, supported ({table})" if supported else
-                f"trl support: {version}, NOT supported ({table}; GFPOTrainer warns that it is untested, and stops "
-                "where GRPOTrainer's internals moved)")
+    table = "gfpo is tested on trl >=1.14.2, <1.17, with 1.14.2, 1.15.0, 1.16.0"
+    expected = (f"trl support: {version}, tested ({table})" if tested else
+                f"trl support: {version}, UNTESTED ({table}; GFPOTrainer trains with a warning where the GRPOTrainer "
+                "internals it hooks match, and stops where they moved; pip install 'trl>=1.14.2,<1.17' installs a "
+                "tested one)")
     real_version = env_report._version
     monkeypatch.setattr(env_report, "_version", lambda name: version if name == "trl" else real_version(name))
     assert next(line for line in environment_report().splitlines() if line.startswith("trl support: ")) == expected

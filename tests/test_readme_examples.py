@@ -8,7 +8,9 @@ Markers, an HTML comment on the line before a code block (invisible on GitHub):
   example that takes minutes as written runs N steps here);
 - `<!-- docs-test: no-run REASON -->`: the Python block is compiled, not run (needs a GPU, several processes, ...);
 - `<!-- docs-test: vllm -->`: the Python block runs where vLLM is installed (scripts/test_vllm_cpu.sh runs it in
-  .venv-vllm), and is compiled only elsewhere.
+  .venv-vllm), and is compiled only elsewhere;
+- `<!-- docs-test: recipe -->`: a YAML training config of docs/gpu-recipe.md, which names Hub models and GPU settings:
+  tests/test_gpu_recipe.py builds and runs it shrunk, not the generic config test here.
 Shell blocks never run here (they install, train for minutes or need GPUs): their commands are checked statically.
 The Hub model of a YAML config is replaced by a tiny local model (no downloads) and training gets a one-step limit.
 """
@@ -202,7 +204,9 @@ def readme_reward_function() -> str:
     return re.search(r"^def digit_share\(.*?\n\n", README_TRAINING.code, flags=re.S | re.M).group(0)
 
 
-TRAINING_CONFIGS = [b for b in all_blocks("yaml") if "model" in (yaml.safe_load(b.code) or {})]
+TRAINING_CONFIGS = [b for b in all_blocks("yaml")
+                    if "model" in (yaml.safe_load(b.code) or {}) and b.directive != "recipe"]
+RECIPE_CONFIGS = [b for b in all_blocks("yaml") if b.directive == "recipe"]
 
 
 @pytest.mark.parametrize("block", TRAINING_CONFIGS, ids=str)
@@ -271,8 +275,38 @@ def check_pip(arguments: list[str], where: str) -> None:
         assert not word.startswith("-") or word.split("=")[0] in options, f"{where}: {word} is no pip option"
 
 
-# commands a page may use as they are: they name no script, module or option of the project's
-STANDARD_TOOLS = ("rm", "mkdir", "tar", "git")
+# commands a page may use as they are: they name no script, module or option of the project's (".": sourcing the
+# venv's activate script, which scripts/setup.sh makes)
+STANDARD_TOOLS = ("rm", "mkdir", "tar", "git", ".")
+
+
+def check_trl_command(arguments: list[str], where: str) -> None:
+    """`trl vllm-serve ...`: TRL's own parser of that command reads every flag (TRL passes flags it does not know
+    on to `vllm serve`, which needs vLLM to check: a page uses TRL's flags only; tests/test_gpu_recipe.py checks the
+    `vllm serve` command TRL makes against vLLM's parser where vLLM is installed)."""
+    pytest.importorskip("trl")
+    from trl.scripts.vllm_serve import make_parser
+
+    assert arguments[:1] == ["vllm-serve"], f"{where}: trl {' '.join(arguments[:1])} is not a command this test knows"
+    _, rest = make_parser().parse_args_and_config(args=arguments[1:], return_remaining_strings=True)
+    assert not rest, f"{where}: trl vllm-serve does not know {rest} (it would pass them on to vllm serve)"
+
+
+def check_accelerate_launch(arguments: list[str], where: str) -> None:
+    """`accelerate launch [options] -m module ...`: accelerate's own parser reads the options, and the config file
+    exists with a distributed type GFPO runs under."""
+    assert arguments[0] == "launch" and "--config_file" in arguments and "-m" in arguments, where
+    config = yaml.safe_load((ROOT / arguments[arguments.index("--config_file") + 1]).read_text())
+    assert config["distributed_type"] in ("MULTI_GPU", "DEEPSPEED", "FSDP"), where
+    try:
+        from accelerate.commands.launch import launch_command_parser
+    except ImportError:  # checked where accelerate is installed (with the trainer extra)
+        return
+    module_at = arguments.index("-m")
+    try:
+        launch_command_parser().parse_args(arguments[1:module_at + 2])
+    except SystemExit:
+        pytest.fail(f"{where}: accelerate launch rejects {' '.join(arguments[1:module_at])}")
 
 
 def check_command(words: list[str], where: str) -> None:
@@ -300,11 +334,10 @@ def check_command(words: list[str], where: str) -> None:
     elif program in STANDARD_TOOLS:
         return  # names nothing of the project's
     elif program == "accelerate":
-        assert arguments[0] == "launch" and "--config_file" in arguments, where
-        config = yaml.safe_load((ROOT / arguments[arguments.index("--config_file") + 1]).read_text())
-        assert config["distributed_type"] in ("MULTI_GPU", "DEEPSPEED", "FSDP"), where
-        module_at = arguments.index("-m")
-        check_command(["python", *arguments[module_at:]], where)
+        check_accelerate_launch(arguments, where)
+        check_command(["python", *arguments[arguments.index("-m"):]], where)
+    elif program == "trl":
+        check_trl_command(arguments, where)
     else:
         pytest.fail(f"{where}: a command this test does not know how to check: {' '.join(words)}")
 
@@ -355,7 +388,8 @@ def test_every_code_block_is_checked():
     unchecked = [str(b) for b in all_blocks() if b.lang not in ("python", "bash", "yaml", "json", "text")]
     assert not unchecked, f"code blocks in no checked language: {unchecked}"
     for block in all_blocks("yaml"):
-        assert block in TRAINING_CONFIGS, f"{block}: a YAML block that is not a training config"
+        assert block in TRAINING_CONFIGS or (block in RECIPE_CONFIGS and block.page.name == "gpu-recipe.md"), (
+            f"{block}: a YAML block that is not a training config")
 
 
 # --- the API contract (docs/design.md) --------------------------------------------------------------------------

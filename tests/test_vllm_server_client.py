@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import ssl
 import threading
 from pathlib import Path
@@ -67,10 +68,13 @@ class FakeVLLM:
 
     Knobs (set before a call), keyed by a request's seed (so a request left over from an earlier call changes
     nothing): `turn_away` {seed: answers} answers the request's tries with these first (an int status with vLLM's
-    error body; "event 503", as vLLM turns a streamed request away: a 200 stream whose one event is that error; or
-    "drop" to close the connection unanswered); `stall_after` / `error_after` {seed: n} sends n
-    tokens of the request and then nothing / an error event; `server_info`: what /server_info answers (None: 404, as
-    without dev mode); `gather_until_open`: each request waits (up to 0.5 s) until this many are open.
+    error body; "event 503", as vLLM turns a streamed request away: a 200 stream whose one event is that error;
+    "drop" to close the connection unanswered; "drop mid-generation" to close it unanswered after `generation_s`,
+    as a server or a link that fails while the request generates; "break off" to answer 200 and close the connection
+    partway: half of an unstreamed answer's body, or a stream's first event, before any token); `stall_after` /
+    `error_after` / `break_after` {seed: n} sends n tokens of the request and then nothing / an error event / closes
+    the connection; `server_info`: what /server_info answers (None: 404, as without dev mode); `gather_until_open`:
+    each request waits (up to 0.5 s) until this many are open.
 
     Records every /v1/completions request (`received`: its body, headers, Host) and the most requests open at once
     (`peak_open`): a request counts from its arrival until its answer ends or the server sees its connection
@@ -82,6 +86,8 @@ class FakeVLLM:
         self.turn_away: dict[int, list] = {}
         self.stall_after: dict[int, int] = {}
         self.error_after: dict[int, int] = {}
+        self.break_after: dict[int, int] = {}
+        self.generation_s = 0.05
         self.server_info = None
         self.received: list[SimpleNamespace] = []
         self.live: dict = {}  # the requests being answered, by id
@@ -132,9 +138,13 @@ class FakeVLLM:
         answers = self.turn_away.get(payload.get("seed"))
         if answers:
             answer = answers.pop(0)
-            if answer == "drop":
+            if answer in ("drop", "drop mid-generation"):
+                if answer == "drop mid-generation":
+                    await asyncio.sleep(self.generation_s)
                 request.transport.close()
                 return web.Response(status=500)  # never sent: the connection is closed
+            if answer == "break off":
+                return await self._break_off(request, payload)
             if answer == "event 503":
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
                 await response.prepare(request)
@@ -160,6 +170,25 @@ class FakeVLLM:
         finally:
             del self.live[id(request)]
 
+    async def _break_off(self, request, payload):
+        """A 200 answer whose connection closes partway: half the body of an unstreamed answer, the first event
+        (the prompt's ids, no token) of a stream."""
+        ids, logprobs, finish = fake_completion(payload["seed"], payload["max_tokens"])
+        if payload.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+            await response.prepare(request)
+            await response.write(_event({"id": "cmpl-1", "choices": [_choice([], [], None, payload["prompt"])]}))
+        else:
+            body = json.dumps({"id": "cmpl-1", "object": "text_completion", "model": payload["model"],
+                               "choices": [_choice(ids, logprobs, finish, payload["prompt"])]}).encode()
+            response = web.StreamResponse(headers={"Content-Type": "application/json",
+                                                   "Content-Length": str(len(body))})
+            await response.prepare(request)
+            await response.write(body[: len(body) // 2])
+        await asyncio.sleep(0.01)
+        request.transport.close()
+        return response
+
     def open(self) -> int:
         return sum(1 for r in self.live.values() if r.transport is not None and not r.transport.is_closing())
 
@@ -178,6 +207,10 @@ class FakeVLLM:
         for i in range(0, len(ids), per_event):
             if self.stall_after.get(seed) == i:
                 await self.release.wait()
+            if self.break_after.get(seed) == i:
+                await asyncio.sleep(0.01)
+                request.transport.close()
+                return response
             if self.error_after.get(seed) == i:
                 await response.write(_event({"error": {"message": "Internal server error", "type":
                                                        "InternalServerError", "param": None, "code": 500}}))
@@ -330,11 +363,12 @@ def test_several_tokens_an_event(server):
 # --------------------------------------------------------------------------- retries
 
 
-@pytest.mark.parametrize("answers", [[503], [503, 503, 503], [429], [504], [502], ["event 503"], ["drop"]])
+@pytest.mark.parametrize("answers", [[503], [503, 503, 503], [429], [504], [502], ["event 503"], ["drop"],
+                                     ["break off"]])
 def test_turned_away_then_served(server, fast_retries, caplog, answers):
-    """A request turned away (503 as vLLM's queue limits answer, 429, 502, 504, a dropped connection) is sent again
-    until the server takes it: the same completions, one more request received per answer, a debug line each naming
-    the server, the completion and the answer."""
+    """A request turned away (503 as vLLM's queue limits answer, 429, 502, 504, a dropped connection, a stream
+    broken off before its first token) is sent again until the server takes it: the same completions, one more
+    request received per answer, a debug line each naming the server, the completion and the answer."""
     server.turn_away = {_seed(5): list(answers)}
     generation = _generation(server)
     with caplog.at_level(logging.DEBUG, logger="gfpo_trainer.vllm_server"):
@@ -342,10 +376,60 @@ def test_turned_away_then_served(server, fast_retries, caplog, answers):
     assert len(server.received) == len(PROMPTS) * G + len(answers) and not server.turn_away[_seed(5)]
     retries = [r.getMessage() for r in caplog.records if "sending it again" in r.getMessage()]
     assert len(retries) == len(answers)
-    expected = {"drop": "ServerDisconnectedError", "event 503": f"sent an error event: Service Unavailable 503: "
-                f"{VLLM_BUSY}"}.get(answers[0], f"answered {answers[0]}: Service Unavailable")
+    expected = {"drop": "ServerDisconnectedError", "break off": "its answer broke off: ",
+                "event 503": f"sent an error event: Service Unavailable 503: {VLLM_BUSY}"}.get(
+        answers[0], f"answered {answers[0]}: Service Unavailable")
     assert all(line.startswith(f"gfpo: the vLLM server at {server.url} turned away completion 5 (prompt 1, seed "
                                f"{_seed(5)}): ") and expected in line for line in retries)
+
+
+@pytest.mark.parametrize("answers", [["drop mid-generation"], ["break off"], ["drop mid-generation", "break off"]])
+def test_rule_off_a_generation_lost_before_its_answer_is_generated_again(server, fast_retries, caplog, answers):
+    """With the rule off the requests are unstreamed and nothing of a completion is read before its whole answer:
+    a connection that closes while the server generates (or while it sends the answer) is sent again, as a request
+    turned away is, with the same body and seed, and the completion returned is the whole one the server generated
+    again, never a part of the lost one."""
+    server.turn_away = {_seed(5): list(answers)}
+    generation = _generation(server, stop=False)
+    with caplog.at_level(logging.DEBUG, logger="gfpo_trainer.vllm_server"):
+        _check(generation.generate(PROMPTS, **SAMPLING), generation)
+    assert not any(generation.stopped)
+    sent = [received.payload for received in server.received if received.payload["seed"] == _seed(5)]
+    assert len(sent) == len(answers) + 1 and all(payload == sent[0] for payload in sent)
+    assert sent[0]["stream"] is False and not server.turn_away[_seed(5)]
+    retries = [r.getMessage() for r in caplog.records if "sending it again" in r.getMessage()]
+    expected = {"drop mid-generation": "ServerDisconnectedError", "break off": "its answer broke off: "}
+    assert [expected[answer] in line for answer, line in zip(answers, retries)] == [True] * len(answers)
+    assert all(line.startswith(f"gfpo: the vLLM server at {server.url} turned away completion 5 (prompt 1, seed "
+                               f"{_seed(5)}): ") for line in retries)
+
+
+def test_rule_off_a_generation_lost_past_the_retry_deadline_fails(server, fast_retries):
+    """The retry deadline counts from a request's first try: a generation that ran longer than it before its
+    connection closed is not sent again, and the call fails in one line naming the completion and the loss."""
+    server.turn_away, server.generation_s = {_seed(5): ["drop mid-generation"]}, 0.3
+    with pytest.raises(ServerError) as error:
+        _generation(server, stop=False, limits=ServerLimits(retry_deadline=0.2)).generate(PROMPTS, **SAMPLING)
+    assert _one_line(error) == (f"gfpo: the vLLM server at {server.url} failed completion 5 (prompt 1, seed "
+                                f"{_seed(5)}): turned away 1 time within the retry deadline of 0.2 s "
+                                "(gfpo_vllm_server_retry_deadline), the last: ServerDisconnectedError: Server "
+                                "disconnected")
+    assert [received.payload["seed"] for received in server.received].count(_seed(5)) == 1
+
+
+def test_rule_on_a_stream_broken_after_a_token_fails_at_once(server, fast_retries):
+    """With the rule on, a stream that breaks once a token has been read fails the call, naming the completion and
+    the tokens read, and is not sent again (the rule may have acted on those tokens). Completion 0 (5 tokens) is
+    among the 2 its group keeps, so the rule never cuts it first."""
+    assert len(fake_completion(_seed(0), MAX_TOKENS)[0]) == 5
+    server.break_after = {_seed(0): 2}
+    with pytest.raises(ServerError) as error:
+        _generation(server).generate(PROMPTS, **SAMPLING)
+    message = _one_line(error)
+    assert message.startswith(f"gfpo: the vLLM server at {server.url} failed completion 0 (prompt 0, seed "
+                              f"{_seed(0)}): its ")
+    assert re.search(r"\): its (answer broke off|stream broke) after 2 tokens: ", message), message
+    assert [received.payload["seed"] for received in server.received].count(_seed(0)) == 1
 
 
 def test_refused_connection_then_served(fast_retries, caplog, no_proxy_env):
