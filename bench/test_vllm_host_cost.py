@@ -61,7 +61,7 @@ def test_summaries_take_the_add_time_and_pair_the_arms_round_by_round():
         steps[arm] = [[_step(add[arm]), between, _step(25e-6)] for _ in range(3)]
         calls[arm] = [{"wall": 0.2, "cpu": 0.2, "tokens": 30, "tail": tail}] * 3
     result = {"G": 4, "max_tokens": 4, "varied_max_tokens": 8, "lengths_seed": 0, "warmup_rounds": 0, "rounds": 3,
-              "by_requests": {"4": {"steps": steps, "calls": calls}}}
+              "by_requests": {"4": {"steps": steps, "calls": calls, "copy_seconds": [3e-4, 1e-4, 2e-4]}}}
     summary, varied = summarize(result), summarize_varied(result)
     fixed = summary["4"]["cpu"]
     assert fixed["llm-generate"]["add_ms"] == pytest.approx(1.0)
@@ -82,3 +82,4 @@ def test_summaries_take_the_add_time_and_pair_the_arms_round_by_round():
                      "summary": summary, "summary_varied": varied})
     assert "synchronous scheduling (the CPU engine's only mode)" in text and "Extrapolated for synchronous" in text
     assert "| 4 | engine-loop-varied-tp | 3 | 30 | 8.0 | 2.0 (2.0, 2.0) |" in text  # added in 8 ms, 6 ms
+    assert "set; thread CPU time, median over the rounds): 0.2 ms at 4 requests." in text

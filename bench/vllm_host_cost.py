@@ -357,6 +357,19 @@ def run_arm(arm: str, llm, clock: StepClock, prompts, params, G: int, seeds: lis
     return outputs, generation.stopped if options["stop"] else None
 
 
+def copy_seconds(llm, params, n: int, rounds: int) -> list[float]:
+    """This thread's CPU time, per round, of GFPO's part of adding n requests: one copy of TRL's parameters per
+    request, with its seed (VLLMGroupGeneration._seeded), the part of `add` that is GFPO's own."""
+    generation = VLLMGroupGeneration(llm, group_size=n, k=1, first_row=0, seeds=request_seeds(0, 0, n, n), stop=True)
+    times = []
+    for _ in range(rounds):
+        start = time.thread_time()
+        for i in range(n):
+            generation._seeded(params, i)
+        times.append(time.thread_time() - start)
+    return times
+
+
 def check_varied(outputs, stopped, reference, arm: str = "engine-loop-varied") -> int:
     """The rule's outputs (of `arm`) against LLM.generate's on the same requests and seeds: a kept row the same
     tokens, a cut row a prefix of its tokens; returns the rows cut (RuntimeError where a row differs, or none was
@@ -430,7 +443,8 @@ def run(request_counts: list[int], G: int, max_tokens: int, varied_max_tokens: i
                 if varied_outputs["engine-loop-varied"][1] != varied_outputs["engine-loop-varied-tp"][1]:
                     raise RuntimeError("engine-loop-varied-tp cut other rows than engine-loop-varied")
                 del varied_outputs  # (as above)
-            results[n] = {"steps": records, "calls": calls, "lengths": lengths}
+            results[n] = {"steps": records, "calls": calls, "lengths": lengths,
+                          "copy_seconds": copy_seconds(llm, params, n, rounds)}
         if processor.calls < (warmup + rounds) * len(request_counts) * max_tokens:
             raise RuntimeError(f"the floor engine called its logits processor {processor.calls} times")
         del llm, floor
@@ -571,6 +585,10 @@ def markdown(data: dict) -> str:
             return ""
         return f"{extra['median']:.{digits}f} ({extra['min']:.{digits}f}, {extra['max']:.{digits}f})"
 
+    lines += ["", "Of add, GFPO's own copies of the sampling parameters (one SamplingParams.clone a request, its seed "
+              "set; thread CPU time, median over the rounds): " + ", ".join(
+                  f"{statistics.median(data['copy_seconds']) * 1e3:.1f} ms at {n} requests"
+                  for n, data in result["by_requests"].items() if "copy_seconds" in data) + "."]
     for clock in ("cpu", "wall"):
         lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
                   "| requests | arm | add (ms) | extra add (ms) | loop | extra loop | frontend | extra frontend "
