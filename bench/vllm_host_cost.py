@@ -47,7 +47,8 @@ varied arms every step of the call counts, the first (prefill) and the cut steps
 after each step (where a cut runs: after the last step too, until the call returns). Every arm's time from the start
 of its call to its first engine step is recorded apart (`add`): the requests being added, GFPO's copies of the
 sampling parameters (or the bench's, for the floor) and vLLM's (its input processor copies them again), each prompt
-rendered and each request registered with the engine. The CPU engine schedules synchronously (vLLM's CPU platform
+rendered and each request registered with the engine; GFPO's own copies are also timed alone, once a round
+(`copy_seconds`). The CPU engine schedules synchronously (vLLM's CPU platform
 turns async scheduling off): every figure is of synchronous scheduling.
 
     python bench/vllm_host_cost.py [--requests 64 256 1024] [--G 16] [--max-tokens 32] [--varied-max-tokens 64]
