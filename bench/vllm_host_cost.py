@@ -5,17 +5,20 @@ Arms, interleaved round after round on one engine (and, for the in-engine floor,
 logits processor), each generating the same seeded batch (one request per completion, TRL's colocate sampling
 parameters, `max_tokens` fixed and `ignore_eos`, so every arm does the same model work in the same engine steps):
 
-- `llm-generate`: vLLM's `LLM.generate` with one seeded `SamplingParams` per request: what the trainer runs with the
-  rule off, and the floor of every arm.
+- `llm-generate`: GFPO's generation with the rule off (VLLMGroupGeneration with `stop=False`): one seeded copy of
+  the `SamplingParams` per request, then vLLM's `LLM.generate`: what the trainer runs with the rule off, and the floor
+  of every arm.
 - `delta-loop`: the engine loop GFPO ran before (DeltaLoop below): every request streams `RequestOutputKind.DELTA`,
   so each step returns one `RequestOutput` per running request, aggregated with `RequestOutput.add`.
-- `engine-loop`: gfpo_trainer.vllm_stop.VLLMGroupGeneration with the rule on: final outputs only (as
-  `LLM.generate`), the running lengths of the groups the rule watches read from the engine's request state.
+- `engine-loop`: gfpo_trainer.vllm_stop.VLLMGroupGeneration with the rule on: the requests added through
+  `LLM.enqueue` (as `LLM.generate` adds them), final outputs only, the running lengths of the groups the rule watches
+  read from the engine's request state.
 - `engine-loop-all-watched`: the same loop with every group watched from the first step at a limit no request
   reaches: every running request's length is read after every step, the most the rule's bookkeeping can cost.
-- `logits-processor-floor`: `LLM.generate` on an engine built with a V1 logits processor that does only the
-  bookkeeping a rule inside the engine needs (which batch slot holds which group's request, and each request's
-  length after every step) and leaves the logits alone: what moving the rule into the engine would cost at least.
+- `logits-processor-floor`: `LLM.generate` (one seeded copy of the parameters per request) on an engine built with a
+  V1 logits processor that does only the bookkeeping a rule inside the engine needs (which batch slot holds which
+  group's request, and each request's length after every step) and leaves the logits alone: what moving the rule
+  into the engine would cost at least.
 
 With `max_tokens` fixed and `ignore_eos`, every request of a group ends in the same step, so the rule never cuts a
 request there: those arms measure the steady cost of a step (the all-watched arm its worst bookkeeping). Two more
@@ -24,11 +27,15 @@ arms, interleaved with them on the first engine, generate as a training batch do
 seed, the same in every round; `ignore_eos` so a request ends at its drawn length): k of a group finish first and the
 rule cuts the others in the step the k-th finishes, several groups in one step where their k-th lengths coincide:
 
-- `llm-generate-varied`: `LLM.generate` on those requests: every request runs to its length.
+- `llm-generate-varied`: GFPO's generation with the rule off on those requests: every request runs to its length.
 - `engine-loop-varied`: the rule's loop on the same requests (VLLMGroupGeneration with each request's `max_tokens`
   set beside its seed): each cut costs `RequestState.make_request_output` and its share of one
-  `LLMEngine.abort_request` per step, timed apart (`_abort_dropped`, `abort_request`). The kept rows are checked
-  against `llm-generate-varied`'s of the same round (the same tokens), and each cut row against its prefix.
+  `LLMEngine.abort_request` per step, timed apart (`_abort_dropped`, `abort_request`).
+- `engine-loop-varied-tp`: the same loop as a rank of a tensor-parallel group runs it (`tensor_parallel_size=2`):
+  one `abort_request` call per cut request, in row order.
+
+The three take turns going first, round by round. The rule arms' kept rows are checked against
+`llm-generate-varied`'s of the same round (the same tokens), and each cut row against its prefix.
 
 Per engine step the bench records (wrapping the engine's methods, in this process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`)
 the whole `LLMEngine.step`, the engine core's part of it (`EngineCore.step`: scheduling, the model, the sampler,
@@ -37,7 +44,12 @@ which on the CPU engine runs the model on the host too), and the time the caller
 and the start of the next (its own loop). The frontend's host time of a step is the step less the engine core, plus
 the caller's time between steps: the part the rule can change, the same code on a GPU machine's host. For the
 varied arms every step of the call counts, the first (prefill) and the cut steps included, with the caller's time
-after each step (where a cut runs: after the last step too, until the call returns).
+after each step (where a cut runs: after the last step too, until the call returns). Every arm's time from the start
+of its call to its first engine step is recorded apart (`add`): the requests being added, GFPO's copies of the
+sampling parameters (or the bench's, for the floor) and vLLM's (its input processor copies them again), each prompt
+rendered and each request registered with the engine; GFPO's own copies are also timed alone, once a round
+(`copy_seconds`). The CPU engine schedules synchronously (vLLM's CPU platform
+turns async scheduling off): every figure is of synchronous scheduling.
 
     python bench/vllm_host_cost.py [--requests 64 256 1024] [--G 16] [--max-tokens 32] [--varied-max-tokens 64]
         [--rounds 5] [--json OUT.json]
@@ -71,7 +83,9 @@ from bench_utils import ON_GPU, device_name, machine_versions
 from e2e_driver import CPU_THREADS, prepare_vllm
 
 ARMS = ("llm-generate", "delta-loop", "engine-loop", "engine-loop-all-watched", "logits-processor-floor")
-VARIED_ARMS = ("llm-generate-varied", "engine-loop-varied")  # in this order: the second checks against the first
+VARIED_ARMS = ("llm-generate-varied", "engine-loop-varied", "engine-loop-varied-tp")  # the rule arms check against
+# the first
+VARIED_RULE_ARMS = VARIED_ARMS[1:]
 LENGTHS_SEED = 0
 PROMPTS = ("3+4=", "2+5=", "9+1=", "6+6=")
 # GFPO's H100 prediction: a 7B model's decode step with 1024 running requests, compute-bound: 2 x 7.6e9 FLOPs a token
@@ -133,15 +147,15 @@ class DeltaLoop:
 class AllWatched(VLLMGroupGeneration):
     """The engine loop with every group watched from the first step, at a limit no request reaches."""
 
-    def _add_requests(self, prompts, sampling_params, request_ids):
-        engine_ids = super()._add_requests(prompts, sampling_params, request_ids)
+    def _add_requests(self, prompts, sampling_params):
+        engine_ids = super()._add_requests(prompts, sampling_params)
         self.watched.update({(self.first_row + i) // self.group_size: 10**9 for i in range(len(prompts))})
         return engine_ids
 
 
 class VariedLengths(VLLMGroupGeneration):
-    """The engine loop on requests whose `max_tokens` vary (one per prompt): TRL sends one SamplingParams for all,
-    so the length goes in where the loop seeds each request's copy."""
+    """GFPO's generation on requests whose `max_tokens` vary (one per prompt): TRL sends one SamplingParams for all,
+    so the length goes in where each request's copy is seeded."""
 
     def __init__(self, llm, *, lengths: list[int], **options):
         super().__init__(llm, **options)
@@ -300,9 +314,10 @@ class StepClock:
         return record
 
     def start_call(self):
+        """A call begins: the first step's `gap` is the caller's time from here to it (adding the requests)."""
         self.records, self.tail = [], {}
-        self._last_end = None
         self._between(_now())
+        self._last_end = _now()
 
     def end_call(self):
         self.tail = self._between(_now())
@@ -322,36 +337,50 @@ def make_llm(directory: str, max_requests: int, max_model_len: int, logits_proce
 
 def run_arm(arm: str, llm, clock: StepClock, prompts, params, G: int, seeds: list[int], lengths: list[int]):
     """(the arm's outputs, per prompt whether the rule cut it or None where no rule runs)."""
-    if arm in ("llm-generate", "logits-processor-floor", "llm-generate-varied"):
+    if arm == "logits-processor-floor":
         per_request = []
-        for i, seed in enumerate(seeds):
+        for seed in seeds:
             p = params.clone()
             p.seed = seed
-            if arm == "llm-generate-varied":
-                p.max_tokens = lengths[i]
             per_request.append(p)
         return llm.generate(prompts, sampling_params=per_request, use_tqdm=False), None
     if arm == "delta-loop":
         return DeltaLoop(llm, group_size=G, k=G // 2, seeds=seeds).generate(prompts, params), None
-    options = dict(group_size=G, k=G // 2, first_row=0, seeds=seeds, stop=True)
-    if arm == "engine-loop-varied":
-        generation = VariedLengths(llm, lengths=lengths, **options)
+    options = dict(group_size=G, k=G // 2, first_row=0, seeds=seeds, stop=arm not in ("llm-generate",
+                                                                                       "llm-generate-varied"))
+    if arm in VARIED_ARMS:
+        generation = VariedLengths(llm, lengths=lengths, tensor_parallel_size=2 if arm.endswith("-tp") else 1,
+                                   **options)
         generation._abort_dropped = clock.timed(generation._abort_dropped, "rule")
     else:
         generation = (AllWatched if arm == "engine-loop-all-watched" else VLLMGroupGeneration)(llm, **options)
-    return generation.generate(prompts, params), generation.stopped
+    outputs = generation.generate(prompts, params)
+    return outputs, generation.stopped if options["stop"] else None
 
 
-def check_varied(outputs, stopped, reference) -> int:
-    """The rule's outputs against LLM.generate's on the same requests and seeds: a kept row the same tokens, a cut row
-    a prefix of its tokens; returns the rows cut (RuntimeError where a row differs, or none was cut)."""
+def copy_seconds(llm, params, n: int, rounds: int) -> list[float]:
+    """This thread's CPU time, per round, of GFPO's part of adding n requests: one copy of TRL's parameters per
+    request, with its seed (VLLMGroupGeneration._seeded), the part of `add` that is GFPO's own."""
+    generation = VLLMGroupGeneration(llm, group_size=n, k=1, first_row=0, seeds=request_seeds(0, 0, n, n), stop=True)
+    times = []
+    for _ in range(rounds):
+        start = time.thread_time()
+        for i in range(n):
+            generation._seeded(params, i)
+        times.append(time.thread_time() - start)
+    return times
+
+
+def check_varied(outputs, stopped, reference, arm: str = "engine-loop-varied") -> int:
+    """The rule's outputs (of `arm`) against LLM.generate's on the same requests and seeds: a kept row the same
+    tokens, a cut row a prefix of its tokens; returns the rows cut (RuntimeError where a row differs, or none was
+    cut)."""
     for i, (output, full) in enumerate(zip(outputs, reference)):
         tokens, full_tokens = list(output.outputs[0].token_ids), list(full.outputs[0].token_ids)
         if tokens != (full_tokens[: len(tokens)] if stopped[i] else full_tokens):
-            raise RuntimeError(f"engine-loop-varied: row {i} ({'cut' if stopped[i] else 'kept'}) differs from "
-                               "LLM.generate's")
+            raise RuntimeError(f"{arm}: row {i} ({'cut' if stopped[i] else 'kept'}) differs from LLM.generate's")
     if not any(stopped):
-        raise RuntimeError("engine-loop-varied: the rule cut no request")
+        raise RuntimeError(f"{arm}: the rule cut no request")
     return sum(stopped)
 
 
@@ -382,8 +411,8 @@ def run(request_counts: list[int], G: int, max_tokens: int, varied_max_tokens: i
             calls = {arm: [] for arm in ARMS + VARIED_ARMS}
             for r in range(warmup + rounds):
                 seeds = request_seeds(1000 + r, 0, n, n)
-                # the varied pair in turn first and second, round by round; checked against each other after both
-                varied = VARIED_ARMS if r % 2 == 0 else VARIED_ARMS[::-1]
+                # the varied arms in turn first, second and third, round by round; checked after all three
+                varied = VARIED_ARMS[r % 3:] + VARIED_ARMS[: r % 3]
                 varied_outputs = {}
                 for arm in ARMS + varied:
                     engine = floor if arm == "logits-processor-floor" else llm
@@ -410,9 +439,13 @@ def run(request_counts: list[int], G: int, max_tokens: int, varied_max_tokens: i
                     # freed here, not when the next arm's call returns and rebinds `outputs` (freeing a call's
                     # thousands of log-probability dicts takes milliseconds, which that call's tail would count)
                     del outputs, stopped
-                check_varied(*varied_outputs["engine-loop-varied"], varied_outputs["llm-generate-varied"][0])
+                for arm in VARIED_RULE_ARMS:
+                    check_varied(*varied_outputs[arm], varied_outputs["llm-generate-varied"][0], arm)
+                if varied_outputs["engine-loop-varied"][1] != varied_outputs["engine-loop-varied-tp"][1]:
+                    raise RuntimeError("engine-loop-varied-tp cut other rows than engine-loop-varied")
                 del varied_outputs  # (as above)
-            results[n] = {"steps": records, "calls": calls, "lengths": lengths}
+            results[n] = {"steps": records, "calls": calls, "lengths": lengths,
+                          "copy_seconds": copy_seconds(llm, params, n, rounds)}
         if processor.calls < (warmup + rounds) * len(request_counts) * max_tokens:
             raise RuntimeError(f"the floor engine called its logits processor {processor.calls} times")
         del llm, floor
@@ -442,6 +475,7 @@ def summarize(result: dict) -> dict:
                     steps = [s[clock] for s in _decode_steps(records, int(n))]
                     processor = [r["processor"] for r in _decode_steps(records, int(n))]
                     rows.append({
+                        "add_ms": records[0][clock]["gap"] * 1e3,
                         "frontend_us": statistics.median((s["step"] - s["core"] + s["gap"]) * 1e6 for s in steps),
                         "loop_us": statistics.median(s["gap"] * 1e6 for s in steps),
                         "processor_us": statistics.median(processor) * 1e6,
@@ -453,10 +487,8 @@ def summarize(result: dict) -> dict:
                 part[arm] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
                 part[arm]["call_ms"] = statistics.median(c[clock] for c in data["calls"][arm]) * 1e3
             for arm in ARMS[1:]:
-                for key in ("frontend_us", "loop_us"):
-                    extra = [a[key] - b[key] for a, b in zip(per_round[arm], per_round["llm-generate"])]
-                    part[arm][f"extra_{key}"] = {"median": statistics.median(extra), "min": min(extra),
-                                                 "max": max(extra)}
+                for key in ("frontend_us", "loop_us", "add_ms"):
+                    part[arm][f"extra_{key}"] = _paired_extra(per_round[arm], per_round["llm-generate"], key)
             out[n][clock] = part
     return out
 
@@ -478,7 +510,7 @@ def _varied_round(records: list[dict], tail: dict, clock: str) -> dict:
     total_cuts = sum(cuts)
     collections = sum(a[clock]["gc"] for a in after) + sum(r[clock]["gc_in_step"] for r in records)
     return {
-        "steps": len(records), "loop_mean_us": statistics.fmean(loop) * 1e6,
+        "steps": len(records), "add_ms": records[0][clock]["gap"] * 1e3, "loop_mean_us": statistics.fmean(loop) * 1e6,
         "loop_median_us": statistics.median(loop) * 1e6, "loop_worst_us": loop[worst] * 1e6,
         "worst_step_cuts": cuts[worst], "tail_us": tail_loop * 1e6, "tail_gc_us": tail[clock]["gc"] * 1e6,
         "frontend_mean_us": (sum(frontend) + sum(loop)) / len(records) * 1e6,
@@ -492,10 +524,12 @@ def _varied_round(records: list[dict], tail: dict, clock: str) -> dict:
 
 
 def summarize_varied(result: dict) -> dict:
-    """Per number of requests, clock and varied arm: medians over the rounds of _varied_round's figures; and
-    engine-loop-varied's excess over llm-generate-varied round by round (the two ran one after the other on the same
-    requests): `extra_loop_mean_us` (the mean loop between steps), `extra_tail_us` and `extra_loop_total_ms` (loop
-    and tail over the call)."""
+    """Per number of requests, clock and varied arm: medians over the rounds of _varied_round's figures; and each
+    rule arm's excess over llm-generate-varied round by round (they ran one after the other on the same requests):
+    `extra_add_ms` (adding the requests), `extra_loop_mean_us` (the mean loop between steps), `extra_tail_us` and
+    `extra_loop_total_ms` (loop and tail over the call); and engine-loop-varied-tp's excess over engine-loop-varied
+    (one abort call a request against one a step): `tp_extra_*` of the loop's worst step, the loop and tail over the
+    call, and the time per cut in the rule and in vLLM's abort."""
     out = {}
     for n, data in result["by_requests"].items():
         out[n] = {}
@@ -508,14 +542,22 @@ def summarize_varied(result: dict) -> dict:
                 part[arm] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
                 part[arm]["call_ms"] = statistics.median(c[clock] for c in data["calls"][arm]) * 1e3
                 part[arm]["tokens"] = statistics.median(c["tokens"] for c in data["calls"][arm])
-            rule, reference = per_round["engine-loop-varied"], per_round["llm-generate-varied"]
-            for key, figure in (("extra_loop_mean_us", "loop_mean_us"), ("extra_tail_us", "tail_us"),
-                                ("extra_loop_total_ms", "loop_total_ms")):
-                extra = [a[figure] - b[figure] for a, b in zip(rule, reference)]
-                part["engine-loop-varied"][key] = {"median": statistics.median(extra), "min": min(extra),
-                                                   "max": max(extra)}
+            reference = per_round["llm-generate-varied"]
+            for arm in VARIED_RULE_ARMS:
+                for key, figure in (("extra_add_ms", "add_ms"), ("extra_loop_mean_us", "loop_mean_us"),
+                                    ("extra_tail_us", "tail_us"), ("extra_loop_total_ms", "loop_total_ms")):
+                    part[arm][key] = _paired_extra(per_round[arm], reference, figure)
+            for figure in ("most_cuts_loop_us", "loop_total_ms", "rule_us_per_cut", "abort_us_per_cut"):
+                part["engine-loop-varied-tp"][f"tp_extra_{figure}"] = _paired_extra(
+                    per_round["engine-loop-varied-tp"], per_round["engine-loop-varied"], figure)
             out[n][clock] = part
     return out
+
+
+def _paired_extra(rows: list[dict], reference: list[dict], figure: str) -> dict:
+    """`figure` of `rows` less that of `reference`, round by round: median, min, max."""
+    extra = [a[figure] - b[figure] for a, b in zip(rows, reference)]
+    return {"median": statistics.median(extra), "min": min(extra), "max": max(extra)}
 
 
 def markdown(data: dict) -> str:
@@ -528,28 +570,36 @@ def markdown(data: dict) -> str:
              f"- load average (1, 5, 15 min) before / after: {load['before']} / {load['after']}",
              f"- batch: G={result['G']}, k={result['G'] // 2}, {result['max_tokens']} tokens a request (ignore_eos), "
              f"seeded; the tiny model of tests/conftest.py (random weights, hidden 64); engine with enforce_eager, "
-             f"max_num_seqs = the most requests; arms interleaved, {result['rounds']} rounds after "
-             f"{result['warmup_rounds']} warm-up", "",
+             f"max_num_seqs = the most requests, synchronous scheduling (the CPU engine's only mode); arms "
+             f"interleaved, {result['rounds']} rounds after {result['warmup_rounds']} warm-up", "",
              "Per decode step (every request running), us: medians over the rounds of each round's median step, in "
              "this thread's CPU time (the engine runs in it) and in wall time. loop = the caller's time between two "
              "steps (GFPO's loop, or LLM.generate's); frontend = LLMEngine.step less the engine core, plus loop; "
              "core host = the engine core less the model executor; model = the model executor (on the CPU engine, "
-             "the model on the host); processor = the floor's logits processor itself (inside model). extra = the "
-             "excess over llm-generate, round by round: median (min, max). call = the whole generate call, ms."]
+             "the model on the host); processor = the floor's logits processor itself (inside model). add = the "
+             "caller's time from the start of the call to the first step, ms: the requests added (the sampling "
+             "parameters copied, each prompt rendered, each request registered). extra = the excess over "
+             "llm-generate, round by round: median (min, max). call = the whole generate call, ms."]
 
     def paired(extra, digits=0):
         if extra is None:
             return ""
         return f"{extra['median']:.{digits}f} ({extra['min']:.{digits}f}, {extra['max']:.{digits}f})"
 
+    lines += ["", "Of add, GFPO's own copies of the sampling parameters (one SamplingParams.clone a request, its seed "
+              "set; thread CPU time, median over the rounds): " + ", ".join(
+                  f"{statistics.median(data['copy_seconds']) * 1e3:.1f} ms at {n} requests"
+                  for n, data in result["by_requests"].items() if "copy_seconds" in data) + "."]
     for clock in ("cpu", "wall"):
         lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
-                  "| requests | arm | loop | extra loop | frontend | extra frontend | core host | model | processor "
-                  "| whole step | call (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| requests | arm | add (ms) | extra add (ms) | loop | extra loop | frontend | extra frontend "
+                  "| core host | model | processor | whole step | call (ms) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for n, by_clock in summary.items():
             for arm in ARMS:
                 row = by_clock[clock][arm]
-                lines.append(f"| {n} | {arm} | {row['loop_us']:.1f} | {paired(row.get('extra_loop_us'))} | "
+                lines.append(f"| {n} | {arm} | {row['add_ms']:.1f} | {paired(row.get('extra_add_ms'), 1)} | "
+                             f"{row['loop_us']:.1f} | {paired(row.get('extra_loop_us'))} | "
                              f"{row['frontend_us']:.0f} | {paired(row.get('extra_frontend_us'))} | "
                              f"{row['core_host_us']:.0f} | {row['model_us']:.0f} | {row['processor_us']:.1f} | "
                              f"{row['step_us']:.0f} | {row['call_ms']:.0f} |")
@@ -558,23 +608,25 @@ def markdown(data: dict) -> str:
         lines += ["", "## Lengths varying: the rule cuts", "",
                   "Each request's max_tokens drawn once (geometric, median about "
                   f"{result['varied_max_tokens'] // 4}, at most {result['varied_max_tokens']}, seed "
-                  f"{result['lengths_seed']}; ignore_eos), the same requests and seeds for both arms of a round, which "
-                  "run one after the other, each first in every other round. loop = the caller's time between two "
-                  "steps (where the rule runs and cuts; its time before the first step, adding the requests, is not "
-                  "counted in either arm): mean, median and worst over the call, us, with the cuts made in the worst. "
-                  "tail = the caller's time after the last step until the call returns (us), with the garbage "
-                  "collections in it. extra = engine-loop-varied less llm-generate-varied, round by round: median "
-                  "(min, max). loop + tail, frontend (LLMEngine.step less the engine core, plus loop and tail) and gc "
-                  "(Python's collections anywhere in the call): totals over the call, ms. cuts: requests cut in the "
-                  "call (steps with cuts, most in one step, that step's loop in us). per cut: the rule's time in "
-                  "_abort_dropped (make_request_output of each cut request and the abort) and in "
+                  f"{result['lengths_seed']}; ignore_eos), the same requests and seeds for the three arms of a round, "
+                  "which run one after the other, each first in every third round. engine-loop-varied-tp: the loop as "
+                  "a rank of a tensor-parallel group runs it, one abort call per cut request. add = the caller's "
+                  "time from the start of the call to the first step, ms (the requests added). loop = the caller's "
+                  "time between two steps (where the rule runs and cuts): mean, median and worst over the call, us, "
+                  "with the cuts made in the worst. tail = the caller's time after the last step until the call "
+                  "returns (us), with the garbage collections in it. extra = the rule arm less llm-generate-varied, "
+                  "round by round: median (min, max). loop + tail, frontend (LLMEngine.step less the engine core, plus "
+                  "loop and tail) and gc (Python's collections anywhere in the call): totals over the call, ms. cuts: "
+                  "requests cut in the call (steps with cuts, most in one step, that step's loop in us). per cut: the "
+                  "rule's time in _abort_dropped (make_request_output of each cut request and the aborts) and in "
                   "LLMEngine.abort_request alone, divided by the requests cut (us). Medians over the rounds."]
         for clock in ("cpu", "wall"):
             lines += ["", f"{'Thread CPU time' if clock == 'cpu' else 'Wall time'}:", "",
-                      "| requests | arm | steps | tokens | loop mean | extra loop mean | loop median | loop worst "
-                      "(cuts there) | tail (gc in it) | extra tail | loop + tail (ms) | extra loop + tail (ms) "
-                      "| frontend (ms) | gc (ms) | call (ms) | cuts (steps, most, its loop) | per cut: rule, abort |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "| requests | arm | steps | tokens | add (ms) | extra add (ms) | loop mean | extra loop mean "
+                      "| loop median | loop worst (cuts there) | tail (gc in it) | extra tail | loop + tail (ms) "
+                      "| extra loop + tail (ms) | frontend (ms) | gc (ms) | call (ms) | cuts (steps, most, its loop) "
+                      "| per cut: rule, abort |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for n, by_clock in varied.items():
                 for arm in VARIED_ARMS:
                     row = by_clock[clock][arm]
@@ -582,6 +634,7 @@ def markdown(data: dict) -> str:
                             f"{row['most_cuts_loop_us']:.0f})" if row["cuts"] else "")
                     per_cut = f"{row['rule_us_per_cut']:.1f}, {row['abort_us_per_cut']:.1f}" if row["cuts"] else ""
                     lines.append(f"| {n} | {arm} | {row['steps']:.0f} | {row['tokens']:.0f} | "
+                                 f"{row['add_ms']:.1f} | {paired(row.get('extra_add_ms'), 1)} | "
                                  f"{row['loop_mean_us']:.1f} | {paired(row.get('extra_loop_mean_us'))} | "
                                  f"{row['loop_median_us']:.1f} | "
                                  f"{row['loop_worst_us']:.0f} ({row['worst_step_cuts']:.0f}) | "
@@ -589,9 +642,22 @@ def markdown(data: dict) -> str:
                                  f"{paired(row.get('extra_tail_us'))} | {row['loop_total_ms']:.1f} | "
                                  f"{paired(row.get('extra_loop_total_ms'), 1)} | {row['frontend_total_ms']:.1f} | "
                                  f"{row['gc_total_ms']:.1f} | {row['call_ms']:.0f} | {cuts} | {per_cut} |")
+            lines += ["", "One abort call per cut request (engine-loop-varied-tp) less one per step "
+                      "(engine-loop-varied), round by round, median (min, max): the step with the most cuts (its loop, us), loop + tail over "
+                      "the call (ms), per cut in the rule and in vLLM's abort (us).", "",
+                      "| requests | most-cuts step | loop + tail (ms) | per cut: rule | per cut: abort |",
+                      "|---|---|---|---|---|"]
+            for n, by_clock in varied.items():
+                row = by_clock[clock]["engine-loop-varied-tp"]
+                lines.append(f"| {n} | {paired(row['tp_extra_most_cuts_loop_us'])} | "
+                             f"{paired(row['tp_extra_loop_total_ms'], 1)} | "
+                             f"{paired(row['tp_extra_rule_us_per_cut'], 1)} | "
+                             f"{paired(row['tp_extra_abort_us_per_cut'], 1)} |")
     lines += ["", f"Predicted 7B decode step with 1024 running requests on an H100: {PREDICTED_7B_STEP_MS:.0f} ms "
               "(2 x 7.6e9 FLOPs a token at 600 TFLOP/s, before attention); the goal: the rule's extra host time per "
-              f"step at most max(1 ms, 5% of it = {0.05 * PREDICTED_7B_STEP_MS:.2f} ms)."]
+              f"step at most max(1 ms, 5% of it = {0.05 * PREDICTED_7B_STEP_MS:.2f} ms). Extrapolated for synchronous "
+              "scheduling, where the host's time between steps adds to the step; with async scheduling (vLLM's "
+              "default on a GPU) it overlaps the batch already launched (docs/vllm.md)."]
     return "\n".join(lines) + "\n"
 
 

@@ -162,7 +162,9 @@ class ColocatePath(GenerationPath):
     """vLLM in colocate mode: one request per completion, seeded from `base_seed`, and with the rule the running
     requests of a group aborted once the filter is certain to drop them (vllm_stop.py); without the rule, vLLM's own
     `LLM.generate` with the seeded parameters. Every rank of a TP group generates the group's gathered prompts and
-    keeps its own share. Metric: `gfpo/vllm_engine_steps`.
+    keeps its own share, and aborts one request a call, in row order (every rank frees the same KV blocks in the same
+    order). Metrics: `gfpo/vllm_engine_steps` (engine steps that returned model output) and, with the rule,
+    `gfpo/vllm_discarded_tokens` (tokens vLLM computed for requests already cut: one per cut with async scheduling).
 
     Args:
         generation: TRL's colocated vLLM generation (`llm`, `tensor_parallel_size`).
@@ -187,7 +189,7 @@ class ColocatePath(GenerationPath):
         self.llm, self.device, self.stop = generation.llm, accelerator.device, stop
         self.local = slice(rank_in_tp * n_local, (rank_in_tp + 1) * n_local)
         self.plan = VLLMGroupGeneration(self.llm, group_size=group_size, k=k, first_row=first_row, seeds=seeds,
-                                        stop=stop)
+                                        stop=stop, tensor_parallel_size=tp)
 
     def _target(self):
         return self.llm, "generate", self.plan.generate  # TRL's colocate path calls self.llm.generate(...)
@@ -197,6 +199,8 @@ class ColocatePath(GenerationPath):
         if self.called and self.stop:
             self.stopped_rows = torch.tensor(self.plan.stopped[self.local], dtype=torch.bool, device=self.device)
         self.metrics = {"gfpo/vllm_engine_steps": float(self.plan.engine_steps)}
+        if self.called and self.stop:
+            self.metrics["gfpo/vllm_discarded_tokens"] = float(self.plan.discarded_tokens)
 
 
 class ServerPath(GenerationPath):

@@ -1,14 +1,19 @@
 """GPU smoke test of GFPO's colocate generation on vLLM: on a machine with CUDA GPUs and vLLM (docs/vllm.md's GPU
 recipe), the seeded batch generated with the early-stop rule on (GFPO's engine loop) and off (LLM.generate) must
-keep the same rows, token for token, on vLLM's Model Runner V2 and on its V1 runner, both in batch-invariant mode
-(VLLM_BATCH_INVARIANT=1), and with vLLM's tensor parallelism (TP=2) where two GPUs exist. Each configuration runs in
-a process of its own (vLLM reads its environment when the engine starts), stopped (its whole process group) after
---timeout seconds; one line per configuration, and the exit status is the number that failed.
+keep the same rows, token for token, on vLLM's Model Runner V2 and on its V1 runner, each with synchronous and with
+async scheduling (vLLM's GPU default), all in batch-invariant mode (VLLM_BATCH_INVARIANT=1), and with vLLM's tensor
+parallelism (TP=2) where two GPUs exist. GFPO's counters are checked in both scheduling modes: with every request
+running from the first step, the engine steps of the call without the rule are its longest completion's length
+(the steps that returned model output, whatever the mode), and one token is counted discarded per cut request with
+async scheduling, none without. Each configuration runs in a process of its own (vLLM reads its environment when
+the engine starts), stopped (its whole process group) after --timeout seconds; one line per configuration, and the
+exit status is the number that failed.
 
-TP=2 here is vLLM's own: one process runs the loop on `LLM(tensor_parallel_size=2)`, whose workers vLLM starts. It
-is not the trainer's TP path, where TRL's external launcher makes every training rank an engine rank, each rank runs
-GFPO's loop on the same requests, and the seed is broadcast from the group's first rank: that path is tested only
-with two ranks simulated on a fake engine (tests/test_vllm_engine_loop.py).
+TP=2 here is vLLM's own: one process runs the loop on `LLM(tensor_parallel_size=2)`, whose workers vLLM starts (the
+loop aborts one request a call there, as a rank of the trainer's TP group does). It is not the trainer's TP path,
+where TRL's external launcher makes every training rank an engine rank, each rank runs GFPO's loop on the same
+requests, and the seed is broadcast from the group's first rank: that path is tested only with two ranks simulated on
+a fake engine (tests/test_vllm_engine_loop.py).
 
     python scripts/vllm_gpu_smoke.py [--model DIR] [--prompts 16] [--G 16] [--k 8] [--max-tokens 256]
         [--timeout 1200]
@@ -28,11 +33,11 @@ import sys
 import tempfile
 import time
 
-# (name, environment, engine options)
+# (name, environment, engine options): each runner with each scheduling mode, named explicitly (vLLM's default on a
+# GPU is async scheduling, where nothing turns it off)
 CONFIGS = [
-    ("V2 runner", {"VLLM_USE_V2_MODEL_RUNNER": "1"}, {}),
-    ("V1 runner", {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {}),
-    ("V1 runner, async scheduling", {"VLLM_USE_V2_MODEL_RUNNER": "0"}, {"async_scheduling": True}),
+    (f"{runner} runner, {mode} scheduling", {"VLLM_USE_V2_MODEL_RUNNER": flag}, {"async_scheduling": mode == "async"})
+    for runner, flag in (("V2", "1"), ("V1", "0")) for mode in ("synchronous", "async")
 ]
 
 
@@ -58,11 +63,38 @@ def kept(lengths: list[int], stopped: list[bool], G: int, k: int) -> list[int]:
     return rows
 
 
+def verdict(off: dict, on: dict, G: int, k: int, async_scheduling: bool, all_start_together: bool) -> list[str]:
+    """What is wrong with one configuration's two runs (`ids`, `logps`, `stopped`, `steps`, `discarded` of the run
+    with the rule off and on): the kept rows, the cut rows, and GFPO's counters for the scheduling mode the engine
+    ran (`all_start_together`: every request fitted the first step, so the run without the rule took as many steps
+    that returned model output as its longest completion has tokens)."""
+    rows = len(off["ids"])
+    keep_off = kept([len(x) for x in off["ids"]], off["stopped"], G, k)
+    keep_on = kept([len(x) for x in on["ids"]], on["stopped"], G, k)
+    problems = []
+    if keep_on != keep_off:
+        problems.append("the length filter keeps other rows with the rule on")
+    if any(on["ids"][i] != off["ids"][i] or on["logps"][i] != off["logps"][i] for i in keep_off):
+        problems.append("a kept row's tokens or log-probabilities differ with the rule on")
+    if any(on["ids"][i] != off["ids"][i][: len(on["ids"][i])] for i in range(rows) if on["stopped"][i]):
+        problems.append("a cut row is not a prefix of its completion with the rule off")
+    if not any(on["stopped"]):
+        problems.append("the rule cut nothing (completions all of one length?)")
+    if all_start_together and off["steps"] != max(map(len, off["ids"])):
+        problems.append(f"{off['steps']} engine steps counted without the rule, for a longest completion of "
+                        f"{max(map(len, off['ids']))} tokens")
+    want = sum(on["stopped"]) if async_scheduling else 0
+    if on["discarded"] != want or off["discarded"] != 0:
+        problems.append(f"{on['discarded']} tokens counted discarded with the rule ({want} expected: one per cut "
+                        "with async scheduling, none without)")
+    return problems
+
+
 def child(options) -> dict:
     """One configuration: the same seeded batch with the rule off, then on; what the parent prints."""
     import vllm
 
-    from gfpo_trainer.vllm_stop import VLLMGroupGeneration, request_seeds
+    from gfpo_trainer.vllm_stop import VLLMGroupGeneration, async_scheduling, request_seeds
 
     extra = json.loads(options.engine_options)
     llm = vllm.LLM(options.model, tensor_parallel_size=options.tp, seed=0, logprobs_mode="processed_logprobs",
@@ -75,28 +107,26 @@ def child(options) -> dict:
     seeds = request_seeds(1234, 0, len(prompts), len(prompts))
     runs = {}
     for stop in (False, True):
-        plan = VLLMGroupGeneration(llm, group_size=options.G, k=options.k, first_row=0, seeds=seeds, stop=stop)
+        plan = VLLMGroupGeneration(llm, group_size=options.G, k=options.k, first_row=0, seeds=seeds, stop=stop,
+                                   tensor_parallel_size=options.tp)
         start = time.perf_counter()
         outputs = plan.generate(prompts, sampling_params=params, use_tqdm=False)
         runs[stop] = dict(ids=[list(o.outputs[0].token_ids) for o in outputs], stopped=plan.stopped,
                           seconds=time.perf_counter() - start, steps=plan.engine_steps, tokens=plan.generated_tokens,
+                          discarded=plan.discarded_tokens,
                           logps=[[next(iter(step.values())).logprob for step in o.outputs[0].logprobs]
                                  for o in outputs])
     off, on = runs[False], runs[True]
-    keep_off = kept([len(x) for x in off["ids"]], off["stopped"], options.G, options.k)
-    keep_on = kept([len(x) for x in on["ids"]], on["stopped"], options.G, options.k)
-    problems = []
-    if keep_on != keep_off:
-        problems.append("the length filter keeps other rows with the rule on")
-    if any(on["ids"][i] != off["ids"][i] or on["logps"][i] != off["logps"][i] for i in keep_off):
-        problems.append("a kept row's tokens or log-probabilities differ with the rule on")
-    if any(on["ids"][i] != off["ids"][i][: len(on["ids"][i])] for i in range(len(prompts)) if on["stopped"][i]):
-        problems.append("a cut row is not a prefix of its completion with the rule off")
-    if not any(on["stopped"]):
-        problems.append("the rule cut nothing (completions all of one length?)")
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    mode = async_scheduling(llm.llm_engine)
+    fits = (len(prompts) <= scheduler.max_num_seqs
+            and sum(len(p["prompt_token_ids"]) for p in prompts) <= scheduler.max_num_batched_tokens)
+    problems = verdict(off, on, options.G, options.k, mode, fits)
+    if "async_scheduling" in extra and mode != extra["async_scheduling"]:
+        problems.append(f"vLLM ran with async_scheduling={mode}, {extra['async_scheduling']} asked for")
     return {"problems": problems, "cut": sum(on["stopped"]), "rows": len(prompts),
             "steps": [off["steps"], on["steps"]], "tokens": [off["tokens"], on["tokens"]],
-            "seconds": [round(off["seconds"], 2), round(on["seconds"], 2)]}
+            "discarded": on["discarded"], "seconds": [round(off["seconds"], 2), round(on["seconds"], 2)]}
 
 
 def _stop_group(process: subprocess.Popen) -> None:
@@ -165,11 +195,11 @@ def main(argv=None) -> int:
                     print(f"FAIL {label}: {status}: {tail}", flush=True)
                     continue
                 result = json.loads(lines[-1][len("RESULT "):])
-                verdict = "FAIL" if result["problems"] else "ok"
+                status = "FAIL" if result["problems"] else "ok"
                 failed += bool(result["problems"])
-                print(f"{verdict} {label}: {result['cut']} of {result['rows']} rows cut; engine steps off/on "
-                      f"{result['steps'][0]}/{result['steps'][1]}, tokens {result['tokens'][0]}/{result['tokens'][1]}, "
-                      f"seconds {result['seconds'][0]}/{result['seconds'][1]}"
+                print(f"{status} {label}: {result['cut']} of {result['rows']} rows cut; engine steps off/on "
+                      f"{result['steps'][0]}/{result['steps'][1]}, tokens {result['tokens'][0]}/{result['tokens'][1]} "
+                      f"(+{result['discarded']} discarded), seconds {result['seconds'][0]}/{result['seconds'][1]}"
                       + "".join(f"; {p}" for p in result["problems"]), flush=True)
     return failed
 

@@ -130,9 +130,44 @@ def llm(model_dir):
     gc.collect()
 
 
-def _generate(llm, prompts, first_row, seeds, stop):
+@pytest.fixture(scope="class")
+def async_llm(model_dir):
+    """A bare engine that schedules asynchronously, as vLLM does by default on a GPU. vLLM's CPU platform turns async
+    scheduling off when an engine is built; this turns it back on right after, for this engine only: vLLM's batch
+    queue (a step launches the next batch, then returns the previous one's output) and its async scheduler run, and
+    the CPU model runner computes each batch when it is launched."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    original = platform.__dict__["check_and_update_config"]
+
+    def with_async_scheduling(cls, vllm_config):
+        original.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    platform.check_and_update_config = classmethod(with_async_scheduling)
+    try:
+        engine = vllm.LLM(model_dir, gpu_memory_utilization=0.1, max_model_len=128, seed=0,
+                          logprobs_mode="processed_logprobs", max_num_batched_tokens=4096)
+    finally:
+        platform.check_and_update_config = original
+    assert engine.llm_engine.vllm_config.scheduler_config.async_scheduling
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+def _prompts(n_per_prompt=8):
+    tokenizer = make_tokenizer()
+    return [{"prompt_token_ids": tokenizer(p, add_special_tokens=False).input_ids} for p in PROMPTS
+            for _ in range(n_per_prompt)]
+
+
+def _generate(llm, prompts, first_row, seeds, stop, tp=1):
     params = vllm.SamplingParams(n=1, max_tokens=24, temperature=1.0, logprobs=0)
-    generation = VLLMGroupGeneration(llm, group_size=8, k=K, first_row=first_row, seeds=seeds, stop=stop)
+    generation = VLLMGroupGeneration(llm, group_size=8, k=K, first_row=first_row, seeds=seeds, stop=stop,
+                                     tensor_parallel_size=tp)
     outputs = generation.generate(prompts, sampling_params=params, use_tqdm=False)
     ids = [list(o.outputs[0].token_ids) for o in outputs]
     logps = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
@@ -196,6 +231,119 @@ class TestEngineLoop:
         assert len({tuple(x) for x in together}) > 1  # different seeds, different completions
 
 
+    def test_no_raw_prompt_reaches_the_input_processor(self, llm, monkeypatch):
+        """Every request reaches vLLM's input processor as vLLM's own engine input (a prompt rendered by the LLM, a
+        dict with its "type"), never as TRL's raw {"prompt_token_ids": ...}: with the rule (LLM.enqueue) and without
+        (LLM.generate). The inputs themselves are checked, not vLLM's deprecation log, which may be silenced."""
+        engine = llm.llm_engine
+        process = engine.input_processor.process_inputs
+        seen = []
+
+        def recorded(request_id, prompt, *args, **kwargs):
+            seen.append(prompt)
+            return process(request_id, prompt, *args, **kwargs)
+
+        monkeypatch.setattr(engine.input_processor, "process_inputs", recorded)
+        prompts = _prompts()
+        seeds = request_seeds(9, 0, 16, 16)
+        for stop in (True, False):
+            seen.clear()
+            _generate(llm, prompts, 0, seeds, stop=stop)
+            assert len(seen) == 16
+            assert all(isinstance(p, dict) and p.get("type") == "token" for p in seen), [type(p) for p in seen[:2]]
+            assert [p["prompt_token_ids"] for p in seen] == [p["prompt_token_ids"] for p in prompts]
+
+    def test_tensor_parallel_aborts_free_blocks_in_row_order(self, llm):
+        """With tensor_parallel_size=2 the loop aborts one request a call, in row order, and vLLM's scheduler frees
+        their KV blocks in that order. The same seeded batch run twice (as two ranks would run it: the engine gives
+        every request new random id suffixes each time) frees the cut requests' blocks in the same order of rows."""
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        manager = scheduler.kv_cache_manager
+        free, abort = manager.free, llm.llm_engine.abort_request
+        prompts, seeds = _prompts(), request_seeds(321, 0, 16, 16)
+        runs = []
+        for _ in range(2):
+            freed, calls = [], []
+
+            def recorded_free(request, _freed=freed):
+                _freed.append((request.request_id, len(manager.get_block_ids(request.request_id)[0])))
+                return free(request)
+
+            def recorded_abort(request_ids, internal=False, _calls=calls):
+                _calls.append((list(request_ids), internal))
+                return abort(request_ids, internal=internal)
+
+            manager.free, llm.llm_engine.abort_request = recorded_free, recorded_abort
+            try:
+                _, _, generation = _generate(llm, prompts, 0, seeds, stop=True, tp=2)
+            finally:
+                del manager.free, llm.llm_engine.abort_request
+            ids = generation.request_ids
+            aborted = [request_id for call, internal in calls for request_id in call]
+            assert all(internal and len(call) == 1 for call, internal in calls) and aborted
+            assert sorted(ids.index(x) for x in aborted) == [i for i in range(16) if generation.stopped[i]]
+            in_abort_order = [(ids.index(x), blocks) for x, blocks in freed if x in aborted]
+            assert [row for row, _ in in_abort_order] == [ids.index(x) for x in aborted]  # freed as aborted
+            runs.append(in_abort_order)
+        assert runs[0] == runs[1]
+
+    def test_async_scheduling(self, llm, async_llm):
+        """The same seeded batch on the synchronous engine and on one that schedules asynchronously (vLLM's GPU
+        default, turned on here for a CPU engine), with the rule on and off: the same completions and cuts, the same
+        kept rows, the same engine steps counted (the steps that returned model output; without the rule, the
+        longest completion's length), and with async scheduling one discarded token counted per cut: the tokens
+        vLLM's scheduler received for requests already aborted, where the engine kept a batch in flight."""
+        prompts, seeds = _prompts(), request_seeds(77, 0, 16, 16)
+        results = {}
+        for name, engine in (("sync", llm), ("async", async_llm)):
+            scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+            update, abort, step = scheduler.update_from_output, engine.llm_engine.abort_request, engine.llm_engine.step
+            aborted, received, step_calls = set(), [0], [0]
+
+            def recorded_update(scheduler_output, model_output, _aborted=aborted, _received=received,
+                                _update=update):
+                _received[0] += sum(1 for request_id in scheduler_output.num_scheduled_tokens
+                                    if request_id in _aborted)
+                return _update(scheduler_output, model_output)
+
+            def recorded_abort(request_ids, internal=False, _aborted=aborted, _abort=abort):
+                _aborted.update(request_ids)
+                return _abort(request_ids, internal=internal)
+
+            def counted_step(_calls=step_calls, _step=step):
+                _calls[0] += 1
+                return _step()
+
+            scheduler.update_from_output, engine.llm_engine.abort_request = recorded_update, recorded_abort
+            engine.llm_engine.step = counted_step
+            try:
+                for stop in (False, True):
+                    received[0] = step_calls[0] = 0
+                    ids, logps, generation = _generate(engine, prompts, 0, seeds, stop=stop)
+                    calls = step_calls[0]
+                    step()  # collects a batch still in flight (it holds the last step's cuts)
+                    results[name, stop] = (ids, logps, generation, received[0], calls)
+            finally:
+                del scheduler.update_from_output, engine.llm_engine.abort_request, engine.llm_engine.step
+        for stop in (False, True):
+            (ids, logps, sync, _, sync_calls), (ids_a, logps_a, asynchronous, received, async_calls) = (
+                results["sync", stop], results["async", stop])
+            assert ids == ids_a and logps == logps_a and sync.stopped == asynchronous.stopped
+            assert sync.engine_steps == asynchronous.engine_steps == sync_calls
+            if not stop:
+                assert sync.engine_steps == max(map(len, ids))
+            cuts = sum(asynchronous.stopped)
+            assert sync.discarded_tokens == 0 and asynchronous.discarded_tokens == cuts and (cuts > 0) == stop
+            if async_calls > asynchronous.engine_steps:  # the engine kept a batch in flight (its first step launched)
+                assert received == cuts
+            else:  # (vLLM 0.22 does not where the model has finished the batch before the scheduler looks)
+                assert received <= cuts
+        lengths = {stop: torch.tensor([len(x) + s for x, s in zip(results["async", stop][0],
+                                                                  results["async", stop][2].stopped)],
+                                      dtype=torch.float32) for stop in (False, True)}
+        assert torch.equal(ref.group_topk_mask(lengths[True], 8, K, largest=False),
+                           ref.group_topk_mask(lengths[False], 8, K, largest=False))
+
     def test_request_seeds_are_distinct_and_shared_by_processes(self):
         everything = request_seeds(42, 0, 64, 64)
         assert len(set(everything)) == 64 and all(0 <= s < 2**62 for s in everything)
@@ -204,21 +352,45 @@ class TestEngineLoop:
 
 
     def test_surfaces_checked(self, llm):
+        from types import SimpleNamespace
+
         check_vllm_surfaces(llm)
 
-        class Engine:  # an engine that can add and step requests, but not abort them
-            add_request = step = has_unfinished_requests = staticmethod(lambda *a: None)
+        class Processor:  # the outputs' processor without the running requests' states
+            def process_outputs(self, engine_core_outputs, engine_core_timestamp=None, iteration_stats=None):
+                return None
 
-        class LLM:
+        class Engine:  # an engine that can step requests, but not abort them
+            step = has_unfinished_requests = staticmethod(lambda *a: None)
+            output_processor = Processor()
+            vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=False))
+
+        class LLM:  # without LLM.enqueue
             llm_engine = Engine()
             generate = staticmethod(lambda *a, **k: None)
 
+        with pytest.raises(VLLMSurfaceError, match=r"LLM.enqueue no longer exists or no longer takes \['prompts', "
+                                                   r"'sampling_params', 'use_tqdm'\] \(GFPO's early stop adds"):
+            check_vllm_surfaces(LLM())
+        check_vllm_surfaces(LLM(), engine_loop=False)  # the rule off needs LLM.generate and the step count only
+        LLM.enqueue = staticmethod(lambda prompts, sampling_params=None, use_tqdm=True: [])
         with pytest.raises(VLLMSurfaceError, match=r"Engine.abort_request no longer exists"):
             check_vllm_surfaces(LLM())
-        check_vllm_surfaces(LLM(), engine_loop=False)  # the rule off needs LLM.generate only
-        Engine.abort_request = staticmethod(lambda *a: None)  # no output_processor: the running lengths are unread
+        Engine.abort_request = staticmethod(lambda request_ids: None)  # aborting by the callers' ids only
+        with pytest.raises(VLLMSurfaceError, match=r"Engine.abort_request no longer takes 'internal' \(GFPO's early "
+                                                   r"stop aborts by the engine's own request ids, as LLM does\)"):
+            check_vllm_surfaces(LLM())
+        Engine.abort_request = staticmethod(lambda request_ids, internal=False: None)
         with pytest.raises(VLLMSurfaceError, match=r"Engine.output_processor.request_states .* no longer exists"):
             check_vllm_surfaces(LLM())
+        Engine.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace())
+        with pytest.raises(VLLMSurfaceError, match=r"Engine.vllm_config.scheduler_config.async_scheduling is None, "
+                                                   r"not a bool"):
+            check_vllm_surfaces(LLM(), engine_loop=False)
+        Processor.process_outputs = lambda self, outputs: None
+        with pytest.raises(VLLMSurfaceError, match=r"Engine.output_processor.process_outputs no longer takes the "
+                                                   r"engine core's outputs first"):
+            check_vllm_surfaces(LLM(), engine_loop=False)
         with pytest.raises(VLLMSurfaceError, match="LLM has no llm_engine"):
             check_vllm_surfaces(object())
 
@@ -228,9 +400,14 @@ class TestEngineLoop:
         from vllm.outputs import CompletionOutput
         from vllm.v1.engine.output_processor import RequestState
 
-        monkeypatch.setattr(RequestState, "__init__", lambda self, request_id, logprobs_processor: None)
+        monkeypatch.setattr(RequestState, "__init__", lambda self, request_id, external_req_id, logprobs_processor:
+                            None)
         with pytest.raises(VLLMSurfaceError, match=r"RequestState no longer takes 'detokenizer', which GFPO's early "
                                                    r"stop \(a running request's length"):
+            check_vllm_surfaces(llm)
+        monkeypatch.setattr(RequestState, "__init__", lambda self, request_id, detokenizer: None)
+        with pytest.raises(VLLMSurfaceError, match=r"RequestState no longer takes 'external_req_id', which GFPO's "
+                                                   r"early stop .* and the id its output carries\)"):
             check_vllm_surfaces(llm)
         check_vllm_surfaces(llm, engine_loop=False)  # the rule off reads no request state
         monkeypatch.setattr(CompletionOutput, "__init__", lambda self, index, text, token_ids: None)

@@ -1,15 +1,24 @@
 """GFPO's colocate engine loop (gfpo_trainer/vllm_stop.py) on a fake engine: no vLLM needed, so these run in the main
-suite. The fake stands in for what the loop drives of vLLM's `LLMEngine` (add_request, step, abort_request,
-has_unfinished_requests, output_processor.request_states with each request's detokenizer length and
-make_request_output) and for its two enums; each request's tokens are a function of its seed and position, as a
-seeded request's are on vLLM, so a request generates the same tokens whatever shares its steps. The real engine is
-tested in tests/test_vllm.py.
+suite. The fake stands in for what the loop drives of vLLM's `LLM` and `LLMEngine`, as vLLM 0.22 to 0.31 do it:
+`LLM.enqueue` (each prompt rendered to an engine input, one request per prompt, the output kind set to final only,
+the engine's ids returned), `add_request` (the engine's id is the caller's with a random suffix, its frontend state
+registered before the engine core's request), `step`, `abort_request` (by the engine's ids with `internal=True`,
+else by the callers'), `has_unfinished_requests`, the output processor (`request_states` with each request's
+detokenizer length and make_request_output, `process_outputs`), a scheduler that frees the requests of one abort
+call in the order of a set of their ids, with KV blocks from a free list, and vLLM's async scheduling (a batch
+queue of 2: a step launches the next batch before it returns the previous one's output). Each request's tokens are a
+function of its seed and position, as a seeded request's are on vLLM, so a request generates the same tokens
+whatever shares its steps. The real engine is tested in tests/test_vllm.py.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import random
+from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +29,7 @@ from gfpo_trainer.vllm_stop import VLLMGroupGeneration, VLLMSurfaceError, check_
 
 FINAL_ONLY, ABORT = "final-only", "abort"
 EOS = 0
+BLOCK = 4  # tokens per KV block of the fake scheduler
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +75,12 @@ def token(seed: int, position: int, length: int) -> int:
     return EOS if position == length - 1 else 1 + (seed * 31 + position * 7) % 50
 
 
+def set_order(engine_id: str) -> bytes:
+    """Where vLLM's scheduler, which frees the requests of one abort call in the order of a set of their ids, puts a
+    request: a Python set of strings iterates in the order of their hashes (here a fixed hash of the id)."""
+    return hashlib.sha256(engine_id.encode()).digest()
+
+
 class Detokenizer:
     def __init__(self):
         self.output_token_ids = []
@@ -74,131 +90,239 @@ class Detokenizer:
 
 
 class State:
-    def __init__(self, external_id: str, params: Params, cap: int, unseeded_draw: int):
-        self.external_id, self.params = external_id, params
-        self.seed = params.seed if params.seed is not None else unseeded_draw  # the engine's own stream otherwise
+    """The frontend's state of a request (vLLM's RequestState): the tokens and log-probabilities it received."""
+
+    fail_abort_output = False  # True: building a cut request's output fails (FakeEngine(fail_cut=True))
+
+    def __init__(self, external_id: str, params: Params, number: int, top_n: int):
+        self.external_req_id, self.params, self.number, self.top_n = external_id, params, number, top_n
         self.detokenizer = Detokenizer()
         self.logprobs = []
-        self.length = planned_length(self.seed, cap)
 
-    def grow(self, count: int, top_n: int) -> bool:
-        """Samples up to `count` tokens; returns whether the request finished."""
-        for _ in range(count):
+    def receive(self, tokens: list[int]) -> None:
+        for sampled in tokens:
             position = len(self.detokenizer.output_token_ids)
-            sampled = token(self.seed, position, self.length)
             self.detokenizer.output_token_ids.append(sampled)
             # vLLM's per-token entry: the sampled token and the top N (here N made-up others)
             entry = {sampled: -0.1 * (position + 1)}
-            entry.update({100 + j: -5.0 - j for j in range(top_n)})
+            entry.update({100 + j: -5.0 - j for j in range(self.top_n)})
             self.logprobs.append(entry)
-            if len(self.detokenizer.output_token_ids) == self.length:
-                return True
-        return False
-
-    fail_abort_output = False  # True: building a cut request's output fails (FakeEngine(fail_cut=True))
 
     def make_request_output(self, new_token_ids, pooling_output, finish_reason, stop_reason):
         if self.fail_abort_output and finish_reason == ABORT:
             raise RuntimeError("building the output of a cut request failed")
         finished = finish_reason is not None
         assert self.params.output_kind == FINAL_ONLY and finished and new_token_ids == [] and pooling_output is None
-        logprobs = self.logprobs if self.params.logprobs is not None else None
-        return Output(self.external_id, [Completion(self.detokenizer.output_token_ids, logprobs, str(finish_reason))],
-                      True)
+        logprobs = list(self.logprobs) if self.params.logprobs is not None else None
+        return Output(self.external_req_id,
+                      [Completion(list(self.detokenizer.output_token_ids), logprobs, str(finish_reason))], True)
 
 
 class OutputProcessor:
-    def __init__(self):
+    """vLLM's: the running requests' states, and `process_outputs`, which hands each request its new tokens and
+    returns the outputs of those that finished (an output for a request without a state is dropped)."""
+
+    def __init__(self, engine):
         self.request_states = {}
+        self.engine = engine
+
+    def process_outputs(self, engine_core_outputs):
+        finished = []
+        for engine_id, tokens, done in engine_core_outputs:
+            state = self.request_states.get(engine_id)
+            if state is None:
+                continue
+            state.receive(tokens)
+            if done:
+                output = state.make_request_output([], None, "stop", None)
+                if self.engine.extra_logprob_row == state.number:
+                    output.outputs[0].logprobs = output.outputs[0].logprobs + [{1: -1.0}]
+                finished += [output] * (2 if self.engine.twice_row == state.number else 1)
+                del self.request_states[engine_id]
+        return finished
+
+
+@dataclass
+class CoreRequest:
+    """The engine core's request: its seed and length, the tokens computed and scheduled, its KV blocks."""
+
+    seed: int
+    length: int
+    number: int
+    computed: int = 0
+    scheduled: int = 0
+    blocks: list = field(default_factory=list)
 
 
 class FakeEngine:
-    """A seeded engine: `tokens_per_step(step, row)` tokens a step for each running request (0: it waits; > 1: a
-    speculative step); at most `max_running` requests run at once, the others wait for a slot in order."""
+    """A seeded engine: `tokens_per_step(step, n)` tokens a step for the n-th request added (0: it waits; > 1: a
+    speculative step); at most `max_running` requests run at once, the others wait for a slot in order.
+    `async_scheduling`: each step schedules and launches a batch, then returns the output of the batch launched
+    before it (vLLM's batch queue of 2), so a call's first step returns nothing and a request aborted after a step is
+    already in the launched batch (its tokens there are computed and discarded: `discarded_by_abort`).
+    `rank`: the stream of the random suffixes of the engine's ids (each TP rank has its own). Faults: `fail_add_at`,
+    `fail_step_at`, `fail_cut`, `extra_logprob_row` (one log-probability entry too many), `twice_row` (a final output
+    returned twice), `abort_ignores_internal_ids`."""
 
     def __init__(self, *, cap=32, tokens_per_step=None, max_running=10**9, top_n=0, fail_add_at=None,
-                 fail_step_at=None, keyed_by_caller=False, extra_logprob_row=None, suffix="x", fail_cut=False):
-        self.output_processor = OutputProcessor()
+                 fail_step_at=None, extra_logprob_row=None, rank=0, fail_cut=False, async_scheduling=False,
+                 abort_ignores_internal_ids=False, twice_row=None):
+        self.output_processor = OutputProcessor(self)
+        self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
         self.cap, self.max_running, self.top_n = cap, max_running, top_n
-        self.tokens_per_step = tokens_per_step or (lambda step, row: 1)
+        self.tokens_per_step = tokens_per_step or (lambda step, n: 1)
         self.fail_add_at, self.fail_step_at = fail_add_at, fail_step_at
-        self.keyed_by_caller, self.extra_logprob_row, self.suffix = keyed_by_caller, extra_logprob_row, suffix
-        self.fail_cut = fail_cut
-        self.order = []  # engine ids, in the order added
-        self.steps = 0
+        self.extra_logprob_row, self.fail_cut, self.twice_row = extra_logprob_row, fail_cut, twice_row
+        self.async_scheduling, self.abort_ignores_internal_ids = async_scheduling, abort_ignores_internal_ids
+        self.suffixes = random.Random(f"rank{rank}")
+        self.core: dict[str, CoreRequest] = {}  # engine id -> request, in the order added (the scheduler's queue)
+        self.free_blocks = deque(range(10_000))
+        self.freed = []  # KV block ids, in the order returned to the free list
+        self.batches = deque()  # async scheduling: launched batches, the newest first
+        self.number_of = {}  # engine id -> the order it was added in
+        self.prompts = []  # what reached add_request
+        self.steps = self.forward_passes = self.added = self.discarded_by_abort = 0
         self.aborts = []  # each abort_request call's ids
-        self.added = 0
 
     @property
     def states(self):
         return self.output_processor.request_states
 
-    def add_request(self, request_id, prompt, params):
-        engine_id = request_id if self.keyed_by_caller else f"{request_id}-{self.suffix}"
-        self.states[engine_id] = State(request_id, params, self.cap, unseeded_draw=self.added)
-        self.states[engine_id].fail_abort_output = self.fail_cut
-        self.order.append(engine_id)
+    def rows(self, engine_ids) -> list[int]:
+        return [self.number_of[engine_id] for engine_id in engine_ids]
+
+    def add_request(self, request_id, prompt, params, **kwargs):
+        engine_id = f"{request_id}-{self.suffixes.getrandbits(32):08x}"
+        number = self.number_of[engine_id] = self.added
         self.added += 1
+        self.prompts.append(prompt)
+        params = params.clone()  # vLLM's input processor keeps a copy
+        self.states[engine_id] = State(request_id, params, number, self.top_n)
+        self.states[engine_id].fail_abort_output = self.fail_cut
         if self.fail_add_at is not None and self.added == self.fail_add_at:
             raise ValueError("add_request failed after registering the request")  # vLLM's half-way failure
-        return None if self.keyed_by_caller else engine_id
+        seed = params.seed if params.seed is not None else number  # the engine's own stream otherwise
+        self.core[engine_id] = CoreRequest(seed, planned_length(seed, self.cap), number)
+        return engine_id
+
+    def _schedule(self) -> list[tuple[str, int]]:
+        """A batch: each of the first `max_running` requests gets its tokens of this step, and the KV blocks for
+        them."""
+        batch = []
+        for engine_id, request in list(self.core.items())[: self.max_running]:
+            count = self.tokens_per_step(self.steps, request.number)
+            if count:
+                request.scheduled += count
+                while len(request.blocks) * BLOCK < request.scheduled:
+                    request.blocks.append(self.free_blocks.popleft())
+                batch.append((engine_id, count))
+        return batch
+
+    def _execute(self, batch) -> list:
+        """The batch's engine-core outputs (engine id, new tokens, finished) for the requests still in the core; a
+        request ends at its planned length."""
+        self.forward_passes += bool(batch)
+        outputs = []
+        for engine_id, count in batch:
+            request = self.core.get(engine_id)
+            if request is None:  # finished, or aborted, after the batch was launched
+                continue
+            new = []
+            while len(new) < count and request.computed < request.length:
+                new.append(token(request.seed, request.computed, request.length))
+                request.computed += 1
+            done = request.computed == request.length
+            if done:
+                self._free(engine_id)
+            outputs.append((engine_id, new, done))
+        return outputs
+
+    def _free(self, engine_id: str) -> None:
+        request = self.core.pop(engine_id)
+        for block in reversed(request.blocks):  # as vLLM's block pool: the request's last block first
+            self.free_blocks.append(block)
+            self.freed.append(block)
 
     def step(self):
         self.steps += 1
         if self.fail_step_at == self.steps:
             raise RuntimeError("the model runner failed")
-        outputs = []
-        running = [engine_id for engine_id in self.order if engine_id in self.states][: self.max_running]
-        for engine_id in running:
-            state = self.states[engine_id]
-            row = int(state.external_id.rsplit("-", 1)[1])
-            if state.grow(self.tokens_per_step(self.steps, row), self.top_n):
-                output = state.make_request_output([], None, "stop", None)
-                if self.extra_logprob_row == row:
-                    output.outputs[0].logprobs = output.outputs[0].logprobs + [{1: -1.0}]
-                outputs.append(output)
-                del self.states[engine_id]
-        return outputs
+        core_outputs = []
+        if not self.async_scheduling:
+            core_outputs = self._execute(self._schedule())
+        else:  # vLLM's EngineCore.step_with_batch_queue, with a queue of 2
+            launched = bool(self.core)
+            if launched:
+                self.batches.appendleft(self._schedule())
+            if self.batches and not (launched and len(self.batches) < 2):
+                core_outputs = self._execute(self.batches.pop())
+        return self.output_processor.process_outputs(core_outputs)
 
-    def abort_request(self, request_ids):
+    def abort_request(self, request_ids, internal=False):
         self.aborts.append(list(request_ids))
-        for engine_id in [e for e, s in self.states.items() if s.external_id in set(request_ids)]:
-            del self.states[engine_id]
+        if internal and not self.abort_ignores_internal_ids:
+            engine_ids = [e for e in request_ids if e in self.states or e in self.core]
+        else:  # callers' ids (or, with abort_ignores_internal_ids, engine ids read as callers': none matches)
+            wanted = set(request_ids)
+            engine_ids = [e for e, state in self.states.items() if state.external_req_id in wanted]
+        for engine_id in engine_ids:
+            self.states.pop(engine_id, None)
+        for engine_id in sorted(set(engine_ids), key=set_order):  # the scheduler frees in set order
+            if engine_id in self.core:
+                request = self.core[engine_id]
+                self.discarded_by_abort += request.scheduled - request.computed  # in a launched batch
+                self._free(engine_id)
 
     def has_unfinished_requests(self):
         return bool(self.states)
 
 
 class FakeLLM:
-    """vllm.LLM's `llm_engine` and `generate` (counted): LLM.generate drives the engine to the end."""
+    """vllm.LLM's `llm_engine`, `enqueue` (counted) and `generate` (counted): enqueue renders each prompt to an engine
+    input, sets each request's output kind to final only and adds it under the next number of the LLM's counter,
+    returning the engine's ids (what it added is aborted by them where adding fails); generate enqueues copies of
+    the parameters and drives the engine to the end."""
 
     def __init__(self, engine):
         self.llm_engine = engine
         self.generate_calls = []
+        self.enqueued = 0
+        self.counter = itertools.count()
+
+    def enqueue(self, prompts, sampling_params=None, use_tqdm=True):
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        added = []
+        try:
+            for prompt, p in zip(prompts, params):
+                p.output_kind = FINAL_ONLY
+                added.append(self.llm_engine.add_request(str(next(self.counter)),
+                                                         {"type": "token", "prompt_token_ids": list(prompt)}, p))
+                self.enqueued += 1
+        except Exception:
+            if added:
+                self.llm_engine.abort_request(added, internal=True)
+            raise
+        return added
 
     def generate(self, prompts, sampling_params=None, use_tqdm=False):
         self.generate_calls.append(sampling_params)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         engine = self.llm_engine
-        ids = [f"llm{len(self.generate_calls)}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            p = p.clone()
-            p.output_kind = FINAL_ONLY
-            engine.add_request(request_id, prompt, p)
-        done = {}
+        self.enqueue(prompts, [p.clone() for p in params], use_tqdm)
+        done = []
         while engine.has_unfinished_requests():
-            for output in engine.step():
-                done[output.request_id] = output
-        return [done[request_id] for request_id in ids]
+            done += engine.step()
+        return sorted(done, key=lambda output: int(output.request_id))
 
 
 G, K = 8, 3
 
 
-def generate(engine, *, stop=True, seeds=None, first_row=0, rows=2 * G, params=None):
+def generate(engine, *, stop=True, seeds=None, first_row=0, rows=2 * G, params=None, tp=1):
     seeds = request_seeds(11, first_row, rows, 4 * G) if seeds is None else seeds
     llm = FakeLLM(engine)
-    plan = VLLMGroupGeneration(llm, group_size=G, k=K, first_row=first_row, seeds=seeds, stop=stop)
+    plan = VLLMGroupGeneration(llm, group_size=G, k=K, first_row=first_row, seeds=seeds, stop=stop,
+                               tensor_parallel_size=tp)
     outputs = plan.generate([[1, 2]] * rows, sampling_params=params or Params(), use_tqdm=False)
     return outputs, plan, llm
 
@@ -232,28 +356,35 @@ def check_rule(on_outputs, on, off_outputs, first_row=0, exact_cut=True):
     return ids_on, ids_off
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("first_row", [0, 4])
-def test_the_rule_cuts_only_what_the_filter_drops(first_row):
+def test_the_rule_cuts_only_what_the_filter_drops(first_row, async_scheduling):
     """Every request gains one token a step: a cut row holds exactly the k-th shortest finished length of its group.
-    first_row=4: groups 0 and 2 have 4 local rows each (they straddle processes): the rule counts only those."""
-    off_outputs, off, _ = generate(FakeEngine(), stop=False, first_row=first_row)
-    on_outputs, on, llm = generate(FakeEngine(), first_row=first_row)
+    first_row=4: groups 0 and 2 have 4 local rows each (they straddle processes): the rule counts only those. The
+    requests are added through LLM.enqueue, each prompt rendered there (the loop hands it the raw prompts and adds
+    nothing itself); the same with async scheduling."""
+    off_outputs, off, _ = generate(FakeEngine(async_scheduling=async_scheduling), stop=False, first_row=first_row)
+    engine = FakeEngine(async_scheduling=async_scheduling)
+    on_outputs, on, llm = generate(engine, first_row=first_row)
     assert not any(off.stopped) and any(on.stopped)
     check_rule(on_outputs, on, off_outputs, first_row)
     assert on.engine_steps < off.engine_steps and on.generated_tokens < off.generated_tokens
     assert llm.generate_calls == []  # the rule drives the engine itself
+    assert llm.enqueued == engine.added == 2 * G and all(p["type"] == "token" for p in engine.prompts)
 
 
-def test_steps_without_tokens_and_steps_of_several_tokens():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_steps_without_tokens_and_steps_of_several_tokens(async_scheduling):
     """Requests that wait for a slot (steps with no new token for them) and speculative steps (up to 3 tokens a
     request): the rule still cuts only rows that would have ended longer than k finished ones, each holding at least
-    that many tokens."""
+    that many tokens; the same with async scheduling."""
 
     def tokens_per_step(step, row):
         return 1 + (row + step) % 3
 
-    off_outputs, off, _ = generate(FakeEngine(tokens_per_step=tokens_per_step, max_running=5), stop=False)
-    on_outputs, on, _ = generate(FakeEngine(tokens_per_step=tokens_per_step, max_running=5))
+    options = dict(tokens_per_step=tokens_per_step, max_running=5, async_scheduling=async_scheduling)
+    off_outputs, off, _ = generate(FakeEngine(**options), stop=False)
+    on_outputs, on, _ = generate(FakeEngine(**options))
     assert any(on.stopped)
     check_rule(on_outputs, on, off_outputs, exact_cut=False)
     # rows of a request that had not started when its group's limit was set still ran until they reached it
@@ -278,12 +409,13 @@ def test_logprobs_not_matching_the_tokens_is_an_error():
     with pytest.raises(VLLMSurfaceError, match=r"returned 4 log-probability entries for the 3 tokens of request "):
         check_outputs([Output("r", [Completion([5, 6, 0], [{5: -1.0}, {6: -1.0}, {0: -1.0}, {1: -1.0}], "stop")],
                               True)])
-    with pytest.raises(VLLMSurfaceError, match=r"log-probability entries for the \d+ tokens of request llm1-3$"):
+    with pytest.raises(VLLMSurfaceError, match=r"log-probability entries for the \d+ tokens of request '3' \(prompt 3 "
+                                               r"of the call\)$"):
         generate(FakeEngine(extra_logprob_row=3), stop=False)
     seeds = request_seeds(11, 0, 2 * G, 4 * G)
     shortest = min(range(G), key=lambda i: planned_length(seeds[i], 32))  # never cut: it ends first in its group
-    with pytest.raises(VLLMSurfaceError,
-                       match=rf"log-probability entries for the \d+ tokens of request gfpo-\w+-{shortest}$"):
+    with pytest.raises(VLLMSurfaceError, match=rf"log-probability entries for the \d+ tokens of request '\d+' \(prompt "
+                                               rf"{shortest} of the call\)$"):
         generate(FakeEngine(extra_logprob_row=shortest))
     check_outputs([Output("r", [Completion([5], None, "stop")], True)])  # no log-probabilities asked for: nothing
 
@@ -291,12 +423,12 @@ def test_logprobs_not_matching_the_tokens_is_an_error():
 @pytest.mark.parametrize("fail_add_at", [1, 5])
 def test_a_failing_add_request_leaves_no_request(fail_add_at):
     """add_request fails on the 1st or 5th request after registering it (as vLLM can, half-way): the error comes
-    through, and that request and every one added before it is aborted."""
+    through; LLM.enqueue aborts the requests it added, and the loop the one registered half-way."""
     engine = FakeEngine(fail_add_at=fail_add_at)
     with pytest.raises(ValueError, match="add_request failed"):
         generate(engine)
     assert not engine.has_unfinished_requests()
-    assert len(engine.aborts) == 1 and len(engine.aborts[0]) == fail_add_at
+    assert sorted(engine.rows(sum(engine.aborts, []))) == list(range(fail_add_at))
 
 
 @pytest.mark.parametrize("fail_step_at", [1, 9])
@@ -330,24 +462,94 @@ def test_a_request_state_without_its_length_is_a_surface_error(monkeypatch):
     assert not engine.has_unfinished_requests()
 
 
-def test_two_tensor_parallel_ranks_abort_the_same_requests():
-    """Two ranks of a TP group run the loop on their own engines (their own request ids) with the same seeds: the
-    same rows aborted in the same calls, in the same order."""
-    sequences = []
-    for suffix in ("rank0", "rank1"):
-        engine = FakeEngine(suffix=suffix, tokens_per_step=lambda step, row: 1 + (row * step) % 2, max_running=11)
+def _two_ranks(tp: int) -> list[FakeEngine]:
+    """The engines of two ranks of a TP group, each after the loop ran on it: the same requests and seeds, each
+    engine's ids with its own random suffixes."""
+    engines = []
+    for rank in (0, 1):
+        engine = FakeEngine(rank=rank, tokens_per_step=lambda step, n: 1 + (n * step) % 2, max_running=11)
+        generate(engine, tp=tp)
+        engines.append(engine)
+    return engines
+
+
+def test_tensor_parallel_ranks_free_the_same_blocks_in_the_same_order():
+    """Two ranks with tensor_parallel_size=2: every abort is one call of one request, in row order within a step, the
+    same rows on both ranks, and the two engines return the same KV blocks to their free lists in the same order (so
+    they allocate the same blocks next). With one abort call for a step's cuts (tensor_parallel_size=1) the same rows
+    are aborted, but each scheduler frees them in the order of a set of its own ids, and the ranks' orders differ: what
+    one call a request prevents."""
+    ranks = _two_ranks(tp=2)
+    calls = [[engine.rows(call) for call in engine.aborts] for engine in ranks]
+    assert calls[0] == calls[1] and len(calls[0]) > 4 and all(len(call) == 1 for call in calls[0])
+    assert ranks[0].freed == ranks[1].freed and ranks[0].freed
+    # row order within each step's cuts: the rows of consecutive calls rise, but where a later step begins
+    assert sum(a[0] > b[0] for a, b in zip(calls[0], calls[0][1:])) < len(calls[0]) // 2
+    one_call = _two_ranks(tp=1)
+    batched = [[engine.rows(call) for call in engine.aborts] for engine in one_call]
+    assert batched[0] == batched[1] and any(len(call) > 1 for call in batched[0])
+    assert sum(batched[0], []) == sum(calls[0], [])  # the same rows, in the same order, aborted either way
+    assert one_call[0].freed != one_call[1].freed
+
+
+def test_an_abort_that_does_not_take_is_an_error():
+    """An engine whose abort_request no longer reads the engine's own ids as such (internal=True ignored): the cut
+    requests run on, and the first output that arrives for one is a VLLMSurfaceError naming it, not a row
+    overwritten; every request still running is aborted."""
+    engine = FakeEngine(abort_ignores_internal_ids=True)
+    with pytest.raises(VLLMSurfaceError, match=r"returned an output for request '\d+-[0-9a-f]{8}' \(prompt \d+ of "
+                                               r"the call\), which the early-stop rule had aborted: vLLM's "
+                                               r"abort_request did not stop it"):
         generate(engine)
-        sequences.append([[int(request_id.rsplit("-", 1)[1]) for request_id in call] for call in engine.aborts])
-    assert sequences[0] == sequences[1] and len(sequences[0]) > 1
+    engine.abort_ignores_internal_ids = False
+    engine.abort_request(list(engine.states), internal=True)  # what the loop's own abort could not reach
 
 
-def test_an_engine_that_keys_requests_by_the_callers_id():
-    """An engine whose add_request returns nothing keeps each request's state under the caller's id: the rule reads
-    it there."""
-    off_outputs, _, _ = generate(FakeEngine(keyed_by_caller=True), stop=False)
-    on_outputs, on, _ = generate(FakeEngine(keyed_by_caller=True))
-    assert any(on.stopped)
-    check_rule(on_outputs, on, off_outputs)
+def test_a_second_final_output_is_an_error():
+    """An engine that returns a request's final output twice: a VLLMSurfaceError naming the request, and every request
+    still running aborted."""
+    engine = FakeEngine(twice_row=5)
+    with pytest.raises(VLLMSurfaceError, match=r"returned a second final output for request '5-[0-9a-f]{8}' \(prompt 5 "
+                                               r"of the call\)$"):
+        generate(engine)
+    assert not engine.has_unfinished_requests()
+
+
+def test_enqueue_not_returning_one_id_a_request_is_an_error():
+    """LLM.enqueue returning other than one request id per prompt: a VLLMSurfaceError, and what it added aborted."""
+    engine = FakeEngine()
+    llm = FakeLLM(engine)
+    enqueue = llm.enqueue
+    llm.enqueue = lambda prompts, sampling_params=None, use_tqdm=True: enqueue(prompts, sampling_params)[:-1]
+    plan = VLLMGroupGeneration(llm, group_size=G, k=K, first_row=0, seeds=None, stop=True)
+    with pytest.raises(VLLMSurfaceError, match=r"LLM.enqueue returned .* \(15 ids\) for 16 prompts"):
+        plan.generate([[1, 2]] * 2 * G, sampling_params=Params())
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["rule-off", "rule-on"])
+def test_counters_under_async_scheduling(stop):
+    """The same seeded batch on an engine that schedules synchronously and on one that schedules as vLLM's async
+    scheduling does (a call's first step only launches a batch; a request cut after a step is already in the next,
+    launched batch): the same completions and cuts, the same engine steps counted (the steps that returned model
+    output: with every request running from the first step and one token a step, the longest completion's length
+    with the rule off), and the tokens of cut requests that were in a launched batch counted: one per cut with async
+    scheduling, none without."""
+    runs = {}
+    for mode in (False, True):
+        engine = FakeEngine(async_scheduling=mode)
+        outputs, plan, _ = generate(engine, stop=stop)
+        runs[mode] = ([list(o.outputs[0].token_ids) for o in outputs], plan, engine)
+    (ids_sync, sync, engine_sync), (ids_async, asynchronous, engine_async) = runs[False], runs[True]
+    assert ids_sync == ids_async and sync.stopped == asynchronous.stopped
+    assert sync.engine_steps == asynchronous.engine_steps == engine_sync.steps
+    assert engine_async.steps == engine_sync.steps + 1  # vLLM's step calls: the first one only launched a batch
+    if not stop:
+        assert sync.engine_steps == max(map(len, ids_sync))
+    cuts = sum(asynchronous.stopped)
+    assert (cuts > 0) == stop
+    assert asynchronous.discarded_tokens == engine_async.discarded_by_abort == cuts
+    assert sync.discarded_tokens == engine_sync.discarded_by_abort == 0
 
 
 def test_rule_off_is_one_call_of_llm_generate():
@@ -360,7 +562,7 @@ def test_rule_off_is_one_call_of_llm_generate():
     assert [p.seed for p in passed] == seeds and params.seed is None and not any(plan.stopped)
     assert plan.engine_steps == max(planned_length(seed, 32) for seed in seeds)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [planned_length(seed, 32) for seed in seeds]
-    assert "step" not in vars(llm.llm_engine)  # the step counter is gone after the call
+    assert "process_outputs" not in vars(llm.llm_engine.output_processor)  # the step counter is gone after the call
     llm = FakeLLM(FakeEngine())
     plan = VLLMGroupGeneration(llm, group_size=G, k=K, first_row=0, seeds=None, stop=False)
     plan.generate([[1, 2]] * 4, sampling_params=params)
@@ -466,12 +668,15 @@ class SeedLog(FakeEngine):
         return super().add_request(request_id, prompt, params)
 
 
-@pytest.mark.parametrize("tools", [False, True])
-def test_tensor_parallel_ranks_generate_alike(monkeypatch, tools):
+@pytest.mark.parametrize("tools, async_scheduling", [(False, False), (False, True), (True, False)],
+                         ids=["rule", "rule-async", "tools"])
+def test_tensor_parallel_ranks_generate_alike(monkeypatch, tools, async_scheduling):
     """Two TP ranks whose CPU random streams drifted apart: rank 0's generation seed reaches rank 1 before either
     seeds its stream, so both seed the same requests the same way, draw the same numbers in the generation stream,
-    and (the rule on) abort the same rows. With tools (the rule off there): the first turn is one LLM.generate call
-    with per-request seeds; the tool turn, 3 rows on rank 0 and 5 on rank 1, is TRL's own call, unseeded."""
+    and (the rule on) abort the same rows, one request a call. With tools (the rule off there): the first turn is one
+    LLM.generate call with per-request seeds; the tool turn, 3 rows on rank 0 and 5 on rank 1, is TRL's own call,
+    unseeded. The metrics: the engine steps that returned model output, and with the rule the tokens discarded (one
+    per cut with async scheduling)."""
     pytest.importorskip("trl")
     from trl import GRPOTrainer
 
@@ -486,19 +691,29 @@ def test_tensor_parallel_ranks_generate_alike(monkeypatch, tools):
     for rank in (0, 1):
         world.rank = rank
         torch.manual_seed(100 + rank)  # the ranks' trainer streams differ
-        engine = SeedLog(suffix=f"rank{rank}")
+        engine = SeedLog(rank=rank, async_scheduling=async_scheduling)
         llm = FakeLLM(engine)
         trainer = stub_trainer(rank, llm, tools=tools)
         trainer._generate([None] * G)
         engines.append(engine)
         trainers.append(trainer)
         first_turn = llm.generate_calls[0] if tools else None
+        metrics = trainer._metrics["train"]
         if tools:  # the rule off: LLM.generate, seeded per request; the tool turn: TRL's parameters as they were
             assert len(llm.generate_calls) == 2 and len(first_turn) == 2 * G
             assert llm.generate_calls[1].seed is None and not isinstance(llm.generate_calls[1], list)
             assert trainer._gfpo_batch.stopped_rows is None and trainer._gfpo_batch.turns == 2
+            assert "gfpo/vllm_discarded_tokens" not in metrics
         else:
             assert llm.generate_calls == [] and trainer._gfpo_batch.stopped_rows is not None
+            cuts = sum(map(len, engine.aborts))
+            assert metrics["gfpo/vllm_discarded_tokens"] == [float(cuts if async_scheduling else 0)] and cuts
+            assert all(len(call) == 1 for call in engine.aborts)
+        # the first turn's steps that returned model output: with the rule, every step of its loop but an async
+        # engine's first; without it (one token a step, every request from the first step) its longest completion
+        longest = max(planned_length(seed, 32) for seed in engine.seeds[: 2 * G])
+        steps = longest if tools else engine.steps - async_scheduling
+        assert metrics["gfpo/vllm_engine_steps"] == [float(steps)]
     assert world.broadcasts == [(0, "tp-group")] * 2  # once per rank, from the group's first rank
     first_turn_seeds = [engine.seeds[: 2 * G] for engine in engines]
     assert first_turn_seeds[0] == first_turn_seeds[1] and len(set(first_turn_seeds[0])) == 2 * G
@@ -506,7 +721,7 @@ def test_tensor_parallel_ranks_generate_alike(monkeypatch, tools):
     if tools:
         assert engines[0].seeds[2 * G :] == [None] * 8 == engines[1].seeds[2 * G :]
     else:
-        aborted = [[[int(i.rsplit("-", 1)[1]) for i in call] for call in engine.aborts] for engine in engines]
+        aborted = [[engine.rows(call) for call in engine.aborts] for engine in engines]
         assert aborted[0] == aborted[1] and aborted[0]
         stopped = [t._gfpo_batch.stopped_rows.tolist() for t in trainers]
         assert stopped[0] == [i in sum(aborted[0], []) for i in range(G)]
@@ -533,6 +748,31 @@ def test_gpu_smoke_script_keeps_what_the_filter_keeps():
     stopped = torch.rand(4 * G, generator=generator) < 0.3
     want = ref.group_topk_mask((lengths + stopped).float(), G, K, largest=False).nonzero().squeeze(1).tolist()
     assert smoke.kept(lengths.tolist(), stopped.tolist(), G, K) == want
+
+
+def test_gpu_smoke_script_checks_the_counters_of_both_scheduling_modes():
+    """scripts/vllm_gpu_smoke.py's verdict on one configuration, on runs of the fake engine in each scheduling mode:
+    none on runs as GFPO's loop makes them; a wrong step count (a step counted that returned no model output) or a
+    discarded-token count that does not fit the mode is named. Its configurations cover both modes on both runners."""
+    smoke = _smoke_script()
+    configs = sorted((env["VLLM_USE_V2_MODEL_RUNNER"], engine["async_scheduling"]) for _, env, engine in smoke.CONFIGS)
+    assert configs == [("0", False), ("0", True), ("1", False), ("1", True)]
+    for mode in (False, True):
+        runs = {}
+        for stop in (False, True):
+            outputs, plan, _ = generate(FakeEngine(async_scheduling=mode), stop=stop)
+            runs[stop] = dict(ids=[list(o.outputs[0].token_ids) for o in outputs], stopped=plan.stopped,
+                              steps=plan.engine_steps, discarded=plan.discarded_tokens,
+                              logps=[[next(iter(entry.values())) for entry in o.outputs[0].logprobs] for o in outputs])
+        assert smoke.verdict(runs[False], runs[True], G, K, mode, all_start_together=True) == []
+        other_mode_wants = 0 if mode else sum(runs[True]["stopped"])
+        assert smoke.verdict(runs[False], runs[True], G, K, not mode, all_start_together=True) == [
+            f"{runs[True]['discarded']} tokens counted discarded with the rule ({other_mode_wants} expected: one per "
+            "cut with async scheduling, none without)"]
+        runs[False]["steps"] += 1  # as counting every step call would with async scheduling
+        assert smoke.verdict(runs[False], runs[True], G, K, mode, all_start_together=True)[0].startswith(
+            f"{runs[False]['steps']} engine steps counted without the rule, for a longest completion of")
+        assert smoke.verdict(runs[False], runs[True], G, K, mode, all_start_together=False) == []
 
 
 def _alive(pid: int) -> bool:
