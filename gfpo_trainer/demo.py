@@ -130,9 +130,9 @@ def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_k
     _plot_demo(result, plot_path)
     _write_json(os.path.join(output_dir, "results.json"),
                 {"environment": environment, "settings": dataclasses.asdict(settings), "result": result})
-    versions = environment["versions"]
+    versions, machine = environment["versions"], environment["machine"]
     print(f"\nwritten: {plot_path} (the plot), {os.path.join(output_dir, 'results.json')} (every figure; commit "
-          f"{environment['commit']}, torch {versions['torch']}, trl {versions['trl']}, {environment['machine']['device']}"
-          f" on {environment['machine']['cpu_cores']} cores of {environment['machine']['cpu']}; tokens and times "
+          f"{environment['commit']}, torch {versions['torch']}, trl {versions['trl']}, {machine['device']}"
+          f" on {machine['cpu_cores']} cores of {machine['cpu']}; tokens and times "
           f"depend on the machine and its load), the models under {output_dir}/")
     return {"result": result, "table": table, "verdict": verdict, "plot": plot_path}

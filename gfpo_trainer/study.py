@@ -478,6 +478,6 @@ def finish_study(study: dict, output_dir: str) -> dict:
     plot_study(study["seed_results"], summary, paths["study.png"])
     print("\n" + report)
     models = "each piece's seed-*/" if "pieces" in study["environment"] else f"{output_dir}/seed-*/"
-    print(f"\nwritten: {paths['study.md']} (the tables and the verdict), {paths['study.json']} (every run per seed, and "
-          f"the summary), {paths['study.png']} (the plot); the models under {models}")
+    print(f"\nwritten: {paths['study.md']} (the tables and the verdict), {paths['study.json']} (every run per seed, "
+          f"and the summary), {paths['study.png']} (the plot); the models under {models}")
     return {"study": study, "summary": summary, "report": report, "verdict": verdict}

@@ -82,9 +82,13 @@ def checkpoint_table(summary: dict) -> str:
         cells = [name]
         for s in steps:
             p = points.get(s)
-            cells.append("-" if p is None else f"{fmt(p['mean_length'], '{:.1f}')}; ELR {fmt(p['elr_per_seed'], '{:.0%}')}"
-                         f"; acc {fmt(p['accuracy_minus_grpo'], '{:+.3f}')}" if name != "grpo" else
-                         "-" if p is None else fmt(p["mean_length"], "{:.1f}"))
+            if p is None:
+                cells.append("-")
+            elif name == "grpo":
+                cells.append(fmt(p["mean_length"], "{:.1f}"))
+            else:
+                cells.append(f"{fmt(p['mean_length'], '{:.1f}')}; ELR {fmt(p['elr_per_seed'], '{:.0%}')}; acc "
+                             f"{fmt(p['accuracy_minus_grpo'], '{:+.3f}')}")
         plateau = f.get("plateau")
         cells.append("-" if plateau is None else
                      f"length {fmt(plateau['length_change'], '{:+.2f}')}, accuracy "

@@ -36,7 +36,8 @@ def t_interval(values, confidence: float = 0.95) -> tuple[float, float]:
     if len(values) < 2:
         return (math.nan, math.nan)
     mean = statistics.fmean(values)
-    half = float(student_t.ppf(0.5 + confidence / 2, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+    quantile = float(student_t.ppf(0.5 + confidence / 2, len(values) - 1))
+    half = quantile * statistics.stdev(values) / math.sqrt(len(values))
     return (mean - half, mean + half)
 
 

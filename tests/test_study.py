@@ -95,7 +95,8 @@ def test_merge_on_the_command_line(tmp_path, capsys):
     _write_piece(tmp_path / "b", [1, 2])
     assert main(["demo", "--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--output-dir",
                  str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"error: --merge: seed 1 is in two pieces: {tmp_path / 'a'} and {tmp_path / 'b'}\n"
+    expected = f"error: --merge: seed 1 is in two pieces: {tmp_path / 'a'} and {tmp_path / 'b'}\n"
+    assert capsys.readouterr().err == expected
 
 
 def test_pieces_merged_are_the_study_run_at_once(tmp_path):
@@ -146,8 +147,9 @@ def test_study_verdict_follows_the_intervals():
                         "seeds).")
     assert lines[1] == ("- shortest-8of16: avoided 51% [38%, 64%] of GRPO's extra length; accuracy +0.000 [-0.127, "
                         "+0.127] against GRPO: not resolved (the interval contains 0 but is wider than +-0.03).")
-    assert lines[2] == ("- token-efficiency-8of16: ELR 10% [-244%, 264%]: not shown shorter than GRPO; accuracy -0.055 "
-                        "[-0.119, +0.009] against GRPO: not resolved (the interval contains 0 but is wider than +-0.03).")
+    assert lines[2] == ("- token-efficiency-8of16: ELR 10% [-244%, 264%]: not shown shorter than GRPO; accuracy "
+                        "-0.055 [-0.119, +0.009] against GRPO: not resolved (the interval contains 0 but is wider "
+                        "than +-0.03).")
     assert lines[-1] == "Only 2 seeds: the t-intervals are wide (t = 12.71 standard errors on each side); the " \
                         "protocols run 8."
 
