@@ -5,9 +5,12 @@ async scheduling (vLLM's GPU default), all in batch-invariant mode (VLLM_BATCH_I
 parallelism (TP=2) where two GPUs exist. GFPO's counters are checked in both scheduling modes: with every request
 running from the first step, the engine steps of the call without the rule are its longest completion's length
 (the steps that returned model output, whatever the mode), and one token is counted discarded per cut request with
-async scheduling, none without. Each configuration runs in a process of its own (vLLM reads its environment when
-the engine starts), stopped (its whole process group) after --timeout seconds; one line per configuration, and the
-exit status is the number that failed.
+async scheduling, none without; that count is checked against what vLLM's scheduler received for requests already
+cut (one per cut where the engine had launched the next batch, none without). Each configuration runs in a process
+of its own (vLLM reads its environment when the engine starts) with the engine core in that process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), as TRL's external launcher runs it in training: GFPO's loop then steps the
+engine core itself, and the scheduler is there to be measured. A configuration is stopped (its whole process group)
+after --timeout seconds; one line per configuration, and the exit status is the number that failed.
 
 TP=2 here is vLLM's own: one process runs the loop on `LLM(tensor_parallel_size=2)`, whose workers vLLM starts (the
 loop aborts one request a call there, as a rank of the trainer's TP group does). It is not the trainer's TP path,
@@ -65,9 +68,11 @@ def kept(lengths: list[int], stopped: list[bool], G: int, k: int) -> list[int]:
 
 def verdict(off: dict, on: dict, G: int, k: int, async_scheduling: bool, all_start_together: bool) -> list[str]:
     """What is wrong with one configuration's two runs (`ids`, `logps`, `stopped`, `steps`, `discarded` of the run
-    with the rule off and on): the kept rows, the cut rows, and GFPO's counters for the scheduling mode the engine
-    ran (`all_start_together`: every request fitted the first step, so the run without the rule took as many steps
-    that returned model output as its longest completion has tokens)."""
+    with the rule off and on, and what vLLM did: `step_calls`, its `LLMEngine.step` calls, and `received`, the tokens
+    its scheduler received for requests already aborted): the kept rows, the cut rows, and GFPO's counters for the
+    scheduling mode the engine ran (`all_start_together`: every request fitted the first step, so the run without the
+    rule took as many steps that returned model output as its longest completion has tokens, and every running
+    request was in each launched batch)."""
     rows = len(off["ids"])
     keep_off = kept([len(x) for x in off["ids"]], off["stopped"], G, k)
     keep_on = kept([len(x) for x in on["ids"]], on["stopped"], G, k)
@@ -87,7 +92,51 @@ def verdict(off: dict, on: dict, G: int, k: int, async_scheduling: bool, all_sta
     if on["discarded"] != want or off["discarded"] != 0:
         problems.append(f"{on['discarded']} tokens counted discarded with the rule ({want} expected: one per cut "
                         "with async scheduling, none without)")
+    # a cut request is in the batch launched before the cut where the engine launches ahead (a step call that
+    # returned no model output); with every request running, in each launched batch
+    launched_ahead = async_scheduling and on["step_calls"] > on["steps"]
+    want = sum(on["stopped"]) if launched_ahead else 0
+    if off["received"] != 0 or (on["received"] != want if all_start_together else on["received"] > want):
+        problems.append(f"vLLM's scheduler received {on['received']} tokens for requests the rule had cut "
+                        f"({want} expected: one per cut where the engine had launched the next batch, none "
+                        f"without; GFPO counted {on['discarded']})")
     return problems
+
+
+def child_environment(environment: dict) -> dict:
+    """The environment of one configuration's process: the caller's, batch-invariant numerics, the configuration's
+    own settings, and the engine core in the process that drives it (VLLM_ENABLE_V1_MULTIPROCESSING=0, which vLLM sets
+    itself for TRL's external launcher): without it `LLM` runs the engine core in a process of its own that steps on
+    its own, ahead of GFPO's loop, which is not how the trainer runs it."""
+    return {**os.environ, "VLLM_BATCH_INVARIANT": "1", **environment, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def measure_engine(llm):
+    """Counts, on `llm`'s in-process engine, its `LLMEngine.step` calls (`step_calls`) and the tokens its scheduler
+    receives for requests already aborted (`received`: computed in a batch launched before the abort, and
+    discarded). Returns (the counters, which the caller resets between runs; vLLM's own step, uncounted, which
+    collects a batch still in flight after a call: it holds the last step's cuts)."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler  # the in-process client's EngineCore
+    counts = {"step_calls": 0, "received": 0}
+    aborted: set[str] = set()
+    step, abort, update = engine.step, engine.abort_request, scheduler.update_from_output
+
+    def counted_step():
+        counts["step_calls"] += 1
+        return step()
+
+    def recorded_abort(request_ids, internal=False):
+        aborted.update(request_ids)
+        return abort(request_ids, internal=internal)
+
+    def recorded_update(scheduler_output, model_output):
+        counts["received"] += sum(n for request_id, n in scheduler_output.num_scheduled_tokens.items()
+                                  if request_id in aborted)
+        return update(scheduler_output, model_output)
+
+    engine.step, engine.abort_request, scheduler.update_from_output = counted_step, recorded_abort, recorded_update
+    return counts, step
 
 
 def child(options) -> dict:
@@ -105,15 +154,20 @@ def child(options) -> dict:
     params = vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=options.max_tokens,
                                  logprobs=0)
     seeds = request_seeds(1234, 0, len(prompts), len(prompts))
+    counts, collect_in_flight = measure_engine(llm)
     runs = {}
     for stop in (False, True):
         plan = VLLMGroupGeneration(llm, group_size=options.G, k=options.k, first_row=0, seeds=seeds, stop=stop,
                                    tensor_parallel_size=options.tp)
+        counts["step_calls"] = counts["received"] = 0
         start = time.perf_counter()
         outputs = plan.generate(prompts, sampling_params=params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        step_calls = counts["step_calls"]
+        collect_in_flight()
         runs[stop] = dict(ids=[list(o.outputs[0].token_ids) for o in outputs], stopped=plan.stopped,
-                          seconds=time.perf_counter() - start, steps=plan.engine_steps, tokens=plan.generated_tokens,
-                          discarded=plan.discarded_tokens,
+                          seconds=seconds, steps=plan.engine_steps, tokens=plan.generated_tokens,
+                          discarded=plan.discarded_tokens, step_calls=step_calls, received=counts["received"],
                           logps=[[next(iter(step.values())).logprob for step in o.outputs[0].logprobs]
                                  for o in outputs])
     off, on = runs[False], runs[True]
@@ -126,7 +180,8 @@ def child(options) -> dict:
         problems.append(f"vLLM ran with async_scheduling={mode}, {extra['async_scheduling']} asked for")
     return {"problems": problems, "cut": sum(on["stopped"]), "rows": len(prompts),
             "steps": [off["steps"], on["steps"]], "tokens": [off["tokens"], on["tokens"]],
-            "discarded": on["discarded"], "seconds": [round(off["seconds"], 2), round(on["seconds"], 2)]}
+            "discarded": on["discarded"], "received": on["received"],
+            "seconds": [round(off["seconds"], 2), round(on["seconds"], 2)]}
 
 
 def _stop_group(process: subprocess.Popen) -> None:
@@ -184,8 +239,7 @@ def main(argv=None) -> int:
                 command = [sys.executable, __file__, "--child", "--model", model, "--prompts", str(options.prompts),
                            "--G", str(options.G), "--k", str(options.k), "--max-tokens", str(options.max_tokens),
                            "--tp", str(tp), "--engine-options", json.dumps(engine_options)]
-                env = {**os.environ, "VLLM_BATCH_INVARIANT": "1", **environment}
-                returncode, stdout, stderr = run_child(command, env, options.timeout)
+                returncode, stdout, stderr = run_child(command, child_environment(environment), options.timeout)
                 lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
                 label = f"{name}, TP={tp}" + (" (vLLM's, one process)" if tp > 1 else "")
                 if returncode != 0 or not lines:
@@ -199,7 +253,8 @@ def main(argv=None) -> int:
                 failed += bool(result["problems"])
                 print(f"{status} {label}: {result['cut']} of {result['rows']} rows cut; engine steps off/on "
                       f"{result['steps'][0]}/{result['steps'][1]}, tokens {result['tokens'][0]}/{result['tokens'][1]} "
-                      f"(+{result['discarded']} discarded), seconds {result['seconds'][0]}/{result['seconds'][1]}"
+                      f"(+{result['discarded']} discarded; vLLM's scheduler received {result['received']} for cut "
+                      f"requests), seconds {result['seconds'][0]}/{result['seconds'][1]}"
                       + "".join(f"; {p}" for p in result["problems"]), flush=True)
     return failed
 

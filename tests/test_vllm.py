@@ -9,7 +9,9 @@ run eagerly (`run_vllm_engines_eagerly`: no torch.compile warm-up per engine, wh
 tests' generation).
 """
 
+import contextlib
 import gc
+import json
 import os
 import re
 
@@ -130,12 +132,12 @@ def llm(model_dir):
     gc.collect()
 
 
-@pytest.fixture(scope="class")
-def async_llm(model_dir):
-    """A bare engine that schedules asynchronously, as vLLM does by default on a GPU. vLLM's CPU platform turns async
-    scheduling off when an engine is built; this turns it back on right after, for this engine only: vLLM's batch
-    queue (a step launches the next batch, then returns the previous one's output) and its async scheduler run, and
-    the CPU model runner computes each batch when it is launched."""
+@contextlib.contextmanager
+def async_scheduling_on_cpu():
+    """Engines built in the block schedule asynchronously, as vLLM does by default on a GPU. vLLM's CPU platform turns
+    async scheduling off when an engine is built; this turns it back on right after: vLLM's batch queue (a step
+    launches the next batch, then returns the previous one's output) and its async scheduler run, and the CPU model
+    runner computes each batch when it is launched."""
     from vllm.platforms import current_platform
 
     platform = type(current_platform)
@@ -147,10 +149,17 @@ def async_llm(model_dir):
 
     platform.check_and_update_config = classmethod(with_async_scheduling)
     try:
-        engine = vllm.LLM(model_dir, gpu_memory_utilization=0.1, max_model_len=128, seed=0,
-                          logprobs_mode="processed_logprobs", max_num_batched_tokens=4096)
+        yield
     finally:
         platform.check_and_update_config = original
+
+
+@pytest.fixture(scope="class")
+def async_llm(model_dir):
+    """A bare engine that schedules asynchronously (async_scheduling_on_cpu)."""
+    with async_scheduling_on_cpu():
+        engine = vllm.LLM(model_dir, gpu_memory_utilization=0.1, max_model_len=128, seed=0,
+                          logprobs_mode="processed_logprobs", max_num_batched_tokens=4096)
     assert engine.llm_engine.vllm_config.scheduler_config.async_scheduling
     yield engine
     engine.llm_engine.engine_core.shutdown()
@@ -417,6 +426,28 @@ class TestEngineLoop:
         monkeypatch.delattr("vllm.outputs.CompletionOutput")
         with pytest.raises(VLLMSurfaceError, match=r"vllm.outputs.CompletionOutput is gone or unreadable"):
             check_vllm_surfaces(llm, engine_loop=False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_gpu_smoke_script_on_the_cpu_engine(model_dir, async_scheduling):
+    """scripts/vllm_gpu_smoke.py's configuration run (its child) on the CPU engine, with each scheduling mode (async
+    turned back on for the CPU engine): the same kept rows with the rule on and off, and GFPO's counters checked
+    against what vLLM's own scheduler received for the requests the rule cut (one token each with async scheduling,
+    none without): no problem named."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "vllm_gpu_smoke.py"
+    spec = importlib.util.spec_from_file_location("vllm_gpu_smoke", path)
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    options = argparse.Namespace(model=model_dir, tp=1, prompts=2, G=8, k=3, max_tokens=24,
+                                 engine_options=json.dumps({"async_scheduling": async_scheduling}))
+    with async_scheduling_on_cpu() if async_scheduling else contextlib.nullcontext():
+        result = smoke.child(options)
+    assert result["problems"] == [] and result["cut"] > 0, result
+    assert result["received"] == (result["cut"] if async_scheduling else 0) == result["discarded"]
 
 
 # --------------------------------------------------------------------------- GFPOTrainer on the engine

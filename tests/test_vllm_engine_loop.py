@@ -751,28 +751,58 @@ def test_gpu_smoke_script_keeps_what_the_filter_keeps():
 
 
 def test_gpu_smoke_script_checks_the_counters_of_both_scheduling_modes():
-    """scripts/vllm_gpu_smoke.py's verdict on one configuration, on runs of the fake engine in each scheduling mode:
-    none on runs as GFPO's loop makes them; a wrong step count (a step counted that returned no model output) or a
-    discarded-token count that does not fit the mode is named. Its configurations cover both modes on both runners."""
+    """scripts/vllm_gpu_smoke.py's verdict on one configuration, on runs of the fake engine in each scheduling mode
+    (what vLLM did measured as the script measures it: the step calls, and the tokens the scheduler received for
+    requests already aborted): none on runs as GFPO's loop makes them; a wrong step count (a step counted that
+    returned no model output), a discarded-token count that does not fit the mode, or one that is not what the
+    scheduler received, is named. Its configurations cover both modes on both runners."""
     smoke = _smoke_script()
     configs = sorted((env["VLLM_USE_V2_MODEL_RUNNER"], engine["async_scheduling"]) for _, env, engine in smoke.CONFIGS)
     assert configs == [("0", False), ("0", True), ("1", False), ("1", True)]
     for mode in (False, True):
         runs = {}
         for stop in (False, True):
-            outputs, plan, _ = generate(FakeEngine(async_scheduling=mode), stop=stop)
+            engine = FakeEngine(async_scheduling=mode)
+            outputs, plan, _ = generate(engine, stop=stop)
             runs[stop] = dict(ids=[list(o.outputs[0].token_ids) for o in outputs], stopped=plan.stopped,
-                              steps=plan.engine_steps, discarded=plan.discarded_tokens,
+                              steps=plan.engine_steps, discarded=plan.discarded_tokens, step_calls=engine.steps,
+                              received=engine.discarded_by_abort,
                               logps=[[next(iter(entry.values())) for entry in o.outputs[0].logprobs] for o in outputs])
         assert smoke.verdict(runs[False], runs[True], G, K, mode, all_start_together=True) == []
-        other_mode_wants = 0 if mode else sum(runs[True]["stopped"])
-        assert smoke.verdict(runs[False], runs[True], G, K, not mode, all_start_together=True) == [
+        cuts = sum(runs[True]["stopped"])
+        other_mode_wants = 0 if mode else cuts
+        assert smoke.verdict(runs[False], runs[True], G, K, not mode, all_start_together=True)[0] == (
             f"{runs[True]['discarded']} tokens counted discarded with the rule ({other_mode_wants} expected: one per "
-            "cut with async scheduling, none without)"]
+            "cut with async scheduling, none without)")
+        # GFPO's count right for the mode, but not what vLLM's scheduler received (a cut that reached vLLM late, or
+        # an engine that did not launch ahead): named, with both figures
+        measured, want = dict(runs[True], received=cuts + 1 if mode else 1), cuts if mode else 0
+        assert smoke.verdict(runs[False], measured, G, K, mode, all_start_together=True) == [
+            f"vLLM's scheduler received {measured['received']} tokens for requests the rule had cut ({want} "
+            f"expected: one per cut where the engine had launched the next batch, none without; GFPO counted "
+            f"{runs[True]['discarded']})"]
+        if mode:  # fewer received than cut: an upper bound only where not every request ran from the first step
+            fewer = dict(runs[True], received=cuts - 1)
+            assert smoke.verdict(runs[False], fewer, G, K, mode, all_start_together=True)
+            assert smoke.verdict(runs[False], fewer, G, K, mode, all_start_together=False) == []
         runs[False]["steps"] += 1  # as counting every step call would with async scheduling
         assert smoke.verdict(runs[False], runs[True], G, K, mode, all_start_together=True)[0].startswith(
             f"{runs[False]['steps']} engine steps counted without the rule, for a longest completion of")
         assert smoke.verdict(runs[False], runs[True], G, K, mode, all_start_together=False) == []
+
+
+def test_gpu_smoke_script_runs_the_engine_core_in_process(monkeypatch):
+    """Each configuration's process runs vLLM's engine core in itself (VLLM_ENABLE_V1_MULTIPROCESSING=0, what vLLM
+    sets for TRL's external launcher), whatever the caller's environment says: GFPO's loop steps the engine core as
+    in training, and the scheduler the script measures is in that process. Batch-invariant numerics, the
+    configuration's own settings."""
+    smoke = _smoke_script()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    for _, environment, _ in smoke.CONFIGS:
+        env = smoke.child_environment(environment)
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_BATCH_INVARIANT"] == "1"
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == environment["VLLM_USE_V2_MODEL_RUNNER"]
 
 
 def _alive(pid: int) -> bool:
