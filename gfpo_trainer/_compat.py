@@ -16,6 +16,7 @@ extra holds TRL to TESTED_TRL, so the suite runs on the releases it was written 
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from typing import NamedTuple
 
@@ -28,8 +29,16 @@ from trl import GRPOTrainer
 TESTED_TRL = (">=1.14.2", "<1.17")
 # releases the trainer tests ran against (CI: 1.14.2 via scripts/test_oldest_trl.sh, 1.16.0 in .venv)
 KNOWN_WORKING_TRL = ("1.14.2", "1.15.0", "1.16.0")
-# what installs a tested TRL (the untested-TRL warning and the refusals name it)
+# what installs a tested TRL (the untested-TRL warning and the refusals name it); with vLLM, TRL's extra keeps the vLLM
+# in that TRL's range
 TESTED_TRL_INSTALL = f"pip install 'trl{','.join(TESTED_TRL)}'"
+TESTED_TRL_VLLM_INSTALL = f"pip install 'trl[vllm]{','.join(TESTED_TRL)}'"
+# the vLLM releases GFPO's vLLM paths ran on (the CPU engine's tests: scripts/test_vllm_cpu.sh, both ends); outside
+# them the surfaces are still checked when the trainer is built, with a one-time warning
+TESTED_VLLM = ("0.22.1", "0.31.0")
+_warned_untested_vllm: set[str] = set()
+# set to 1 to use the fused kernels on a TRL outside TESTED_TRL (check_fused_kernels_trl)
+FUSED_ON_UNTESTED_TRL_ENV = "GFPO_FUSED_KERNELS_ON_UNTESTED_TRL"
 _warned_untested: set[str] = set()
 # the vLLM releases each tested TRL release generates with (its `vllm` extra; TRL warns outside them): GFPO's
 # `vllm` extra installs `trl[vllm]`, so a user gets the range of the TRL they have (for an untested TRL, the range
@@ -108,7 +117,8 @@ class TRLSurfaceError(RuntimeError):
 
 def _supported() -> str:
     """The tested range and what installs it, for the end of a message."""
-    return f"gfpo is tested on trl {','.join(TESTED_TRL)} ({', '.join(KNOWN_WORKING_TRL)}): {TESTED_TRL_INSTALL}"
+    return (f"gfpo is tested on trl {','.join(TESTED_TRL)} ({', '.join(KNOWN_WORKING_TRL)}): {TESTED_TRL_INSTALL} "
+            f"(with vLLM: {TESTED_TRL_VLLM_INSTALL})")
 
 
 def is_tested_trl(version: str) -> bool:
@@ -218,6 +228,29 @@ def check_vllm_version() -> None:
     if known is None or not known.contains(found):
         raise ImportError(f"use_vllm=True: vllm {found} is installed, GFPOTrainer supports {supported}: "
                           f"{VLLM_INSTALL_HINT} installs one")
+    low, high = (Version(v) for v in TESTED_VLLM)
+    if not low.release <= Version(found).release <= high.release and found not in _warned_untested_vllm:
+        _warned_untested_vllm.add(found)
+        warnings.warn(
+            f"gfpo: vllm {found} is untested: GFPO's vLLM paths ran on vllm {TESTED_VLLM[0]} to {TESTED_VLLM[1]}; the "
+            "vLLM surfaces they read are checked when the trainer is built, the engine's behaviour behind them is not",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def check_fused_kernels_trl() -> None:
+    """use_gfpo_kernels=True: the fused loss and the group kernel reproduce the loss and advantages of the tested TRL
+    releases; on another TRL a changed formula behind unchanged methods would train differently without a word, so
+    it is refused (a ValueError naming the ways out) unless FUSED_ON_UNTESTED_TRL_ENV is set to 1."""
+    if is_tested_trl(trl.__version__) or os.environ.get(FUSED_ON_UNTESTED_TRL_ENV) == "1":
+        return
+    raise ValueError(
+        f"use_gfpo_kernels=True: trl {trl.__version__} is untested, and the fused kernels reproduce the loss and "
+        f"advantages of trl {','.join(TESTED_TRL)} only. Set use_gfpo_kernels=False (TRL's own loss, GFPO's filter "
+        f"kept), install a tested TRL ({TESTED_TRL_INSTALL}; with vLLM: {TESTED_TRL_VLLM_INSTALL}), or set "
+        f"{FUSED_ON_UNTESTED_TRL_ENV}=1 to use them anyway"
+    )
 
 
 def check_vllm_generation(trainer) -> None:

@@ -40,8 +40,9 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from ._compat import (
-    TRLSurfaceError, check_output, check_trainer_attributes, check_trl_surfaces, check_vllm_generation,
-    check_vllm_server_generation, check_vllm_version, keep_model_forward_under_liger, tool_mask_of
+    TRLSurfaceError, check_fused_kernels_trl, check_output, check_trainer_attributes, check_trl_surfaces,
+    check_vllm_generation, check_vllm_server_generation, check_vllm_version, keep_model_forward_under_liger,
+    tool_mask_of
 )
 from .adaptive import AdaptiveDifficulty
 from .batch import GenerationBatch
@@ -113,6 +114,7 @@ class GFPOTrainer(GRPOTrainer):
         if args.use_vllm:
             check_vllm_version()
         if args.use_gfpo_kernels:
+            check_fused_kernels_trl()
             check_fused_loss_supported(args)
             keep_model_forward_under_liger(args)
 

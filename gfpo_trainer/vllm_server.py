@@ -618,10 +618,10 @@ class ServerGroupGeneration:
                     raise self._fail(row, f"{type(error).__name__}: {_one_line(error)}") from None
                 pause = _pause(tries, retry_after, self._random)
                 if loop.time() + pause > deadline:
-                    raise self._fail(row, f"turned away {_times(tries)} within the retry deadline of "
+                    raise self._fail(row, f"sent {_times(tries)} without an answer within the retry deadline of "
                                           f"{self.limits.retry_deadline:g} s (gfpo_vllm_server_retry_deadline), "
                                           f"the last: {reason}")
-                logger.debug(f"gfpo: the vLLM server at {self.base_url} turned away {self._what(row)}: {reason}; "
+                logger.debug(f"gfpo: the vLLM server at {self.base_url} did not answer {self._what(row)}: {reason}; "
                              f"sending it again in {pause:.2f} s")
                 await asyncio.sleep(pause)
 

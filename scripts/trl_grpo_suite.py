@@ -151,6 +151,8 @@ def run_mode(tests_dir: Path, mode: str, subset: str, only: list[str] | None = N
             # every Hub id the tests load is a local stand-in or skips; without this, a Hub lookup the stand-ins do not
             # cover (the reward model's adapter_config.json, by its Hub id) retries for 31 s each time offline
             "HF_HUB_OFFLINE": "1",
+            # the suite is how an untested TRL is checked: its kernel mode runs the fused kernels there too
+            "GFPO_FUSED_KERNELS_ON_UNTESTED_TRL": "1",
             "PYTHONPATH": os.pathsep.join([str(REPO), str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")]),
         }
         command = [sys.executable, "-m", "pytest", "-p", "gfpo_trl_plugin", "-p", "no:cacheprovider", "-q",

@@ -15,7 +15,8 @@ from gfpo_trainer import _compat
 from gfpo_trainer._compat import TRLSurfaceError, check_trl_surfaces, is_tested_trl
 
 ROOT = Path(__file__).parents[1]
-TESTED = ">=1.14.2,<1.17 (1.14.2, 1.15.0, 1.16.0): pip install 'trl>=1.14.2,<1.17'"
+TESTED = (">=1.14.2,<1.17 (1.14.2, 1.15.0, 1.16.0): pip install 'trl>=1.14.2,<1.17' (with vLLM: pip install "
+          "'trl[vllm]>=1.14.2,<1.17')")
 
 
 @pytest.fixture
@@ -127,6 +128,54 @@ def test_a_trainer_builds_on_an_untested_trl_whose_surfaces_match(monkeypatch, f
     untested = [str(w.message) for w in record if "untested" in str(w.message)]
     assert len(untested) == 1 and untested[0].endswith(TESTED)
     assert isinstance(trainer, trl.GRPOTrainer)
+
+
+def test_fused_kernels_are_refused_on_an_untested_trl(monkeypatch, fresh_warnings, tmp_path):
+    """use_gfpo_kernels=True reproduces the tested TRL's loss and advantages: on TRL 1.17 (simulated) it is refused
+    in one line naming the ways out, and with the environment variable it names, the trainer is built."""
+    from datasets import Dataset
+
+    from gfpo_trainer import GFPOConfig, GFPOTrainer
+    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.delenv("GFPO_FUSED_KERNELS_ON_UNTESTED_TRL", raising=False)
+    tokenizer = make_tokenizer()
+    args = GFPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", num_generations=4,
+                      num_remains_in_group=2, group_filter="length", per_device_train_batch_size=4,
+                      max_completion_length=4, use_gfpo_kernels=True)
+
+    def build():
+        return GFPOTrainer(model=make_tiny_model(tokenizer), reward_funcs=lambda completions, **kw: [0.0] *
+                           len(completions), args=args, processing_class=tokenizer,
+                           train_dataset=Dataset.from_list([{"prompt": "1+1="}] * 4))
+
+    with pytest.warns(UserWarning, match="untested"), pytest.raises(ValueError) as error:
+        build()
+    assert str(error.value) == (
+        "use_gfpo_kernels=True: trl 1.17.0 is untested, and the fused kernels reproduce the loss and advantages of "
+        "trl >=1.14.2,<1.17 only. Set use_gfpo_kernels=False (TRL's own loss, GFPO's filter kept), install a tested "
+        "TRL (pip install 'trl>=1.14.2,<1.17'; with vLLM: pip install 'trl[vllm]>=1.14.2,<1.17'), or set "
+        "GFPO_FUSED_KERNELS_ON_UNTESTED_TRL=1 to use them anyway")
+    monkeypatch.setenv("GFPO_FUSED_KERNELS_ON_UNTESTED_TRL", "1")
+    assert isinstance(build(), trl.GRPOTrainer)
+
+
+@pytest.mark.parametrize("found, warns", [("0.31.0", False), ("0.22.1", False), ("0.22.0", True)])
+def test_a_vllm_outside_the_tested_releases_warns_once(monkeypatch, found, warns):
+    """vLLM 0.22.0 lies in TRL 1.16's range but below the oldest vLLM GFPO's paths ran on (0.22.1): one warning."""
+    import warnings
+
+    monkeypatch.setattr(_compat, "_warned_untested_vllm", set())
+    monkeypatch.setattr(_compat, "vllm_version", lambda: found)
+    monkeypatch.setattr(trl, "__version__", "1.16.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compat.check_vllm_version()
+        _compat.check_vllm_version()
+    assert [str(w.message) for w in caught] == ([
+        f"gfpo: vllm {found} is untested: GFPO's vLLM paths ran on vllm 0.22.1 to 0.31.0; the vLLM surfaces they read "
+        "are checked when the trainer is built, the engine's behaviour behind them is not"] if warns else [])
 
 
 def test_untested_version_with_moved_surface_raises_naming_it(monkeypatch, fresh_warnings):

@@ -379,7 +379,7 @@ def test_turned_away_then_served(server, fast_retries, caplog, answers):
     expected = {"drop": "ServerDisconnectedError", "break off": "its answer broke off: ",
                 "event 503": f"sent an error event: Service Unavailable 503: {VLLM_BUSY}"}.get(
         answers[0], f"answered {answers[0]}: Service Unavailable")
-    assert all(line.startswith(f"gfpo: the vLLM server at {server.url} turned away completion 5 (prompt 1, seed "
+    assert all(line.startswith(f"gfpo: the vLLM server at {server.url} did not answer completion 5 (prompt 1, seed "
                                f"{_seed(5)}): ") and expected in line for line in retries)
 
 
@@ -400,7 +400,7 @@ def test_rule_off_a_generation_lost_before_its_answer_is_generated_again(server,
     retries = [r.getMessage() for r in caplog.records if "sending it again" in r.getMessage()]
     expected = {"drop mid-generation": "ServerDisconnectedError", "break off": "its answer broke off: "}
     assert [expected[answer] in line for answer, line in zip(answers, retries)] == [True] * len(answers)
-    assert all(line.startswith(f"gfpo: the vLLM server at {server.url} turned away completion 5 (prompt 1, seed "
+    assert all(line.startswith(f"gfpo: the vLLM server at {server.url} did not answer completion 5 (prompt 1, seed "
                                f"{_seed(5)}): ") for line in retries)
 
 
@@ -411,7 +411,7 @@ def test_rule_off_a_generation_lost_past_the_retry_deadline_fails(server, fast_r
     with pytest.raises(ServerError) as error:
         _generation(server, stop=False, limits=ServerLimits(retry_deadline=0.2)).generate(PROMPTS, **SAMPLING)
     assert _one_line(error) == (f"gfpo: the vLLM server at {server.url} failed completion 5 (prompt 1, seed "
-                                f"{_seed(5)}): turned away 1 time within the retry deadline of 0.2 s "
+                                f"{_seed(5)}): sent 1 time without an answer within the retry deadline of 0.2 s "
                                 "(gfpo_vllm_server_retry_deadline), the last: ServerDisconnectedError: Server "
                                 "disconnected")
     assert [received.payload["seed"] for received in server.received].count(_seed(5)) == 1
@@ -459,15 +459,16 @@ def test_turned_away_past_the_deadline_fails_in_one_line(server, fast_retries):
         generation.generate(PROMPTS, **SAMPLING)
     message = _one_line(error)
     assert message.startswith(f"gfpo: the vLLM server at {server.url} failed completion 6 (prompt 1, seed "
-                              f"{_seed(6)}): turned away ")
-    assert message.endswith("times within the retry deadline of 0.3 s (gfpo_vllm_server_retry_deadline), the last: "
+                              f"{_seed(6)}): sent ")
+    assert message.endswith("times without an answer within the retry deadline of 0.3 s "
+                            "(gfpo_vllm_server_retry_deadline), the last: "
                             "answered 503: Service Unavailable 503: Request queue full")
 
 
 def test_no_retry_with_a_zero_deadline_nor_for_other_errors(server, fast_retries):
     """retry_deadline=0 sends a request once; a 400 or 500 (not "not now") fails at once, naming the answer."""
     server.turn_away = {_seed(0): [503]}
-    with pytest.raises(ServerError, match=r"completion 0 .* turned away 1 time within the retry deadline of 0 s "
+    with pytest.raises(ServerError, match=r"completion 0 .* sent 1 time without an answer within the retry deadline of 0 s "
                                           r"\(gfpo_vllm_server_retry_deadline\), the last: answered 503"):
         _generation(server, limits=ServerLimits(retry_deadline=0)).generate(PROMPTS, **SAMPLING)
     for base_seed, status in ((4, 400), (5, 500)):
