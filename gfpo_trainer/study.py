@@ -404,22 +404,12 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
     """
     pieces = []
     for piece_dir in piece_dirs:
-        path = os.path.join(piece_dir, "study.json")
-        try:
-            with open(path) as f:
-                piece = json.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"{piece_dir}: no study.json there; a piece is the --output-dir of a "
-                             "`demo --seeds` run") from None
+        piece = _read_piece(piece_dir)
         done = [r["seed"] for r in piece["seed_results"]]
         if done != piece["seeds"]:
             missing = [s for s in piece["seeds"] if s not in done]
             raise ValueError(f"{piece_dir}: seeds {missing} of {piece['seeds']} have no results (the run stopped "
                              "early); run them again as a piece of their own")
-        if piece.get("task") is None:  # a piece written before study.json named its task: read it off its settings
-            piece["task"] = next((name for name, task in TASKS.items()
-                                  if piece["settings"]["task"] == json.loads(json.dumps(dataclasses.asdict(task)))),
-                                 None)
         pieces.append((piece_dir, piece))
     if not pieces:
         raise ValueError("no pieces given")
@@ -445,6 +435,61 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
     _announce_overwrite(output_dir, "study.json")
     os.makedirs(output_dir, exist_ok=True)
     return finish_study(study, output_dir)
+
+
+def _read_piece(piece_dir: str) -> dict:
+    """A piece's study.json, its task named (read off its settings where the piece predates the name)."""
+    path = os.path.join(piece_dir, "study.json")
+    try:
+        with open(path) as f:
+            piece = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{piece_dir}: no study.json there; a piece is the --output-dir of a "
+                         "`demo --seeds` run") from None
+    if piece.get("task") is None:
+        piece["task"] = next((name for name, task in TASKS.items()
+                              if piece["settings"]["task"] == json.loads(json.dumps(dataclasses.asdict(task)))), None)
+    return piece
+
+
+def reevaluate_final_models(piece_dir: str) -> list[dict]:
+    """The held-out evaluation of a piece's saved models (the warm-up model and each arm's final model, per seed)
+    again, as the run evaluated them (same prompts, samples, temperature and seed), for the figures its runs did not
+    record (the stepwise answers apart: every step written or some skipped, with filler or without).
+
+    Returns:
+        one {"seed", "warm-up": evaluate's figures, "arms": {name: {"final": figures}}} per seed.
+    Raises:
+        ValueError: where a model's accuracy or length differs from what the run recorded (not the same answers).
+    """
+    from transformers import AutoModelForCausalLM
+
+    piece = _read_piece(piece_dir)
+    task = TASKS[piece["task"]] if piece["task"] else SumsTask(**{  # a task made by hand (tests' smoke sizes)
+        key: tuple(value) if isinstance(value, list) else value for key, value in piece["settings"]["task"].items()})
+    settings = DemoSettings(**{**piece["settings"], "task": task})
+    tokenizer = make_tokenizer()
+    _, held_out = settings.task.split(settings.eval_prompts, settings.held_out_seed)
+    results = []
+    for recorded in piece["seed_results"]:
+        seed, result = recorded["seed"], {"seed": recorded["seed"], "arms": {}}
+        for name in ["warm-up", *piece["arms"]]:
+            model_dir = os.path.join(piece_dir, f"seed-{seed}", "warmup_model" if name == "warm-up" else name)
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+            figures = evaluate(model, tokenizer, settings.task, held_out, settings.max_completion_length, "cpu",
+                               samples=settings.eval_samples, temperature=settings.eval_temperature, seed=seed,
+                               desc=f"evaluate {name}, seed {seed}")
+            before = recorded["warm-up"] if name == "warm-up" else recorded["arms"][name]["final"]
+            if (figures["accuracy"], figures["mean_length"]) != (before["accuracy"], before["mean_length"]):
+                raise ValueError(f"{model_dir}: accuracy {figures['accuracy']} and length {figures['mean_length']} "
+                                 f"now, {before['accuracy']} and {before['mean_length']} when it ran: not the same "
+                                 "answers (another torch, thread count or device?)")
+            if name == "warm-up":
+                result["warm-up"] = figures
+            else:
+                result["arms"][name] = {"final": figures}
+        results.append(result)
+    return results
 
 
 def _paper_tables() -> dict | None:

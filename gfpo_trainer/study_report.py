@@ -99,6 +99,24 @@ def checkpoint_table(summary: dict) -> str:
                      f"+-{PLATEAU_ACCURACY:g})"], rows)
 
 
+def form_table(summary: dict) -> str:
+    """The answers' form on the curves at CHECKPOINT_STEPS (2 samples a prompt): the share written step by step,
+    the filler words per answer and the accuracy of the stepwise answers, per arm."""
+    steps = [s for s in map(str, CHECKPOINT_STEPS)
+             if any("stepwise_fraction" in f.get("checkpoints", {}).get(s, {}) for f in summary["arms"].values())]
+    rows = []
+    for name, f in summary["arms"].items():
+        cells = [name]
+        for s in steps:
+            p = f.get("checkpoints", {}).get(s, {})
+            cells.append("-" if "stepwise_fraction" not in p else
+                         f"{fmt(p['stepwise_fraction'], '{:.2f}')}; {fmt(p['filler_per_answer'], '{:.2f}')}; "
+                         f"{fmt(p['accuracy_stepwise'], '{:.3f}')}")
+        rows.append(cells)
+    return _table(["arm"] + [f"step {s}: stepwise share; filler words; accuracy of stepwise answers" for s in steps],
+                  rows)
+
+
 def by_terms_table(summary: dict) -> str:
     """ELR and the accuracy difference to GRPO per number of terms (per kind of prompt)."""
     terms = list(summary["warm-up"]["by_terms"])
@@ -171,6 +189,8 @@ def study_report(summary: dict, seeds: int, paper_tables: dict | None, arms: dic
              "## Per number of terms\n\n" + by_terms_table(summary)]
     if any(f.get("checkpoints") for f in summary["arms"].values()):
         parts.append("## Over training (curves: 2 samples a prompt)\n\n" + checkpoint_table(summary))
+    if any("stepwise_fraction" in p for f in summary["arms"].values() for p in f.get("checkpoints", {}).values()):
+        parts.append("## The answers' form over training (curves: 2 samples a prompt)\n\n" + form_table(summary))
     if any("signal" in f for f in summary["arms"].values()):
         parts.append("## Learning signal and form\n\n" + signal_table(summary))
     if paper_tables is not None and "grpo" in summary["arms"]:

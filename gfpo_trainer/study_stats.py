@@ -218,4 +218,15 @@ def _against_grpo(per_seed: list[dict], name: str) -> dict:
                                    False),
             "accuracy_minus_grpo": figure([arm[0] - grpo[0] for arm, grpo, _ in points], False),
         }
+        forms = [_curve_figures_at(s[name], step) for s in per_seed]
+        if all(f is not None for f in forms):  # the answers' form on the curve (runs that recorded it)
+            out["checkpoints"][str(step)].update({key: figure([f[key] for f in forms], False) for key in FORM_KEYS})
     return out
+
+
+FORM_KEYS = ("stepwise_fraction", "filler_per_answer", "accuracy_stepwise")
+
+
+def _curve_figures_at(run: dict, step: int) -> dict | None:
+    """The held-out figures a run's curve recorded at `step` ("curve_figures"), None where it has none."""
+    return next((f for f in run.get("curve_figures", ()) if f["step"] == step), None)

@@ -170,6 +170,17 @@ def answer_form(completion: str) -> tuple[bool, int]:
     return "+" in completion, sum(w in SumsTask.filler_words for w in words)
 
 
+_STEP = re.compile(r"(\d+)\+(\d+)=")
+
+
+def writes_every_step(terms: tuple[int, ...], completion: str) -> bool:
+    """Whether a stepwise answer adds the prompt's terms one step each, in order: as many "a+b=" steps as terms after
+    the first, the i-th adding the (i+1)-th term (the running sums themselves may be wrong). A shorter stepwise answer
+    skips or merges terms."""
+    steps = _STEP.findall(completion)
+    return len(steps) == len(terms) - 1 and all(int(b) == term for (_, b), term in zip(steps, terms[1:]))
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, device, *, samples: int = 4,
              temperature: float = 0.8, seed: int = 0, desc: str = "evaluate") -> dict:
@@ -189,14 +200,23 @@ def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, dev
             torch.cuda.default_generators[cuda_device.index or 0].manual_seed(seed)
         rows = _sample_answers(model, tokenizer, task, prompts, max_new_tokens, device, samples, temperature, desc)
 
+    def accuracy(rows):
+        return sum(r[1] for r in rows) / len(rows) if rows else None
+
     def summary(selected):
         n = max(len(selected), 1)
         stepwise = [r for r in selected if r[3]]
-        at_once = [r for r in selected if not r[3]]
+        every_step = [r for r in stepwise if r[6]]
         return {"accuracy": sum(r[1] for r in selected) / n, "mean_length": sum(r[2] for r in selected) / n,
                 "stepwise_fraction": len(stepwise) / n, "filler_per_answer": sum(r[4] for r in selected) / n,
-                "accuracy_stepwise": sum(r[1] for r in stepwise) / len(stepwise) if stepwise else None,
-                "accuracy_at_once": sum(r[1] for r in at_once) / len(at_once) if at_once else None}
+                "accuracy_stepwise": accuracy(stepwise),
+                "accuracy_at_once": accuracy([r for r in selected if not r[3]]),
+                # the stepwise answers apart: every step written or some skipped; with filler or without
+                "every_step_fraction": len(every_step) / len(stepwise) if stepwise else None,
+                "accuracy_every_step": accuracy(every_step),
+                "accuracy_steps_skipped": accuracy([r for r in stepwise if not r[6]]),
+                "accuracy_stepwise_with_filler": accuracy([r for r in stepwise if r[4]]),
+                "accuracy_stepwise_without_filler": accuracy([r for r in stepwise if not r[4]])}
 
     result = summary(rows)
     result["by_terms"] = {str(n): summary([r for r in rows if r[0] == n]) for n in sorted({r[0] for r in rows})}
@@ -205,9 +225,10 @@ def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, dev
 
 
 def _sample_answers(model, tokenizer, task: SumsTask, prompts, max_new_tokens, device, samples, temperature, desc):
-    """(number of terms, correct, length, stepwise, filler words, kind) of `samples` sampled answers per prompt."""
+    """(number of terms, correct, length, stepwise, filler words, kind, every step written) of `samples` sampled
+    answers per prompt."""
     rows = []
-    kinds = {task.prompt(p): task.kind(p) for p in prompts}
+    terms_of = {task.prompt(p): p for p in prompts}
     texts = [task.prompt(p) for p in prompts for _ in range(samples)]
     for start in tqdm(range(0, len(texts), 64), desc=desc, leave=False):
         chunk = texts[start : start + 64]
@@ -221,6 +242,7 @@ def _sample_answers(model, tokenizer, task: SumsTask, prompts, max_new_tokens, d
                 ids = [i for i in ids if i != tokenizer.pad_token_id]
             text = tokenizer.decode(ids, skip_special_tokens=True)
             stepwise, filler = answer_form(text)
-            rows.append((prompt.count("+") + 1, correctness_reward([prompt], [text])[0], len(ids), stepwise, filler,
-                         kinds[prompt]))
+            terms = terms_of[prompt]
+            rows.append((len(terms), correctness_reward([prompt], [text])[0], len(ids), stepwise, filler,
+                         task.kind(terms), stepwise and writes_every_step(terms, text)))
     return rows

@@ -121,6 +121,19 @@ def test_pieces_merged_are_the_study_run_at_once(tmp_path):
     assert merged["study"]["task"] is None  # the smoke task is none of TASKS
     for name in ("study.json", "study.md", "study.png"):
         assert (tmp_path / "whole" / name).exists()
+    # the saved final models, evaluated again, give the answers the runs recorded, and the figures they did not
+    again = study.reevaluate_final_models(str(tmp_path / "piece-1"))
+    recorded = json.loads((tmp_path / "piece-1" / "study.json").read_text())["seed_results"][0]
+    for name in arms:
+        for key in ("accuracy", "mean_length", "stepwise_fraction", "filler_per_answer"):
+            assert again[0]["arms"][name]["final"][key] == recorded["arms"][name]["final"][key]
+        assert "accuracy_every_step" in again[0]["arms"][name]["final"]
+    assert again[0]["warm-up"]["mean_length"] == recorded["warm-up"]["mean_length"]
+    piece = json.loads((tmp_path / "piece-1" / "study.json").read_text())
+    piece["seed_results"][0]["arms"]["grpo"]["final"]["mean_length"] += 1
+    (tmp_path / "piece-1" / "study.json").write_text(json.dumps(piece))
+    with pytest.raises(ValueError, match=r"seed-1/grpo: accuracy .* when it ran: not the same answers"):
+        study.reevaluate_final_models(str(tmp_path / "piece-1"))
     with pytest.raises(ValueError, match=r"arms=\('grpo', 'nope'\): unknown arms \['nope'\]; choices: "):
         study.run_study(settings, [0, 1], output_dir=str(tmp_path), arms=("grpo", "nope"))
     with pytest.raises(ValueError, match=r"seeds=\[\]: the study needs at least 1 seed"):

@@ -164,3 +164,29 @@ def test_evaluate_reports_by_kind():
                       samples=2)
     assert result["by_kind"]["easy"]["accuracy"] == 1.0 and result["by_kind"]["hard"]["accuracy"] == 0.0
     assert result["by_terms"]["4"]["accuracy"] == 0.5
+
+
+@pytest.mark.parametrize("terms, completion, every", [
+    ((3, 5, 9), " 3+5=8, hmm 8+9=17, so 17", True),
+    ((3, 5, 9), " 3+5=8, 8+9=18, so 18", True),  # every step written, one sum wrong
+    ((3, 5, 9), " 3+14=17, so 17", False),  # two terms merged
+    ((3, 5, 9), " 3+5=8, so 17", False),  # a step skipped
+    ((3, 5, 9), " 3+9=12, 12+5=17, so 17", False),  # out of order
+    ((3, 5), " 17", False),
+])
+def test_writes_every_step(terms, completion, every):
+    from gfpo_trainer.sums_task import writes_every_step
+
+    assert writes_every_step(terms, completion) is every
+
+
+def test_evaluate_tells_stepwise_answers_apart():
+    """Stepwise answers with every step or a step skipped, with filler or without, each with its accuracy."""
+    tokenizer = make_tokenizer()
+    answers = {"1+2+3=": " 1+2=3, hmm 3+3=6, so 6", "2+2+2=": " 2+2=4, so 6", "3+3+3=": " 3+3=6, 6+3=9, so 9",
+               "4+4+4=": " 4+8=13, so 13"}
+    result = evaluate(_FixedAnswers(tokenizer, answers), tokenizer, SumsTask(),
+                      [(1, 2, 3), (2, 2, 2), (3, 3, 3), (4, 4, 4)], 40, "cpu", samples=1)
+    assert result["every_step_fraction"] == 0.5
+    assert result["accuracy_every_step"] == 1.0 and result["accuracy_steps_skipped"] == 0.5
+    assert result["accuracy_stepwise_with_filler"] == 1.0 and result["accuracy_stepwise_without_filler"] == 2 / 3
