@@ -129,6 +129,18 @@ def test_pieces_merged_are_the_study_run_at_once(tmp_path):
             assert again[0]["arms"][name]["final"][key] == recorded["arms"][name]["final"][key]
         assert "accuracy_every_step" in again[0]["arms"][name]["final"]
     assert again[0]["warm-up"]["mean_length"] == recorded["warm-up"]["mean_length"]
+    # scripts/study_answer_forms.py: those figures over the pieces' seeds, with intervals and paired differences
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("forms", REPO / "scripts" / "study_answer_forms.py")
+    forms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forms)
+    assert forms.main([str(tmp_path / "piece-0"), str(tmp_path / "piece-1"), "--output", str(tmp_path / "f")]) == 0
+    written = json.loads((tmp_path / "f.json").read_text())
+    assert [r["seed"] for r in written["seed_results"]] == [0, 1]
+    assert written["summary"]["shortest-8of16"]["stepwise_fraction"]["per_seed"] == [
+        r["arms"]["shortest-8of16"]["final"]["stepwise_fraction"] for r in merged["study"]["seed_results"]]
+    assert (tmp_path / "f.md").read_text().startswith("Seeds [0, 1]; means over seeds")
     piece = json.loads((tmp_path / "piece-1" / "study.json").read_text())
     piece["seed_results"][0]["arms"]["grpo"]["final"]["mean_length"] += 1
     (tmp_path / "piece-1" / "study.json").write_text(json.dumps(piece))
