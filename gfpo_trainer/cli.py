@@ -95,13 +95,13 @@ def load_reward_func(spec: str, base_dir: str | None = None):
     """"package.module:function" or "package.module.function" -> the function; modules are looked for in `base_dir`
     (the config file's folder) first, when given. A module or function that is not there is a ConfigError naming
     what is there, and the close name if there is one."""
-    if base_dir is not None and base_dir not in sys.path:
-        sys.path.insert(0, base_dir)
     module_name, sep, attr = spec.partition(":")
     if not sep:
         module_name, _, attr = spec.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(f"reward function {spec!r} must look like 'package.module:function'")
+    if base_dir is not None:
+        _look_in_first(base_dir, module_name.split(".")[0])
     try:
         module = importlib.import_module(module_name)
     except (ImportError, SyntaxError) as error:  # a SyntaxError's message names the file and line
@@ -124,6 +124,22 @@ def load_reward_func(spec: str, base_dir: str | None = None):
         raise ConfigError(f"reward function {spec!r}: module {module_name!r} {found}{_did_you_mean(attr, functions)}; "
                           f"its functions: {functions}")
     return func
+
+
+def _look_in_first(base_dir: str, top: str) -> None:
+    """Puts `base_dir` first on the Python path and, where it holds module `top` while this process imported another
+    module of that name (another config's, from its own folder), forgets that one: each config gets its own folder's
+    module."""
+    base_dir = os.path.abspath(base_dir)
+    if base_dir in sys.path:
+        sys.path.remove(base_dir)
+    sys.path.insert(0, base_dir)
+    cached = sys.modules.get(top)
+    here = os.path.exists(os.path.join(base_dir, f"{top}.py")) or os.path.isdir(os.path.join(base_dir, top))
+    if cached is not None and here and not os.path.abspath(getattr(cached, "__file__", None) or "").startswith(
+            base_dir + os.sep):
+        for name in [name for name in sys.modules if name == top or name.startswith(top + ".")]:
+            del sys.modules[name]
 
 
 def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None):

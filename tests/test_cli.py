@@ -265,6 +265,23 @@ def test_load_reward_func_forms():
         load_reward_func("correctness_reward")
 
 
+def test_each_config_gets_the_reward_module_of_its_own_folder(tmp_path, monkeypatch):
+    """Two configs in one process, each beside its own my_rewards.py (tests, notebooks): the second gets its own
+    folder's module, not the one the first imported under the same name."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for folder, body in (("a", "def first(completions, **kw):\n    return [1.0]\n"),
+                         ("b", "def second(completions, **kw):\n    return [2.0]\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "gfpo_test_same_name.py").write_text(body)
+    monkeypatch.delitem(sys.modules, "gfpo_test_same_name", raising=False)
+    try:
+        assert load_reward_func("gfpo_test_same_name:first", base_dir=str(tmp_path / "a"))([]) == [1.0]
+        assert load_reward_func("gfpo_test_same_name:second", base_dir=str(tmp_path / "b"))([]) == [2.0]
+        assert load_reward_func("gfpo_test_same_name:first", base_dir=str(tmp_path / "a"))([]) == [1.0]
+    finally:
+        sys.modules.pop("gfpo_test_same_name", None)
+
+
 def test_hub_names_with_dots_pass_validation(model_dir, dataset_file, tmp_path, monkeypatch):
     """`Qwen/Qwen2.5-0.5B-Instruct` is a Hub name: validation lets it through to the download (none here)."""
     import gfpo_trainer.cli as cli
