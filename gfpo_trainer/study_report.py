@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 
-from .study_stats import CHECKPOINT_STEPS, NO_LOSS_HALF_WIDTH, PLATEAU_ACCURACY, PLATEAU_LENGTH_TOKENS, \
-    accuracy_verdict
+from .study_stats import (
+    CHECKPOINT_STEPS, NO_LOSS_HALF_WIDTH, NO_LOSS_MEAN, PLATEAU_ACCURACY, PLATEAU_LENGTH_TOKENS, accuracy_verdict,
+)
 
 __all__ = ["ELR_IN_WORDS", "checkpoint_table", "paper_comparison_table", "plot_study", "signal_table", "study_report",
            "study_table", "study_verdict"]
@@ -167,10 +168,11 @@ def study_verdict(summary: dict, seeds: int) -> str:
             shorter = f"avoided {fmt(elr, '{:.0%}')} of GRPO's extra length"
         else:
             shorter = f"ELR {fmt(elr, '{:.0%}')}: not shown shorter than GRPO"
-        lines.append(f"- {name}: {shorter}; accuracy {fmt(difference, '{:+.3f}')} against GRPO: "
+        length = f" (length {fmt(f['length_minus_grpo'], '{:+.1f}')} tokens)" if "length_minus_grpo" in f else ""
+        lines.append(f"- {name}: {shorter}{length}; accuracy {fmt(difference, '{:+.3f}')} against GRPO: "
                      f"{accuracy_verdict(difference)}.")
     lines.append(f"{ELR_IN_WORDS}. \"No accuracy loss\" is said only where the accuracy difference's interval "
-                 f"contains 0 and is at most +-{NO_LOSS_HALF_WIDTH} wide.")
+                 f"contains 0 and is at most +-{NO_LOSS_HALF_WIDTH} wide, and its mean is {NO_LOSS_MEAN:+} or better.")
     if seeds < 5:
         lines.append(f"Only {seeds} seeds: the t-intervals are wide (t = {_t_quantile(seeds):.2f} standard errors "
                      "on each side); the protocols run 8.")

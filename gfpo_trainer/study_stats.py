@@ -14,7 +14,8 @@ import statistics
 __all__ = ["NO_LOSS_HALF_WIDTH", "accuracy_verdict", "bootstrap_interval", "excess_length_reduction", "figure",
            "summarize", "t_interval"]
 
-NO_LOSS_HALF_WIDTH = 0.03  # "no accuracy loss" needs an interval around 0 at most this wide on each side
+NO_LOSS_HALF_WIDTH = 0.03  # "no accuracy loss" needs an interval around 0 at most this wide on each side ...
+NO_LOSS_MEAN = -0.01  # ... and a mean difference of at least this (the issue's goal: -0.01 or better)
 PLATEAU_WINDOW = 5  # curve points per window of the plateau rule (steps 1300-1500 against 1050-1250 at 50 a point)
 PLATEAU_LENGTH_TOKENS = 1.0  # levelled: the length's change between the windows within +-1 token ...
 PLATEAU_ACCURACY = 0.02  # ... and the accuracy's within +-0.02 (t-intervals over seeds)
@@ -75,7 +76,8 @@ def figure(values, bootstrap: bool = True) -> dict:
 
 def accuracy_verdict(difference: dict) -> str:
     """The words for a paired accuracy difference (arm minus GRPO), from its t-interval: "no accuracy loss" only
-    where the interval contains 0 and is at most NO_LOSS_HALF_WIDTH wide on each side."""
+    where the interval contains 0, is at most NO_LOSS_HALF_WIDTH wide on each side and the mean is NO_LOSS_MEAN or
+    better; an interval that contains 0 otherwise does not resolve the difference."""
     low, high = difference["t95"]
     if math.isnan(low):
         return "not resolved (fewer than 2 seeds)"
@@ -83,9 +85,11 @@ def accuracy_verdict(difference: dict) -> str:
         return "higher accuracy"
     if high < 0:
         return "lower accuracy"
-    if high - difference["mean"] <= NO_LOSS_HALF_WIDTH and difference["mean"] - low <= NO_LOSS_HALF_WIDTH:
-        return "no accuracy loss"
-    return f"not resolved (the interval contains 0 but is wider than +-{NO_LOSS_HALF_WIDTH})"
+    if high - difference["mean"] > NO_LOSS_HALF_WIDTH or difference["mean"] - low > NO_LOSS_HALF_WIDTH:
+        return f"not resolved (the interval contains 0 but is wider than +-{NO_LOSS_HALF_WIDTH})"
+    if difference["mean"] < NO_LOSS_MEAN:
+        return f"not resolved (the interval contains 0, but the mean is below {NO_LOSS_MEAN:+})"
+    return "no accuracy loss"
 
 
 def _mean(values):

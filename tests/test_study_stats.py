@@ -57,6 +57,8 @@ def test_figure_leaves_undefined_seeds_out():
     ([-0.04, -0.05, -0.03, -0.04, -0.05, -0.03, -0.04, -0.04], "lower accuracy"),
     ([0.04, 0.05, 0.03, 0.04, 0.05, 0.03, 0.04, 0.04], "higher accuracy"),
     ([0.01], "not resolved (fewer than 2 seeds)"),
+    ([-0.05, 0.01, -0.03, 0.0, -0.04, 0.01, -0.02, 0.0], "not resolved (the interval contains 0, but the mean is "
+                                                         "below -0.01)"),
 ])
 def test_accuracy_verdict_follows_the_t_interval(per_seed, words):
     assert accuracy_verdict(figure(per_seed)) == words
@@ -132,4 +134,4 @@ def test_plateau_and_checkpoint_constants_match_the_protocol():
     assert study_stats.PLATEAU_WINDOW * 50 == 250
     assert (study_stats.PLATEAU_LENGTH_TOKENS, study_stats.PLATEAU_ACCURACY) == (1.0, 0.02)
     assert study_stats.CHECKPOINT_STEPS == (200, 500, 1000, 1500)
-    assert study_stats.NO_LOSS_HALF_WIDTH == 0.03
+    assert (study_stats.NO_LOSS_HALF_WIDTH, study_stats.NO_LOSS_MEAN) == (0.03, -0.01)
