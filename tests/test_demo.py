@@ -32,6 +32,22 @@ def test_demo_verdict_in_words(monkeypatch):
     assert demo.demo_verdict(result).endswith(".\nThe study found this.")
 
 
+def test_the_demos_study_figures_are_the_study_files():
+    """Every figure the demo's verdict quotes from the study is the study file's, as printed (ELR to 0.1 point,
+    accuracy to 0.0001)."""
+    summary = json.loads((REPO / demo.STUDY_FILE).read_text())["summary"]["arms"]
+    assert list(demo.STUDY_FIGURES) == ["shortest-8of16", "shortest-6of8"]
+    for name, (elr, accuracy) in demo.STUDY_FIGURES.items():
+        f = summary[name]
+        assert elr == pytest.approx((f["elr_per_seed"]["mean"], *f["elr_per_seed"]["t95"]), abs=6e-4)
+        assert accuracy == pytest.approx((f["accuracy_minus_grpo"]["mean"], *f["accuracy_minus_grpo"]["t95"]),
+                                         abs=6e-5)
+    assert demo.STUDY_FINDINGS == (
+        "The study (8 seeds, 1500 RL steps, docs/demo.md; means and 95% t-intervals over seeds, against GRPO): "
+        "shortest-8of16 ELR 22% [-0%, 45%], accuracy -0.022 [-0.045, +0.000]; shortest-6of8 ELR 21% [1%, 42%], "
+        "accuracy -0.013 [-0.026, -0.000].")
+
+
 def test_demo_table_counts_tokens_generated_and_trained():
     result = {"warm-up": {"accuracy": 0.5, "mean_length": 10.0},
               "arms": {"grpo": _arm(0.9, 15.0, 120.0, 120.0), "shortest-8of16": _arm(0.88, 12.0, 180.0, 90.0)}}
