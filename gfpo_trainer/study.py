@@ -270,9 +270,11 @@ def run_seed(settings: DemoSettings, seed: int, arms, output_dir: str, use_kerne
 
 
 # ------------------------------------------------------------------ statistics over seeds
-def _task_name(settings: DemoSettings) -> str | None:
-    """The name of settings.task in sums_task.TASKS (None for a task made by hand)."""
-    return next((name for name, task in TASKS.items() if task == settings.task and type(task) is type(settings.task)),
+def _task_name(task_fields: dict) -> str | None:
+    """The name in sums_task.TASKS of the task with these fields (a study.json's settings["task"]); None for a task
+    made by hand. The tasks' field sets tell their classes apart."""
+    as_json = json.loads(json.dumps(task_fields))
+    return next((name for name, task in TASKS.items() if json.loads(json.dumps(dataclasses.asdict(task))) == as_json),
                 None)
 
 
@@ -372,8 +374,9 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
     os.makedirs(output_dir, exist_ok=True)
     environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
-    study = {"environment": environment, "settings": dataclasses.asdict(settings), "task": _task_name(settings),
-             "seeds": seeds, "arms": list(arms), "seed_results": []}
+    fields = dataclasses.asdict(settings)
+    study = {"environment": environment, "settings": fields, "task": _task_name(fields["task"]), "seeds": seeds,
+             "arms": list(arms), "seed_results": []}
     for seed in tqdm(seeds, desc="study: seeds", unit="seed"):
         with _future_warnings_hidden(not verbose):
             study["seed_results"].append(run_seed(settings, seed, arms, os.path.join(output_dir, f"seed-{seed}"),
@@ -446,9 +449,8 @@ def _read_piece(piece_dir: str) -> dict:
     except FileNotFoundError:
         raise ValueError(f"{piece_dir}: no study.json there; a piece is the --output-dir of a "
                          "`demo --seeds` run") from None
-    if piece.get("task") is None:
-        piece["task"] = next((name for name, task in TASKS.items()
-                              if piece["settings"]["task"] == json.loads(json.dumps(dataclasses.asdict(task)))), None)
+    if piece.get("task") is None:  # written before study.json named its task
+        piece["task"] = _task_name(piece["settings"]["task"])
     return piece
 
 

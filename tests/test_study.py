@@ -187,3 +187,14 @@ def test_paper_comparison_reads_the_papers_average_row():
     # the paper's average: GRPO 72.1%, Shortest 8/16 73.4% and ELR 29.7%
     assert table.splitlines()[2] == "shortest-8of16 | +0.013 | 30% | -0.020 [-0.147, +0.107] | 40% [-87%, 167%]"
     assert all(arm.paper in paper["benchmarks"]["Average"] for arm in study.ARMS.values())
+
+
+def test_a_study_names_its_task():
+    """study.json names its task (sums_task.TASKS) from its fields: the tasks' field sets tell them apart."""
+    import dataclasses
+
+    from gfpo_trainer.sums_task import TASKS, SumsTask
+
+    for name, task in TASKS.items():
+        assert study._task_name(json.loads(json.dumps(dataclasses.asdict(task)))) == name
+    assert study._task_name(dataclasses.asdict(SumsTask(max_terms=3))) is None
