@@ -123,11 +123,11 @@ def by_terms_table(summary: dict) -> str:
     terms = list(summary["warm-up"]["by_terms"])
     rows = []
     for name, f in summary["arms"].items():
-        if name == "grpo" or "by_terms" not in f or not isinstance(f["by_terms"].get(terms[0]), dict) \
-                or "elr_per_seed" not in f["by_terms"][terms[0]]:
+        paired = f.get("by_terms_against_grpo")
+        if name == "grpo" or not paired:
             continue
-        rows.append([name] + [f"ELR {fmt(f['by_terms'][n]['elr_per_seed'], '{:.0%}')}; acc "
-                              f"{fmt(f['by_terms'][n]['accuracy_minus_grpo'], '{:+.3f}')}" for n in terms])
+        rows.append([name] + [f"ELR {fmt(paired[n]['elr_per_seed'], '{:.0%}')}; acc "
+                              f"{fmt(paired[n]['accuracy_minus_grpo'], '{:+.3f}')}" for n in terms])
     return _table(["arm"] + [f"{n} terms" for n in terms], rows)
 
 

@@ -120,7 +120,8 @@ def summarize(seed_results: list[dict], arms, kept_shares: dict | None = None) -
 
     - held-out accuracy, length, stepwise share, filler words and accuracy within each form (the final evaluation),
       also per number of terms ("by_terms");
-    - against GRPO (where "grpo" is an arm): the paired accuracy and length differences, ELR per seed ("elr_per_seed")
+    - against GRPO (where "grpo" is an arm): the paired accuracy and length differences (also per number of terms:
+      "by_terms_against_grpo"), ELR per seed ("elr_per_seed")
       and as the paper computes it, from the means ("elr": the ratio of means with its bootstrap interval), tokens
       generated and trained per step and their paired ratios to GRPO's, and the same at CHECKPOINT_STEPS from the
       curves ("checkpoints");
@@ -197,7 +198,7 @@ def _against_grpo(per_seed: list[dict], name: str) -> dict:
                                              for s in per_seed]),
         "seconds_per_step_over_grpo": figure([_mean(s[name]["step_time"]) / _mean(s["grpo"]["step_time"])
                                               for s in per_seed]),
-        "by_terms": {},
+        "by_terms_against_grpo": {},
         "checkpoints": {},
     }
     if all("trained_tokens" in s[name] for s in per_seed):
@@ -205,7 +206,7 @@ def _against_grpo(per_seed: list[dict], name: str) -> dict:
             [_mean(s[name]["trained_tokens"]) / _mean(s["grpo"]["trained_tokens"]) for s in per_seed])
     for n in per_seed[0]["warm-up"]["by_terms"]:
         terms = lambda s, who: s[who]["final"]["by_terms"][n] if who != "warm-up" else s["warm-up"]["by_terms"][n]  # noqa: E731
-        out["by_terms"][n] = {
+        out["by_terms_against_grpo"][n] = {
             "elr_per_seed": figure([elr(terms(s, "grpo")["mean_length"], terms(s, name)["mean_length"],
                                         terms(s, "warm-up")["mean_length"]) for s in per_seed]),
             "accuracy_minus_grpo": figure([terms(s, name)["accuracy"] - terms(s, "grpo")["accuracy"]

@@ -112,7 +112,8 @@ def test_summarize_on_synthetic_seeds():
     assert arm["tokens_per_step_over_grpo"]["per_seed"] == pytest.approx([1.5, 1.3, 1.4])
     assert arm["trained_tokens_per_step_over_grpo"]["per_seed"] == pytest.approx([0.6, 0.5, 0.55])
     # per number of terms: "2" lengths are 5 shorter, so ELR (15-10)/(15-5) = 0.5 on seed 0
-    assert arm["by_terms"]["2"]["elr_per_seed"]["per_seed"][0] == pytest.approx(0.5)
+    assert arm["by_terms_against_grpo"]["2"]["elr_per_seed"]["per_seed"][0] == pytest.approx(0.5)
+    assert arm["by_terms"]["4"]["mean_length"]["per_seed"] == pytest.approx([20.0, 27.0, 21.0])  # the arm's own
     # the curves at step 200 (the 4th point): arm 10 tokens, GRPO 20, warm-up 10/12/11 -> ELR 10/10, 10/8, 10/9
     point = arm["checkpoints"]["200"]
     assert point["mean_length"]["mean"] == 10.0
