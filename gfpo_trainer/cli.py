@@ -307,6 +307,11 @@ def _one_line(error: Exception) -> str:
 def parse_seeds(text: str) -> list[int]:
     """`demo --seeds`: a range ("0-3": seeds 0, 1, 2, 3), a list ("0,2,5") or both ("0-3,8"). A bare number is
     refused: it read as a count of seeds once, and as one seed it would run a different study without a word."""
+    if text.strip().isdigit():
+        n = int(text)
+        example = (f": --seeds 0-{n - 1} for the {n} seeds 0..{n - 1}, or --seeds {n}-{n} for seed {n} alone" if n > 0
+                   else ", e.g. --seeds 0-3")
+        raise ValueError(f"--seeds={text!r}: a bare number is ambiguous; give a range or a list{example}")
     seeds = []
     for part in text.split(","):
         low, dash, high = part.strip().partition("-")
@@ -316,11 +321,6 @@ def parse_seeds(text: str) -> list[int]:
         if dash and int(high) < int(low):
             raise ValueError(f"--seeds={text!r}: the range {part.strip()!r} is empty (its end is below its start)")
         seeds.extend(range(int(low), int(high) + 1) if dash else [int(low)])
-    if "-" not in text and "," not in text:
-        n = int(text)
-        raise ValueError(f"--seeds={text!r}: a bare number is ambiguous; give a range or a list: --seeds 0-{n - 1} "
-                         f"for the {n} seeds 0..{n - 1}, or --seeds {n}-{n} for seed {n} alone" if n > 0 else
-                         f"--seeds={text!r}: a bare number is ambiguous; give a range or a list, e.g. --seeds 0-3")
     repeated = sorted({s for s in seeds if seeds.count(s) > 1})
     if repeated:
         raise ValueError(f"--seeds={text!r}: seeds {repeated} appear more than once")

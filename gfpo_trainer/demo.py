@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 
 import torch
 
 from .study import (  # noqa: F401 (ARMS, Arm, STUDY_ARMS, DemoSettings, run_study: the demo's names, kept here)
-    ARMS, DEMO_ARMS, STUDY_ARMS, Arm, DemoSettings, _announce_overwrite, _future_warnings_hidden, _write_json,
-    run_environment, run_seed, run_study,
+    ARMS, DEMO_ARMS, STUDY_ARMS, Arm, DemoSettings, announce_overwrite, future_warnings_hidden, run_environment,
+    run_seed, run_study, write_json,
 )
 from .study_report import ELR_IN_WORDS
 from .study_stats import excess_length_reduction
@@ -53,10 +54,6 @@ def study_findings() -> str:
 STUDY_FINDINGS = study_findings()
 
 
-def _mean(values):
-    return sum(values) / len(values)
-
-
 def demo_table(result: dict) -> str:
     """One seed's runs as a markdown table: the held-out figures at the end (8 samples a prompt), ELR, and the tokens
     generated and trained per step (time per step depends on the machine and its load: in results.json only)."""
@@ -73,7 +70,7 @@ def demo_table(result: dict) -> str:
         lines.append(" | ".join([
             name, f"{final['accuracy']:.3f}", f"{final['mean_length']:.1f}",
             f"{final['mean_length'] / warm['mean_length'] - 1:+.0%}", "-" if elr is None else f"{elr:.0%}",
-            f"{_mean(run['generated_tokens']):.0f}", f"{_mean(run['trained_tokens']):.0f}",
+            f"{statistics.fmean(run['generated_tokens']):.0f}", f"{statistics.fmean(run['trained_tokens']):.0f}",
         ]))
     return "\n".join(lines)
 
@@ -134,11 +131,11 @@ def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_k
              verbose: bool = False, seed: int = 0, arms=DEMO_ARMS) -> dict:
     """One seed: warm-up, then `arms` from its weights; prints the table and a verdict, writes demo.png,
     results.json, the warm-up model (`warmup_model/`) and each arm's final model (`<arm>/`)."""
-    _announce_overwrite(output_dir, "results.json")
+    announce_overwrite(output_dir, "results.json")
     os.makedirs(output_dir, exist_ok=True)
     environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
-    with _future_warnings_hidden(not verbose):
+    with future_warnings_hidden(not verbose):
         result = run_seed(settings, seed, arms, output_dir, use_kernels, verbose)
     environment["wall_time_seconds"] = round(time.perf_counter() - start, 1)  # warm-up, arms, evaluations
     if hasattr(os, "getloadavg"):
@@ -147,7 +144,7 @@ def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_k
     print("\n" + table + "\n\n" + verdict)
     plot_path = os.path.join(output_dir, "demo.png")
     _plot_demo(result, plot_path)
-    _write_json(os.path.join(output_dir, "results.json"),
+    write_json(os.path.join(output_dir, "results.json"),
                 {"environment": environment, "settings": dataclasses.asdict(settings), "result": result})
     versions, machine = environment["versions"], environment["machine"]
     print(f"\nwritten: {plot_path} (the plot), {os.path.join(output_dir, 'results.json')} (every figure; commit "

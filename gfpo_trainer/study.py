@@ -318,7 +318,7 @@ def run_environment(device: torch.device) -> dict:
             "versions": package_versions(), "machine": machine}
 
 
-def _announce_overwrite(output_dir: str, results_file: str) -> None:
+def announce_overwrite(output_dir: str, results_file: str) -> None:
     """Says, before anything is written, that an earlier run's results in `output_dir` (its `results_file`,
     results.json or study.json) will be replaced."""
     previous = os.path.join(output_dir, results_file)
@@ -334,13 +334,13 @@ def _announce_overwrite(output_dir: str, results_file: str) -> None:
           "both")
 
 
-def _write_json(path: str, data: dict) -> None:
+def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
 
 
 @contextlib.contextmanager
-def _future_warnings_hidden(hidden: bool):
+def future_warnings_hidden(hidden: bool):
     """FutureWarnings ignored inside the block where `hidden` (transformers' deprecation notices about TRL's calls
     would bury the progress bars); the caller's warning filters are restored after it."""
     with warnings.catch_warnings():
@@ -370,7 +370,7 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
     if not seeds:
         raise ValueError("seeds=[]: the study needs at least 1 seed")
     _check_arms(arms)
-    _announce_overwrite(output_dir, "study.json")
+    announce_overwrite(output_dir, "study.json")
     os.makedirs(output_dir, exist_ok=True)
     environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
@@ -378,14 +378,14 @@ def run_study(settings: DemoSettings, seeds, output_dir: str = "gfpo_study_outpu
     study = {"environment": environment, "settings": fields, "task": _task_name(fields["task"]), "seeds": seeds,
              "arms": list(arms), "seed_results": []}
     for seed in tqdm(seeds, desc="study: seeds", unit="seed"):
-        with _future_warnings_hidden(not verbose):
+        with future_warnings_hidden(not verbose):
             study["seed_results"].append(run_seed(settings, seed, arms, os.path.join(output_dir, f"seed-{seed}"),
                                                   use_kernels, verbose))
-        _write_json(os.path.join(output_dir, "study.json"), study)
+        write_json(os.path.join(output_dir, "study.json"), study)
     environment["wall_time_seconds"] = round(time.perf_counter() - start, 1)
     if hasattr(os, "getloadavg"):
         environment["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
-    _write_json(os.path.join(output_dir, "study.json"), study)
+    write_json(os.path.join(output_dir, "study.json"), study)
     if len(seeds) < 2:
         print(f"\n1 seed: a piece of a study, no intervals. Its runs: {os.path.join(output_dir, 'study.json')}; "
               "join pieces with  python -m gfpo_trainer demo --merge PIECE_DIR ... --output-dir DIR")
@@ -435,7 +435,7 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
     environment["pieces"] = [{"dir": d, "seeds": p["seeds"], **p["environment"]} for d, p in pieces]
     study = {"environment": environment, **{field: first.get(field) for field in _PIECE_FIELDS},
              "seeds": [r["seed"] for r in results], "seed_results": results}
-    _announce_overwrite(output_dir, "study.json")
+    announce_overwrite(output_dir, "study.json")
     os.makedirs(output_dir, exist_ok=True)
     return finish_study(study, output_dir)
 
@@ -519,7 +519,7 @@ def finish_study(study: dict, output_dir: str) -> dict:
     report = study_report(summary, len(seeds), _paper_tables(), ARMS)
     verdict = study_verdict(summary, len(seeds))
     paths = {name: os.path.join(output_dir, name) for name in ("study.json", "study.md", "study.png")}
-    _write_json(paths["study.json"], study)
+    write_json(paths["study.json"], study)
     with open(paths["study.md"], "w") as f:
         f.write(report + "\n")
     plot_study(study["seed_results"], summary, paths["study.png"])

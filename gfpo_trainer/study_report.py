@@ -12,8 +12,8 @@ from .study_stats import (
     CHECKPOINT_STEPS, NO_LOSS_HALF_WIDTH, NO_LOSS_MEAN, PLATEAU_ACCURACY, PLATEAU_LENGTH_TOKENS, accuracy_verdict,
 )
 
-__all__ = ["ELR_IN_WORDS", "checkpoint_table", "paper_comparison_table", "plot_study", "signal_table", "study_report",
-           "study_table", "study_verdict"]
+__all__ = ["ELR_IN_WORDS", "checkpoint_table", "markdown_table", "paper_comparison_table", "plot_study",
+           "signal_table", "study_report", "study_table", "study_verdict"]
 
 ELR_IN_WORDS = ("ELR, the paper's excess length reduction (its Eq. 4): (L_GRPO - L_arm) / (L_GRPO - L_warm-up), the "
                 "share of GRPO's extra length over the warm-up model that the arm avoided")
@@ -29,7 +29,8 @@ def fmt(figure: dict | None, spec: str, interval: str = "t95") -> str:
     return f"{spec.format(figure['mean'])} [{spec.format(low)}, {spec.format(high)}]"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table: the header, its rule, one line a row."""
     return "\n".join([" | ".join(header), " | ".join("---" for _ in header)] + [" | ".join(r) for r in rows])
 
 
@@ -49,7 +50,7 @@ def study_table(summary: dict) -> str:
             fmt(f.get("early_stop_floor_over_grpo"), "{:.2f}x") if paired else "-",
             fmt(f.get("trained_tokens_per_step_over_grpo"), "{:.2f}x") if paired else "-",
         ])
-    return _table(["arm", "held-out accuracy", "accuracy - GRPO (paired)", "held-out length (tokens)",
+    return markdown_table(["arm", "held-out accuracy", "accuracy - GRPO (paired)", "held-out length (tokens)",
                    "ELR (per seed)", "ELR (of the means)", "tokens generated / step vs GRPO",
                    "early stop's floor vs GRPO", "tokens trained / step vs GRPO"], rows)
 
@@ -67,7 +68,7 @@ def signal_table(summary: dict) -> str:
                     + [fmt(signal[p]["train_reward_std"], "{:.2f}") if p in signal else "-" for p in phases]
                     + [fmt(f["stepwise_fraction"], "{:.2f}"), fmt(f["accuracy_stepwise"], "{:.3f}"),
                        fmt(f["accuracy_at_once"], "{:.3f}")])
-    return _table(["arm"] + [f"advantage-0 share, steps {p}" for p in phases]
+    return markdown_table(["arm"] + [f"advantage-0 share, steps {p}" for p in phases]
                   + [f"reward spread, steps {p}" for p in phases]
                   + ["stepwise share (end)", "accuracy stepwise (end)", "accuracy at once (end)"], rows)
 
@@ -95,7 +96,7 @@ def checkpoint_table(summary: dict) -> str:
                      f"length {fmt(plateau['length_change'], '{:+.2f}')}, accuracy "
                      f"{fmt(plateau['accuracy_change'], '{:+.3f}')}: {'levelled' if plateau['levelled'] else 'moving'}")
         rows.append(cells)
-    return _table(["arm"] + [f"step {s}: length; ELR; accuracy - GRPO" for s in steps]
+    return markdown_table(["arm"] + [f"step {s}: length; ELR; accuracy - GRPO" for s in steps]
                   + [f"plateau (last two windows; levelled within +-{PLATEAU_LENGTH_TOKENS:g} token, "
                      f"+-{PLATEAU_ACCURACY:g})"], rows)
 
@@ -114,8 +115,8 @@ def form_table(summary: dict) -> str:
                          f"{fmt(p['stepwise_fraction'], '{:.2f}')}; {fmt(p['filler_per_answer'], '{:.2f}')}; "
                          f"{fmt(p['accuracy_stepwise'], '{:.3f}')}")
         rows.append(cells)
-    return _table(["arm"] + [f"step {s}: stepwise share; filler words; accuracy of stepwise answers" for s in steps],
-                  rows)
+    header = [f"step {s}: stepwise share; filler words; accuracy of stepwise answers" for s in steps]
+    return markdown_table(["arm"] + header, rows)
 
 
 def by_terms_table(summary: dict) -> str:
@@ -128,7 +129,7 @@ def by_terms_table(summary: dict) -> str:
             continue
         rows.append([name] + [f"ELR {fmt(paired[n]['elr_per_seed'], '{:.0%}')}; acc "
                               f"{fmt(paired[n]['accuracy_minus_grpo'], '{:+.3f}')}" for n in terms])
-    return _table(["arm"] + [f"{n} terms" for n in terms], rows)
+    return markdown_table(["arm"] + [f"{n} terms" for n in terms], rows)
 
 
 def paper_comparison_table(summary: dict, paper_tables: dict, arms: dict) -> str:
@@ -144,7 +145,7 @@ def paper_comparison_table(summary: dict, paper_tables: dict, arms: dict) -> str
         accuracy, _, elr = average[key]
         rows.append([name, f"{(accuracy - average['GRPO'][0]) / 100:+.3f}", f"{elr / 100:.0%}",
                      fmt(f["accuracy_minus_grpo"], "{:+.3f}"), fmt(f.get("elr_per_seed"), "{:.0%}")])
-    return _table(["arm", "paper: accuracy - GRPO", "paper: ELR", "here: accuracy - GRPO", "here: ELR"], rows)
+    return markdown_table(["arm", "paper: accuracy - GRPO", "paper: ELR", "here: accuracy - GRPO", "here: ELR"], rows)
 
 
 def study_verdict(summary: dict, seeds: int) -> str:

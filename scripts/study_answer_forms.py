@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gfpo_trainer.study import reevaluate_final_models  # noqa: E402
-from gfpo_trainer.study_report import fmt  # noqa: E402
+from gfpo_trainer.study_report import fmt, markdown_table  # noqa: E402
 from gfpo_trainer.study_stats import figure  # noqa: E402
 
 KEYS = {  # figure -> its column
@@ -53,13 +53,10 @@ def main(argv=None) -> int:
                 summary[name][f"{key}_minus_grpo"] = figure(
                     [None if final(r, name)[key] is None or final(r, "grpo")[key] is None
                      else final(r, name)[key] - final(r, "grpo")[key] for r in results], False)
-    header = ["model", *KEYS.values()]
-    table = "\n".join([" | ".join(header), " | ".join("---" for _ in header)] + [" | ".join(r) for r in rows])
     paired = [[name] + [fmt(summary[name][f"{key}_minus_grpo"], "{:+.3f}") for key in PAIRED]
               for name in arms if name not in ("warm-up", "grpo")]
-    header = ["arm", *(f"{KEYS[key]} - GRPO (paired)" for key in PAIRED)]
-    table += "\n\n" + "\n".join([" | ".join(header), " | ".join("---" for _ in header)]
-                                + [" | ".join(r) for r in paired])
+    table = (markdown_table(["model", *KEYS.values()], rows) + "\n\n"
+             + markdown_table(["arm", *(f"{KEYS[key]} - GRPO (paired)" for key in PAIRED)], paired))
     stem = Path(options.output)
     stem.with_suffix(".json").write_text(json.dumps({"pieces": options.pieces, "seed_results": results,
                                                      "summary": summary}, indent=1))

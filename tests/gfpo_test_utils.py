@@ -18,6 +18,16 @@ KERNEL_BACKENDS = [b for b in gfpo_kernels.available_backends("group", DEVICE) i
 LOSS_BACKENDS = [b for b in gfpo_kernels.available_backends("linear_grpo", DEVICE) if b != "reference"]
 
 
+def save_tiny_model(path) -> str:
+    """The tiny Qwen2 (gfpo_trainer.tiny) and its tokenizer saved into `path`, as a model folder a config names."""
+    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    make_tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def subprocess_env(**overrides: str) -> dict:
     """The environment for a child Python: this one, with this checkout first on PYTHONPATH and then whatever the
     caller's PYTHONPATH holds (a GPU run's wheels in /tmp/site, the oldest-TRL folder): replacing PYTHONPATH

@@ -31,11 +31,9 @@ def test_correctness_reward():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cli-model")
-    tokenizer = make_tokenizer()
-    make_tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    from gfpo_test_utils import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("cli-model"))
 
 
 @pytest.fixture

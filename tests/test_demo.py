@@ -58,10 +58,10 @@ def test_demo_table_counts_tokens_generated_and_trained():
 
 @pytest.mark.parametrize("results_file", ["results.json", "study.json"])
 def test_announces_that_it_replaces_an_earlier_run(tmp_path, capsys, results_file):
-    study._announce_overwrite(str(tmp_path), results_file)
+    study.announce_overwrite(str(tmp_path), results_file)
     assert capsys.readouterr().out == ""
     (tmp_path / results_file).write_text(json.dumps({"environment": {"date": "2026-11-27", "commit": "abc"}}))
-    study._announce_overwrite(str(tmp_path), results_file)
+    study.announce_overwrite(str(tmp_path), results_file)
     assert capsys.readouterr().out == (f"gfpo demo: replacing the earlier run in {tmp_path}/ (its {results_file} of "
                                        "2026-11-27, commit abc); --output-dir keeps both\n")
 
@@ -74,10 +74,10 @@ def test_future_warnings_hidden_only_inside_the_run():
     before = list(warnings.filters)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with study._future_warnings_hidden(True):
+        with study.future_warnings_hidden(True):
             warnings.warn("hidden", FutureWarning)
             warnings.warn("shown", UserWarning)
-        with study._future_warnings_hidden(False):
+        with study.future_warnings_hidden(False):
             warnings.warn("verbose", FutureWarning)
         warnings.warn("after", FutureWarning)
     assert [str(w.message) for w in caught] == ["shown", "verbose", "after"]

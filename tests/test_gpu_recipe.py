@@ -164,13 +164,9 @@ def _write_run(tmp_path, monkeypatch, recipe, model_dir, **changes) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+    from gfpo_test_utils import save_tiny_model
 
-    path = tmp_path_factory.mktemp("recipe-model")
-    tokenizer = make_tokenizer()
-    make_tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path_factory.mktemp("recipe-model"))
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -191,13 +191,9 @@ def test_readme_training_example_is_offline_with_a_one_line_switch():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+    from gfpo_test_utils import save_tiny_model
 
-    path = tmp_path_factory.mktemp("docs-model")
-    tokenizer = make_tokenizer()
-    make_tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path_factory.mktemp("docs-model"))
 
 
 def readme_reward_function() -> str:
