@@ -288,6 +288,74 @@ def _convert_value(name: str, value: str, action):
     return converted
 
 
+def apply_overrides(config: dict, overrides: list[str], top_level_keys: tuple[str, ...],
+                    section: str = "args") -> dict:
+    """The config with command-line overrides applied, as `trl grpo --config F --max_steps 3` applies its flags.
+
+    Each override is `--name value` or `--name=value`. `name` is a top-level key (`--model path`), a dotted path from
+    one (`--args.max_steps 3`, `--eval.samples 4`: sections that do not exist yet are made), or a bare name that is no
+    top-level key, which goes into `section` (`--max_steps 3` sets args.max_steps). Dashes in a name read as
+    underscores (`--max-steps`), as in TRL's flags. A value is read as one YAML value: `3` is 3, `true` True,
+    `[a, b]` a list, `null` None, and `1e-6` stays the string that the config's own conversion reads as a float.
+    Names are not checked here: the config's validation reports an unknown one, with the close name.
+
+    Args:
+        config: the parsed YAML config (left unchanged).
+        overrides: the command-line words after the command's own options, e.g. ["--max_steps", "3", "--bf16=true"].
+        top_level_keys: the config's top-level keys (the first part of a dotted path must be one).
+        section: where a bare name that is no top-level key goes.
+
+    Returns:
+        A new dict: `config` with every override applied, later ones over earlier ones.
+
+    Raises:
+        ConfigError naming the flag: a word that is no `--name`, a flag without a value, a value that is not YAML,
+        a dotted path from no top-level key or through a value that is not a mapping.
+    """
+    import copy
+
+    import yaml
+
+    config = copy.deepcopy(config)
+    words = list(overrides)
+    while words:
+        flag = words.pop(0)
+        name, equals, value = flag.partition("=")
+        if not name.startswith("--") or len(name) == 2:
+            raise ConfigError(f"{flag!r}: overrides are --name value (or --name=value), e.g. --max_steps 3 or "
+                              f"--{section}.max_steps 3")
+        name = name[2:].replace("-", "_")
+        if not equals:
+            if not words or words[0].startswith("--"):
+                raise ConfigError(f"{flag}: no value given; write {flag} VALUE or {flag}=VALUE (a switch takes true "
+                                  f"or false: {flag} true)")
+            value = words.pop(0)
+        if value.strip() == "":
+            raise ConfigError(f"--{name}: the value is empty; give one (null unsets an optional field: --{name} null)")
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--{name}={value!r} is not a YAML value ({_one_line(error)}); quote it for the "
+                              "shell, e.g. --name '[1, 2]'") from None
+        path = name.split(".")
+        if len(path) == 1 and name not in top_level_keys:
+            path = [section, name]
+        if path[0] not in top_level_keys or not all(path):
+            raise ConfigError(f"--{name}: the config has no section {path[0]!r}"
+                              f"{_did_you_mean(path[0], top_level_keys)}; its keys: {list(top_level_keys)}")
+        place = config
+        for depth, key in enumerate(path[:-1]):
+            if place.get(key) is None:
+                place[key] = {}
+            elif not isinstance(place[key], dict):
+                where = ".".join(path[:depth + 1])
+                raise ConfigError(f"--{name}: {where} is {place[key]!r}, not a mapping of fields; set it whole with "
+                                  f"--{where} VALUE")
+            place = place[key]
+        place[path[-1]] = value
+    return config
+
+
 def saved_line(output_dir: str) -> str:
     """`train`'s last line: where the trained model was saved, and what that folder holds (its files, its folders
     marked with a /, then its checkpoints, first to last)."""
@@ -436,16 +504,22 @@ def main(argv=None) -> int:
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
     demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
     train = commands.add_parser("train", help="train with GFPO from a YAML config", description=TRAIN_DESCRIPTION,
-                                epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter)
+                                epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter,
+                                usage="%(prog)s --config FILE.yaml [--field value ...]", allow_abbrev=False)
     train.add_argument("--config", required=True,
                        help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
-                       "and optionally dataset_split (default train)")
+                       "and optionally dataset_split (default train). Any further --field value (or --field=value) "
+                       "overrides the file: a GFPOConfig field (--max_steps 3, or --args.max_steps 3) or a top-level "
+                       "key (--model DIR)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
                         "extension, backends, and whether the installed TRL and vLLM are supported")
     for command in commands._choices_actions:  # a command's --help opens with its summary from the list above
         if commands.choices[command.dest].description is None:
             commands.choices[command.dest].description = _sentence(command.help)
-    options = parser.parse_args(argv)
+    # the train command's further words are config overrides (apply_overrides); the other commands take none
+    options, overrides = parser.parse_known_args(argv)
+    if overrides and options.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if options.command == "env":  # needs no TRL: a bug report must be possible from a broken install
         from .env_report import environment_report
 
@@ -476,6 +550,7 @@ def main(argv=None) -> int:
                 config = yaml.safe_load(f) or {}
             if not isinstance(config, dict):
                 raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
+            config = apply_overrides(config, overrides, _TOP_LEVEL_KEYS)
             trainer = build_trainer(config, base_dir=os.path.dirname(os.path.abspath(options.config)))
         except (ConfigError, OSError, yaml.YAMLError) as error:
             print(f"error: {_one_line(error)}", file=sys.stderr)

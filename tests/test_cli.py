@@ -16,7 +16,8 @@ trl = pytest.importorskip("trl")
 yaml = pytest.importorskip("yaml")
 
 from gfpo_trainer import GROUP_FILTERS  # noqa: E402
-from gfpo_trainer.cli import ConfigError, build_trainer, load_reward_func, main, saved_line  # noqa: E402
+from gfpo_trainer.cli import (  # noqa: E402
+    _TOP_LEVEL_KEYS, ConfigError, apply_overrides, build_trainer, load_reward_func, main, saved_line)
 from gfpo_trainer.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
@@ -68,6 +69,72 @@ def test_train_command(model_dir, dataset_file, tmp_path, capsys):
     listed = last.split(": ", 1)[1].split(", ")
     assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(listed)
     assert sorted(listed) == sorted(path.name for path in out.iterdir())
+
+
+def test_apply_overrides_sets_fields_sections_and_top_level_keys():
+    """`--name value` and `--name=value`: a bare name goes into args (as `trl grpo --max_steps 3`), a dotted path
+    into its section (made when missing), a top-level key replaces its value; values are YAML values."""
+    config = {"model": "tiny", "args": {"max_steps": 1, "learning_rate": "1e-5"}}
+    keys = ("model", "dataset", "args", "eval")
+    got = apply_overrides(config, ["--max_steps", "3", "--args.learning_rate=1e-6", "--model", "other/dir",
+                                   "--eval.samples", "4", "--report-to", "[tensorboard, wandb]", "--bf16", "true",
+                                   "--epsilon", "-0.1", "--group_filter", "null", "--max_steps=5"], keys)
+    assert got == {"model": "other/dir",
+                   "args": {"max_steps": 5, "learning_rate": "1e-6", "report_to": ["tensorboard", "wandb"],
+                            "bf16": True, "epsilon": -0.1, "group_filter": None},
+                   "eval": {"samples": 4}}
+    assert config == {"model": "tiny", "args": {"max_steps": 1, "learning_rate": "1e-5"}}  # not changed
+    assert apply_overrides({}, ["--deep.a.b", "x"], ("deep",)) == {"deep": {"a": {"b": "x"}}}
+    assert apply_overrides({"args": None}, ["--seed", "7"], ("args",)) == {"args": {"seed": 7}}
+    assert apply_overrides({}, ["--max_steps", "3"], ("model", "eval"), section="eval") == {"eval": {"max_steps": 3}}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--max_steps"], "--max_steps: no value given; write --max_steps VALUE or --max_steps=VALUE (a switch takes "
+     "true or false: --max_steps true)"),
+    (["--bf16", "--max_steps", "3"], "--bf16: no value given; write --bf16 VALUE or --bf16=VALUE (a switch takes "
+     "true or false: --bf16 true)"),
+    (["--max_steps="], "--max_steps: the value is empty; give one (null unsets an optional field: --max_steps null)"),
+    (["--argz.max_steps", "3"], "--argz.max_steps: the config has no section 'argz' (did you mean 'args'?); its "
+     "keys: ['model', 'dataset', 'dataset_split', 'reward_funcs', 'args']"),
+    (["--model.revision", "main"], "--model.revision: model is 'tiny', not a mapping of fields; set it whole with "
+     "--model VALUE"),
+    (["max_steps", "3"], "'max_steps': overrides are --name value (or --name=value), e.g. --max_steps 3 or "
+     "--args.max_steps 3"),
+    (["--report_to", "[a, b"], "--report_to='[a, b' is not a YAML value"),
+])
+def test_apply_overrides_errors_name_the_flag(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        apply_overrides({"model": "tiny", "args": {}}, overrides, _TOP_LEVEL_KEYS)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_train_command_takes_field_overrides(model_dir, dataset_file, tmp_path, capsys):
+    """`train --config F --field value`: the overrides reach GFPOConfig (converted like the file's values) and the
+    run; an unknown field is the config's own error, with the close name."""
+    config = _config(model_dir, dataset_file, tmp_path)
+    overridden = apply_overrides(config, ["--num_remains_in_group", "2", "--args.group_filter=token_efficiency",
+                                          "--learning_rate", "1e-6", "--use_gfpo_kernels", "false"], _TOP_LEVEL_KEYS)
+    args = build_trainer(overridden).args
+    assert (args.num_remains_in_group, args.group_filter, args.learning_rate, args.use_gfpo_kernels) == (
+        2, "token_efficiency", 1e-6, False)
+    assert config["args"]["num_remains_in_group"] == 4 and args.num_generations == 8  # the file's other values
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)  # the trainer built above made it
+    assert main(["train", "--config", str(config_file), "--max_steps", "2", "--save_strategy=steps",
+                 "--save-steps", "2", "--output_dir", str(tmp_path / "other")]) == 0
+    state = json.loads((tmp_path / "other" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and not (tmp_path / "out").exists()
+    capsys.readouterr()
+    assert main(["train", "--config", str(config_file), "--max_stepz", "3"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['max_stepz'] under 'args' (did you mean "
+                                       "'max_steps'?)\n")
+    assert main(["train", "--config", str(config_file), "--max_steps"]) == 2
+    assert capsys.readouterr().err.startswith("error: --max_steps: no value given; ")
+    with pytest.raises(SystemExit):  # the other commands take no overrides
+        main(["env", "--max_steps", "3"])
+    assert "unrecognized arguments: --max_steps 3" in capsys.readouterr().err
 
 
 def test_saved_line_lists_files_folders_and_checkpoints_in_step_order(tmp_path):

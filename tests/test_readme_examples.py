@@ -246,13 +246,30 @@ def package_sources(module: str) -> str:
 
 
 def check_arguments(arguments: list[str], source: str, where: str) -> None:
-    """Every --flag is a string in the program's source; the first plain word is a subcommand of it there."""
+    """Every --flag is a string in the program's source; the first plain word is a subcommand of it there. `python -m
+    gfpo_trainer train --config F --field value ...`: the overrides after the config are applied by the CLI's own
+    apply_overrides, and each names a top-level key or a GFPOConfig field."""
+    if arguments[:2] == ["train", "--config"] and len(arguments) > 3:
+        check_train_overrides(arguments[3:], where)
+        arguments = arguments[:3]
     for word in arguments:
         if word.startswith("--"):
             assert f'"{word.split("=")[0]}"' in source, f"{where}: {word} is no option of it"
     positional = [w for w in arguments if not w.startswith("-")]
     if positional and not re.search(r"\.\w+$", positional[0]):  # a file argument (run.yaml) is left alone
         assert f'"{positional[0]}"' in source, f"{where}: {positional[0]!r} is no subcommand of it"
+
+
+def check_train_overrides(overrides: list[str], where: str) -> None:
+    pytest.importorskip("trl")
+    import dataclasses
+
+    from gfpo_trainer import GFPOConfig
+    from gfpo_trainer.cli import _TOP_LEVEL_KEYS, apply_overrides
+
+    config = apply_overrides({}, overrides, _TOP_LEVEL_KEYS)
+    fields = {field.name for field in dataclasses.fields(GFPOConfig)}
+    assert set(config.get("args", {})) <= fields, f"{where}: no GFPOConfig field {set(config['args']) - fields}"
 
 
 def check_pip(arguments: list[str], where: str) -> None:
