@@ -6,6 +6,7 @@ A training config (YAML):
     model: Qwen/Qwen2.5-0.5B-Instruct      # a Hub model (namespace/name) or a local directory
     dataset: data/train.jsonl              # a local .json/.jsonl/.csv/.parquet file, or a datasets hub name
     dataset_split: train                   # optional, default train (a local file has only "train", or "train[:100]")
+    prompt: {user: "{question}"}           # optional: chat prompts from a data set without a "prompt" column
     reward_funcs:                          # "module.path:function" (or "module.path.function")
       - my_rewards:correctness
     args:                                  # GFPOConfig fields
@@ -39,7 +40,12 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # GFPOConfig (TrainingArguments) fields that name files or folders: read from the config file's folder when relative
 # (the module docstring names them)
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed")
-_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "reward_funcs", "args")
+_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "prompt", "reward_funcs", "args")
+# the `prompt:` key's fields: the chat messages built from a data set's own columns
+PROMPT_KEYS = ("system", "user")
+# the column a data set without "prompt" most likely holds its prompts in (GSM8K's "question" first): the error's
+# suggested `prompt:` line names the first of these it has
+_PROMPT_LIKE_COLUMNS = ("question", "problem", "instruction", "query", "input", "text")
 
 
 class ConfigError(ValueError):
@@ -142,9 +148,71 @@ def _look_in_first(base_dir: str, top: str) -> None:
             del sys.modules[name]
 
 
-def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None):
+def check_prompt_key(prompt) -> dict:
+    """The config's `prompt:` key, checked: a mapping with `user` (a str.format template over a row's columns,
+    "{question}") and optionally `system` (a system message, as it is). Returns it; ConfigError naming what is
+    wrong."""
+    import string
+
+    form = "prompt: {system: \"optional system message\", user: \"{question}\"}"
+    if not isinstance(prompt, dict):
+        raise ConfigError(f"prompt must be a mapping of the chat messages to build, {form}; got {prompt!r}")
+    unknown = sorted((key for key in prompt if key not in PROMPT_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"unknown prompt keys {unknown}{_unknown_hints(unknown, PROMPT_KEYS)}; expected "
+                          f"{list(PROMPT_KEYS)}: {form}")
+    if not isinstance(prompt.get("user"), str) or not prompt["user"].strip():
+        raise ConfigError(f"prompt needs user, the user message made from each row's columns, e.g. {form}; got "
+                          f"user={prompt.get('user')!r}")
+    if prompt.get("system") is not None and not isinstance(prompt["system"], str):
+        raise ConfigError(f"prompt: system must be a string (the system message), got {prompt['system']!r}")
+    try:
+        list(string.Formatter().parse(prompt["user"]))
+    except ValueError as error:  # "Single '}' encountered in format string" and the like
+        raise ConfigError(f"prompt: user={prompt['user']!r} is not a format string ({error}); columns are named "
+                          "in braces, {question}, and a literal brace is doubled, {{") from None
+    return prompt
+
+
+def _prompt_columns(user: str) -> list[str]:
+    """The columns a `prompt: user` template reads ("{question} ({source})" -> ["question", "source"])."""
+    import string
+
+    names = [field for _, field, _, _ in string.Formatter().parse(user) if field is not None]
+    return list(dict.fromkeys(re.split(r"[.\[]", name, maxsplit=1)[0] for name in names))
+
+
+def build_prompts(dataset, prompt: dict, name: str):
+    """`dataset` with a conversational "prompt" column built by the `prompt:` key: a system message where `system`
+    is given, then the user message `user.format(**row)`. The other columns stay (TRL passes them to the reward
+    functions as keyword arguments: GSM8K's `answer`)."""
+    columns = dataset.column_names
+    if "prompt" in columns:
+        raise ConfigError(f"dataset {name!r} has a 'prompt' column already, and the config's prompt key would build "
+                          "another: remove the prompt key to train on the column, or rename the column")
+    missing = [column for column in _prompt_columns(prompt["user"]) if column not in columns]
+    if missing or not _prompt_columns(prompt["user"]):
+        what = (f"names no column {missing}{_unknown_hints(missing, columns)}" if missing
+                else "names no column, so every prompt would be the same")
+        raise ConfigError(f"prompt: user={prompt['user']!r} {what}; the dataset's columns: {columns}")
+    system = prompt.get("system")
+
+    def messages(row):
+        try:
+            user = prompt["user"].format(**row)
+        except (KeyError, IndexError, ValueError, AttributeError) as error:
+            raise ConfigError(f"prompt: user={prompt['user']!r} cannot be filled from the row {row!r} "
+                              f"({type(error).__name__}: {error})") from None
+        return {"prompt": ([{"role": "system", "content": system}] if system is not None else [])
+                + [{"role": "user", "content": user}]}
+
+    return dataset.map(messages, desc="building the prompts")
+
+
+def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None, prompt: dict | None = None):
     """The data set `name` names: a local file (read from `base_dir` when relative), a local folder, or a datasets
-    hub name; `split` of it."""
+    hub name; `split` of it. `prompt`: the config's `prompt:` key, which builds the "prompt" column from the other
+    columns (build_prompts); without it the data set must have one."""
     import datasets
 
     if not isinstance(name, str):
@@ -167,8 +235,14 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
             dataset = datasets.load_dataset(name, split=split)
         except Exception as error:  # network, missing dataset, bad split: say which
             raise ConfigError(f"cannot load dataset {name!r} (split {split!r}): {error}") from None
+    if prompt is not None:
+        return build_prompts(dataset, check_prompt_key(prompt), name)
     if "prompt" not in dataset.column_names:
-        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {dataset.column_names})")
+        columns = dataset.column_names
+        source = next((c for c in _PROMPT_LIKE_COLUMNS if c in columns), columns[0] if columns else "question")
+        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {columns}); to build chat prompts from "
+                          f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
+                          "optionally system: \"...\"; docs/cli.md)")
     return dataset
 
 
@@ -205,16 +279,23 @@ def build_trainer(config: dict, base_dir: str | None = None):
     reward_specs = [reward_specs] if isinstance(reward_specs, str) else reward_specs
     if not isinstance(reward_specs, list) or not reward_specs or not all(isinstance(s, str) for s in reward_specs):
         raise ConfigError(f"reward_funcs must be one or more 'package.module:function' strings, got {reward_specs!r}")
+    if config.get("prompt") is not None:
+        check_prompt_key(config["prompt"])
     reward_funcs = [load_reward_func(s, base_dir) for s in reward_specs]
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
         raise ConfigError(f"args: {_one_line(error)}") from None
-    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir)
+    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
+                                 prompt=config.get("prompt"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except OSError as error:
         raise ConfigError(f"cannot load model {model!r}: {error}") from None
+    if config.get("prompt") is not None and not getattr(tokenizer, "chat_template", None):
+        # TRL would fail at the first step, inside apply_chat_template
+        raise ConfigError(f"the prompt key builds chat messages, and the tokenizer of model {model!r} has no chat "
+                          "template: use an instruct (chat) model, or give the tokenizer a chat_template")
     try:
         return GFPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                            processing_class=tokenizer)
@@ -470,8 +551,8 @@ def _sentence(summary: str) -> str:
 
 
 TRAIN_DESCRIPTION = (
-    "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column, reward functions and GFPOConfig "
-    "fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
+    "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column (or a prompt key that builds "
+    "one from its columns), reward functions and GFPOConfig fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
     "args.output_dir (default gfpo-output, beside the config file)."
 )
 
@@ -508,7 +589,7 @@ def main(argv=None) -> int:
                                 usage="%(prog)s --config FILE.yaml [--field value ...]", allow_abbrev=False)
     train.add_argument("--config", required=True,
                        help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
-                       "and optionally dataset_split (default train). Any further --field value (or --field=value) "
+                       "and optionally dataset_split (default train) and prompt. Any further --field value (or --field=value) "
                        "overrides the file: a GFPOConfig field (--max_steps 3, or --args.max_steps 3) or a top-level "
                        "key (--model DIR)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
