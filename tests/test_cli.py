@@ -194,7 +194,9 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
          re.escape(f"args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest' (did you "
                    "mean 'length'? the filter the paper calls 'shortest', which keeps the k completions with the "
                    "fewest tokens)")),
-        (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}), r"args: .*num_generations \(16\)"),
+        (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}),
+         r"^args: per_device_train_batch_size=8 x 1 process x gradient_accumulation_steps=1 = 8 completions per "
+         r"generation batch, which must hold whole groups of num_generations=16: .* per_device_train_batch_size=16"),
         (dict(args={"num_remains_in_group": 4, "num_generations": 8, "per_device_train_batch_size": 8}),
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
         (dict(dataset="/nonexistent/train.jsonl"),
