@@ -328,12 +328,17 @@ def build_trainer(config: dict, base_dir: str | None = None):
         raise ConfigError(_one_line(error)) from None
 
 
-def _convert_args(args: dict, specs: dict) -> dict:
+def _convert_args(args: dict, specs: dict | None = None) -> dict:
     """YAML strings -> the GFPOConfig field types, as TRL's CLI converts them: PyYAML reads `1e-6` as a string, a
     quoted '4' or 'false' stays one, and GFPOConfig converts nothing. The types are those of HfArgumentParser's
     actions (what `trl grpo --learning_rate 1e-6` goes through), as config_fields.field_specs gives them. Values that
     are not strings must already be of the field's type (an int field takes no 2.5 nor 4.0, a float field no list),
-    or the run would fail steps later inside transformers or TRL, naming neither the key nor the value."""
+    or the run would fail steps later inside transformers or TRL, naming neither the key nor the value. `specs`:
+    config_fields.field_specs() when not given."""
+    if specs is None:
+        from .config_fields import field_specs
+
+        specs = field_specs()
     converted = dict(args)
     for name, value in args.items():
         kind, choices, is_list = specs[name]
@@ -683,6 +688,15 @@ def main(argv=None) -> int:
             return 2
     for warning in held:
         warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    from ._compat import quiet_known_noise
+
+    quiet_known_noise()  # again: the trainer set these filters inside the block above, which undid them on leaving
+    from transformers.trainer_callback import ProgressCallback
+
+    from .progress import progress_callback
+
+    if trainer.pop_callback(ProgressCallback) is not None:  # none with disable_tqdm or in a notebook
+        trainer.add_callback(progress_callback())  # a bar that stays small in a log file
     # TrainingArguments.resume_from_checkpoint is read by the caller of train(), not by the Trainer (TRL's scripts
     # pass it too): without this, a config asking to resume would start again from the model and overwrite
     # the checkpoints

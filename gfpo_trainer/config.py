@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -25,7 +26,9 @@ class GFPOConfig(GRPOConfig):
     r"""
     Configuration of [`GFPOTrainer`]: every field of TRL's `GRPOConfig`, plus the fields below (docs/trainer.md
     has each in full). One difference: `bf16` left unset is on only where the device supports it (TRL: always
-    on), so one config runs on a CPU and on a GPU.
+    on), so one config runs on a CPU and on a GPU; and two defaults that only warn are set quietly (the
+    `activation_checkpointing` name for TRL's default `gradient_checkpointing=True`, no `dataloader_pin_memory`
+    without an accelerator, where torch ignores it).
 
     Parameters:
         num_remains_in_group (`int` or `None`, *optional*, defaults to `None`):
@@ -146,6 +149,7 @@ class GFPOConfig(GRPOConfig):
             from transformers.utils import is_torch_bf16_gpu_available
 
             self.bf16 = not self.use_cpu and is_torch_bf16_gpu_available()
+        self._quiet_defaults()
         generation_batch_given, steps_given = self.generation_batch_size is not None, self.steps_per_generation
         try:
             super().__post_init__()
@@ -229,6 +233,21 @@ class GFPOConfig(GRPOConfig):
                 f"{self.multi_objective_aggregation!r} is not supported with num_remains_in_group (use "
                 "'sum_then_normalize')"
             )
+
+    def _quiet_defaults(self):
+        """Two defaults that warn on every run, about nothing the config set, changed where that changes no result:
+        transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns (FutureWarning) when the
+        old name is set, which TRL's GRPOConfig does by default (True): the new name takes that default (a value the
+        config gives the old name itself still warns). And page-locked memory needs an accelerator: without one
+        torch ignores dataloader_pin_memory and warns (UserWarning) at every data loader."""
+        import torch
+
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if ("activation_checkpointing" in defaults and self.activation_checkpointing is None
+                and self.gradient_checkpointing == defaults["gradient_checkpointing"]):
+            self.activation_checkpointing = self.gradient_checkpointing
+        if self.dataloader_pin_memory and not torch.accelerator.is_available():
+            self.dataloader_pin_memory = False
 
     def _check_generation_batch(self, steps_name: str):
         """Where the generation batch TRL derived (per_device_train_batch_size x processes x steps per generation,

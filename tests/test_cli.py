@@ -559,7 +559,8 @@ def test_warnings_of_a_good_config_are_still_shown(monkeypatch, tmp_path):
     trainer = types.SimpleNamespace(args=types.SimpleNamespace(resume_from_checkpoint=None,
                                                                output_dir=str(tmp_path / "out")),
                                     train=lambda resume_from_checkpoint: trained.append(True),
-                                    save_model=lambda: (tmp_path / "out").mkdir(), is_world_process_zero=lambda: True)
+                                    save_model=lambda: (tmp_path / "out").mkdir(), is_world_process_zero=lambda: True,
+                                    pop_callback=lambda callback: None)
 
     def build(config, base_dir=None):
         warnings.warn("`old_option` is deprecated", FutureWarning)
