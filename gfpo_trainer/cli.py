@@ -402,8 +402,9 @@ def apply_overrides(config: dict, overrides: list[str], top_level_keys: tuple[st
     one (`--args.max_steps 3`, `--eval.samples 4`: sections that do not exist yet are made), or a bare name that is no
     top-level key, which goes into `section` (`--max_steps 3` sets args.max_steps). Dashes in a name read as
     underscores (`--max-steps`), as in TRL's flags. A value is read as one YAML value: `3` is 3, `true` True,
-    `[a, b]` a list, `null` None, and `1e-6` stays the string that the config's own conversion reads as a float.
-    Names are not checked here: the config's validation reports an unknown one, with the close name.
+    `[a, b]` a list, `null` None, and `1e-6` stays the string that the config's own conversion reads as a float. A
+    mapping given for a mapping is merged into it (`--args '{max_steps: 3}'` keeps the file's other args). Names are
+    not checked here: the config's validation reports an unknown one, with the close name.
 
     Args:
         config: the parsed YAML config (left unchanged).
@@ -458,8 +459,15 @@ def apply_overrides(config: dict, overrides: list[str], top_level_keys: tuple[st
                 raise ConfigError(f"--{name}: {where} is {place[key]!r}, not a mapping of fields; set it whole with "
                                   f"--{where} VALUE")
             place = place[key]
-        place[path[-1]] = value
+        place[path[-1]] = _merged(place.get(path[-1]), value)
     return config
+
+
+def _merged(old, new):
+    """`new` over `old`: two mappings key by key (what `new` leaves out is kept), anything else replaced by `new`."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{key: _merged(old.get(key), value) for key, value in new.items()}}
+    return new
 
 
 def saved_line(output_dir: str) -> str:

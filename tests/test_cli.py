@@ -87,6 +87,13 @@ def test_apply_overrides_sets_fields_sections_and_top_level_keys():
     assert apply_overrides({}, ["--deep.a.b", "x"], ("deep",)) == {"deep": {"a": {"b": "x"}}}
     assert apply_overrides({"args": None}, ["--seed", "7"], ("args",)) == {"args": {"seed": 7}}
     assert apply_overrides({}, ["--max_steps", "3"], ("model", "eval"), section="eval") == {"eval": {"max_steps": 3}}
+    # a mapping merges into a mapping, key by key; any other value replaces
+    assert apply_overrides(config, ["--args", "{max_steps: 3, model_init_kwargs: {dtype: float32}}"], keys)["args"] == {
+        "max_steps": 3, "learning_rate": "1e-5", "model_init_kwargs": {"dtype": "float32"}}
+    assert apply_overrides({"prompt": {"system": "s", "user": "{q}"}}, ["--prompt", "{user: '{question}'}"],
+                           ("prompt",)) == {"prompt": {"system": "s", "user": "{question}"}}
+    assert apply_overrides({"reward_funcs": ["a:f", "b:g"]}, ["--reward_funcs", "[c:h]"], ("reward_funcs",)) == {
+        "reward_funcs": ["c:h"]}
 
 
 @pytest.mark.parametrize("overrides, message", [
