@@ -1,4 +1,5 @@
-"""GFPO state that outlives a step (today: the adaptive-difficulty digest), saved with every checkpoint.
+"""GFPO state that outlives a step (the adaptive-difficulty digest, the run's count of groups dropped for a
+non-finite reward), saved with every checkpoint.
 
 Written into `checkpoint-N/gfpo_state.json` by GFPOTrainer._save_checkpoint after the Trainer's own save, where the
 Trainer saves (`args.should_save`, the trial's output folder), as TRL writes its entropy-controller state; restored
@@ -19,7 +20,7 @@ STATE_FILE = "gfpo_state.json"
 
 def gfpo_state(trainer) -> dict:
     """Every piece of GFPO state of `trainer`, as JSON-able data."""
-    state = {}
+    state = {"nonfinite_reward_groups_total": trainer.gfpo_nonfinite_reward_groups_total}
     if trainer.adaptive_difficulty is not None:
         state["adaptive_difficulty"] = trainer.adaptive_difficulty.state_dict()
     return state
@@ -53,3 +54,5 @@ def load_gfpo_state(trainer, resume_from_checkpoint) -> None:
                 "adaptive_difficulty=True?)"
             )
         trainer.adaptive_difficulty.load_state_dict(state["adaptive_difficulty"])
+    # a checkpoint written before the count was saved holds none: the run's total then counts from the resume
+    trainer.gfpo_nonfinite_reward_groups_total = int(state.get("nonfinite_reward_groups_total", 0))

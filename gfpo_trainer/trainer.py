@@ -56,6 +56,7 @@ from .rows import (
     crop_to_longest_completion, no_metrics_from_padding_only, plan_trained_rows, restore_shuffle_rng,
     shuffle_replay_after_skipping, take_trained_rows, weight_loss, zero_gradient_skip_applies
 )
+from .rewards import reward_errors_named
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
 from .state import load_gfpo_state, save_gfpo_state
 from .vllm_server import ServerLimits
@@ -147,6 +148,7 @@ class GFPOTrainer(GRPOTrainer):
         self._gfpo_aux_loss = None  # a micro-batch's router auxiliary loss, from TRL's log-prob pass of its loss
         self._gfpo_warned: set[str] = set()  # the one-time warnings given (_warn_once)
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
+        self.gfpo_nonfinite_reward_groups_total = 0  # groups dropped for a non-finite reward so far (state.py saves it)
         spec = self._filter_spec
         if (args.loss_includes_rejected and args.num_remains_in_group is not None and spec is not None
                 and spec.early_stop and args.gfpo_stop_dropped_generations and not args.adaptive_difficulty):
@@ -187,10 +189,11 @@ class GFPOTrainer(GRPOTrainer):
         return result
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        with reward_errors_named(self):  # a reward function that raises is named in the error
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         batch = self._gfpo_batch
         if batch.filtering:
-            batch.selection = select(self, batch, rewards_per_func, completions, completion_ids_list)
+            batch.selection = select(self, batch, rewards_per_func, completions, completion_ids_list, prompts)
         return rewards_per_func
 
     # ------------------------------------------------------------------ deferred log-prob passes
