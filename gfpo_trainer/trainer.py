@@ -58,7 +58,7 @@ from .rows import (
 )
 from .rewards import reward_errors_named
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
-from .state import load_gfpo_state, save_gfpo_state
+from .state import load_gfpo_state, replay_epoch_order, save_gfpo_state
 from .vllm_server import ServerLimits
 
 logger = logging.getLogger(__name__)
@@ -163,6 +163,11 @@ class GFPOTrainer(GRPOTrainer):
         # GFPO's own state (the adaptive-difficulty digest) comes back with the checkpoint, before the first batch
         load_gfpo_state(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _get_train_sampler(self, dataset=None):
+        # each epoch's prompt order as TRL draws it, from the seed and the epoch alone: a run resumed in a later epoch
+        # sees the order the run that did not stop saw (state.replay_epoch_order)
+        return replay_epoch_order(super()._get_train_sampler(dataset))
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
