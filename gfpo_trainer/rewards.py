@@ -1,6 +1,6 @@
 """What GFPO does with what the reward functions return: TRL's summed reward, the groups a non-finite reward
 drops (with one warning per reward function that names it and the prompt), and errors that name the reward
-function that raised.
+function that raised or returned something that is not a number.
 
 How each kind of value is treated (docs/trainer.md, "Rewards that are not numbers"):
 - None or NaN from a function: as in TRL, the function did not score the row; the row's reward is the weighted sum
@@ -36,21 +36,40 @@ class RewardFunctionError(RuntimeError):
 
 
 def _naming_errors(func, name: str, index: int):
-    """`func` called as it is, but an exception it raises comes out as a RewardFunctionError naming it. An async
-    function stays async (TRL awaits the ones it finds async)."""
+    """`func` called as it is, but an exception it raises comes out as a RewardFunctionError naming it, and a value
+    that is neither a number nor None as a ValueError naming it (TRL's own conversion would fail without the name).
+    An async function stays async (TRL awaits the ones it finds async)."""
     if is_async_callable(func):
         async def named(*args, **kwargs):
             try:
-                return await func(*args, **kwargs)
+                rewards = await func(*args, **kwargs)
             except Exception as error:
                 raise RewardFunctionError(name, index, error) from error
+            return _checked(rewards, name, index)
     else:
         def named(*args, **kwargs):
             try:
-                return func(*args, **kwargs)
+                rewards = func(*args, **kwargs)
             except Exception as error:
                 raise RewardFunctionError(name, index, error) from error
+            return _checked(rewards, name, index)
     return functools.update_wrapper(named, func) if hasattr(func, "__name__") else named
+
+
+def _checked(rewards, name: str, index: int) -> list:
+    """The rewards as a list (a generator is read once, here), each a number (anything float() takes: int, float,
+    bool, a NumPy or 0-d torch scalar) or None; ValueError naming the function, the completion and the value."""
+    try:
+        rewards = list(rewards)
+    except TypeError:
+        raise ValueError(f"reward function {name!r} (reward_funcs[{index}]) returned {type(rewards).__name__} "
+                         f"{_short(rewards)}: it must return a list with one reward per completion") from None
+    for position, reward in enumerate(rewards):
+        if reward is not None and not hasattr(type(reward), "__float__"):
+            raise ValueError(f"reward function {name!r} (reward_funcs[{index}]) returned {_short(reward)} "
+                             f"({type(reward).__name__}) for completion {position}: a reward must be a number or "
+                             "None (None: this function does not score the completion)")
+    return rewards
 
 
 @contextlib.contextmanager

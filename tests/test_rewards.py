@@ -251,3 +251,31 @@ def test_a_raising_reward_function_is_named(warm_model_dir, tmp_path, setup, kin
     assert isinstance(info.value.__cause__, KeyError) and info.value.__cause__.args == ("answer",)
     assert info.value.reward_func_name == name and info.value.reward_func_index == 1
     assert trainer.reward_funcs == [digit_reward, func]  # the user's own functions, as they were
+
+
+@pytest.mark.parametrize("returned, match", [
+    (lambda n: ["1.0"] * n, r"^reward function 'not_numbers' \(reward_funcs\[1\]\) returned '1.0' \(str\) for "
+                            r"completion 0: a reward must be a number or None"),
+    (lambda n: [0.5] * (n - 1) + [[1.0]], r"returned \[1.0\] \(list\) for completion 15:"),
+    (lambda n: 1.0, r"returned float 1.0: it must return a list with one reward per completion"),
+])
+def test_a_reward_that_is_not_a_number_is_named(warm_model_dir, tmp_path, returned, match):  # noqa: F811
+    def not_numbers(completions, **kwargs):
+        return returned(len(completions))
+
+    trainer = trainer_of(warm_model_dir, tmp_path, reward=[digit_reward, not_numbers], per_device_train_batch_size=16)
+    with pytest.raises(ValueError, match=match):
+        scored_batch(trainer)
+
+
+def test_rewards_of_any_number_type_or_a_generator_are_taken(warm_model_dir, tmp_path):  # noqa: F811
+    """What TRL's conversion takes still goes through: NumPy and 0-d torch scalars, bools, a generator (read once)."""
+    import numpy as np
+
+    def mixed(completions, **kwargs):
+        kinds = [np.float32(0.5), torch.tensor(2.0), True, 3]
+        return (kinds[i % 4] for i in range(len(completions)))
+
+    trainer = trainer_of(warm_model_dir, tmp_path, reward=mixed, per_device_train_batch_size=16)
+    _, seen = scored_batch(trainer)
+    assert seen["rewards"][:, 0].tolist() == [0.5, 2.0, 1.0, 3.0] * 4
