@@ -75,8 +75,8 @@ def _checked(rewards, name: str, index: int) -> list:
 @contextlib.contextmanager
 def reward_errors_named(trainer):
     """While TRL's _calculate_rewards runs: every reward function that is not a model (TRL calls a model's forward
-    itself) raises a RewardFunctionError naming it. `trainer.reward_funcs` holds the user's own objects again after,
-    whatever happened."""
+    itself) raises a RewardFunctionError naming it, and a ValueError naming it for a reward that is not a number.
+    `trainer.reward_funcs` holds the user's own objects again after, whatever happened."""
     functions = trainer.reward_funcs
     trainer.reward_funcs = [
         func if isinstance(func, nn.Module) else _naming_errors(func, name, i)

@@ -10,7 +10,9 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 1. `_calculate_rewards` (wrapped): once the rewards of the global batch are known, score every completion
    (built-in filter on device, or the user's `group_filter_func`), choose k (fixed, or per group with Adaptive
    Difficulty), and compute the kept mask and the advantages over the kept rows in one call of
-   `gfpo_filter_advantages` (the fused kernel, or the reference with use_gfpo_kernels=False).
+   `gfpo_filter_advantages` (the fused kernel, or the reference with use_gfpo_kernels=False). A reward function that
+   raises or returns what is not a number is named in the error; a group with a non-finite reward trains nothing
+   (rewards.py).
 2. `_get_per_token_logps_and_entropies` (wrapped): during scoring, the no-grad passes of the old policy and the
    reference model are deferred and later run on the kept rows only.
 3. `_generate_and_score_completions` (post-processed): its dict keeps only the rows to train (the kept rows with
@@ -27,6 +29,8 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 6. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
    completions the filter is certain to drop stop early, on one of three generation paths
    (gfpo_trainer/generation_paths.py: HF generate, vLLM colocate, vLLM server).
+7. `train`, `_save_checkpoint` and `_get_train_sampler` (wrapped): GFPO's state goes into every checkpoint and comes
+   back on resume, and each epoch's prompt order is replayed, so a resumed run is the run that did not stop (state.py).
 """
 
 from __future__ import annotations
