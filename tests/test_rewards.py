@@ -279,3 +279,32 @@ def test_rewards_of_any_number_type_or_a_generator_are_taken(warm_model_dir, tmp
     trainer = trainer_of(warm_model_dir, tmp_path, reward=mixed, per_device_train_batch_size=16)
     _, seen = scored_batch(trainer)
     assert seen["rewards"][:, 0].tolist() == [0.5, 2.0, 1.0, 3.0] * 4
+
+
+@pytest.mark.parametrize("process_index", [0, 1])
+def test_the_process_holding_the_row_warns_with_its_prompt(process_index, caplog):
+    """Two processes, 2 groups of 4 rows each, 4 rows a process: the infinite reward in row 6 (group 1, completion 2)
+    is on process 1, which alone warns, quoting its prompt; both count it."""
+    import types
+
+    from gfpo_trainer.rewards import nonfinite_rows, summed_rewards, warn_nonfinite_rewards
+
+    trainer = types.SimpleNamespace(
+        num_generations=4, reward_weights=torch.tensor([1.0, 2.0]), reward_func_names=["score", "judge"],
+        _gfpo_warned=set(), accelerator=types.SimpleNamespace(process_index=process_index, num_processes=2))
+    rewards_per_func = torch.tensor([[0.0, 1.0]] * 8)
+    rewards_per_func[6, 1] = -math.inf
+    bad = nonfinite_rows(summed_rewards(trainer, rewards_per_func), rewards_per_func)
+    assert bad.tolist() == [False] * 6 + [True, False]
+    prompts = [f"prompt of process {process_index}, row {i}" for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="gfpo_trainer"):
+        warn_nonfinite_rewards(trainer, rewards_per_func, bad, prompts)
+        warn_nonfinite_rewards(trainer, rewards_per_func, bad, prompts)  # once
+    warnings = nonfinite_warnings(caplog)
+    if process_index == 1:
+        (warning,) = warnings
+        assert ("reward function 'judge' gave -inf for completion 2 of prompt 1 of the generation batch: "
+                "'prompt of process 1, row 2'") in warning
+    else:
+        assert warnings == []
+    assert trainer._gfpo_warned == {"non-finite: reward function 'judge'"}
