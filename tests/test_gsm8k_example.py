@@ -132,3 +132,47 @@ def test_reward_errors_name_the_row_and_the_fix():
         rewards.correctness(["#### 1", "#### 2"], ["#### 1"])
     with pytest.raises(TypeError, match="a completion must be a string or a list of"):
         rewards.format_reward([42])
+
+
+# --- the tiny tokenizer's chat template (gfpo_trainer/tiny.py) --------------------------------------------------
+
+def test_the_tiny_tokenizer_renders_a_conversation_in_its_own_characters():
+    from gfpo_trainer.tiny import CHARACTERS, SPECIAL_TOKENS, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    messages = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "what is 2+3?"}]
+    text = "system: be brief. user: what is 2+3? assistant: "
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == text
+    assert set(text) <= set(CHARACTERS)  # nothing the vocabulary lacks, so no unknown (pad) ids in a prompt
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    one_per_character = [len(SPECIAL_TOKENS) + sorted(set(CHARACTERS)).index(c) for c in text]
+    assert ids["input_ids"] == one_per_character and ids["attention_mask"] == [1] * len(text)
+    assert tokenizer("12+7=").input_ids == [len(SPECIAL_TOKENS) + sorted(set(CHARACTERS)).index(c) for c in "12+7="]
+    # a whole conversation: the assistant's turn ends with <eos>, as a completion does; without the generation prompt
+    # nothing follows the last message
+    answered = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "5"}], tokenize=False)
+    assert answered == "system: be brief. user: what is 2+3? assistant: 5<eos>"
+    assert tokenizer.apply_chat_template(messages[1:], tokenize=False) == "user: what is 2+3?"
+
+
+def test_the_examples_tiny_model_reads_gsm8k_text_whole(tmp_path):
+    """save_tiny_model.py's tokenizer has every character of the data set and of the configs' system message, so
+    no character of a prompt becomes the unknown (pad) id; the model declares room for the longest prompt."""
+    import yaml
+
+    save = _load("save_tiny_model")
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = save.save_tiny_model(tmp_path / "tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    system = yaml.safe_load((EXAMPLE / "tiny.yaml").read_text())["prompt"]["system"]
+    rows = _rows("train.jsonl") + _rows("test.jsonl")
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": row["question"]}],
+                                             tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+               for row in rows]
+    assert all(tokenizer.pad_token_id not in ids for ids in prompts)
+    assert all(tokenizer.pad_token_id not in tokenizer(row["answer"]).input_ids for row in rows)
+    longest = max(map(len, prompts))
+    assert longest + yaml.safe_load((EXAMPLE / "tiny.yaml").read_text())["args"]["max_completion_length"] <= \
+        AutoConfig.from_pretrained(path).max_position_embeddings
