@@ -6,6 +6,7 @@ A training config (YAML):
     model: Qwen/Qwen2.5-0.5B-Instruct      # a Hub model (namespace/name) or a local directory
     dataset: data/train.jsonl              # a local .json/.jsonl/.csv/.parquet file, or a datasets hub name
     dataset_split: train                   # optional, default train (a local file has only "train", or "train[:100]")
+    prompt: {user: "{question}"}           # optional: chat prompts from a data set without a "prompt" column
     reward_funcs:                          # "module.path:function" (or "module.path.function")
       - my_rewards:correctness
     args:                                  # GFPOConfig fields
@@ -39,7 +40,12 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # GFPOConfig (TrainingArguments) fields that name files or folders: read from the config file's folder when relative
 # (the module docstring names them)
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed")
-_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "reward_funcs", "args")
+_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "prompt", "reward_funcs", "args")
+# the `prompt:` key's fields: the chat messages built from a data set's own columns
+PROMPT_KEYS = ("system", "user")
+# the column a data set without "prompt" most likely holds its prompts in (GSM8K's "question" first): the error's
+# suggested `prompt:` line names the first of these it has
+_PROMPT_LIKE_COLUMNS = ("question", "problem", "instruction", "query", "input", "text")
 
 
 class ConfigError(ValueError):
@@ -142,9 +148,71 @@ def _look_in_first(base_dir: str, top: str) -> None:
             del sys.modules[name]
 
 
-def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None):
+def check_prompt_key(prompt) -> dict:
+    """The config's `prompt:` key, checked: a mapping with `user` (a str.format template over a row's columns,
+    "{question}") and optionally `system` (a system message, as it is). Returns it; ConfigError naming what is
+    wrong."""
+    import string
+
+    form = "prompt: {system: \"optional system message\", user: \"{question}\"}"
+    if not isinstance(prompt, dict):
+        raise ConfigError(f"prompt must be a mapping of the chat messages to build, {form}; got {prompt!r}")
+    unknown = sorted((key for key in prompt if key not in PROMPT_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"unknown prompt keys {unknown}{_unknown_hints(unknown, PROMPT_KEYS)}; expected "
+                          f"{list(PROMPT_KEYS)}: {form}")
+    if not isinstance(prompt.get("user"), str) or not prompt["user"].strip():
+        raise ConfigError(f"prompt needs user, the user message made from each row's columns, e.g. {form}; got "
+                          f"user={prompt.get('user')!r}")
+    if prompt.get("system") is not None and not isinstance(prompt["system"], str):
+        raise ConfigError(f"prompt: system must be a string (the system message), got {prompt['system']!r}")
+    try:
+        list(string.Formatter().parse(prompt["user"]))
+    except ValueError as error:  # "Single '}' encountered in format string" and the like
+        raise ConfigError(f"prompt: user={prompt['user']!r} is not a format string ({error}); columns are named "
+                          "in braces, {question}, and a literal brace is doubled, {{") from None
+    return prompt
+
+
+def _prompt_columns(user: str) -> list[str]:
+    """The columns a `prompt: user` template reads ("{question} ({source})" -> ["question", "source"])."""
+    import string
+
+    names = [field for _, field, _, _ in string.Formatter().parse(user) if field is not None]
+    return list(dict.fromkeys(re.split(r"[.\[]", name, maxsplit=1)[0] for name in names))
+
+
+def build_prompts(dataset, prompt: dict, name: str):
+    """`dataset` with a conversational "prompt" column built by the `prompt:` key: a system message where `system`
+    is given, then the user message `user.format(**row)`. The other columns stay (TRL passes them to the reward
+    functions as keyword arguments: GSM8K's `answer`)."""
+    columns = dataset.column_names
+    if "prompt" in columns:
+        raise ConfigError(f"dataset {name!r} has a 'prompt' column already, and the config's prompt key would build "
+                          "another: remove the prompt key to train on the column, or rename the column")
+    missing = [column for column in _prompt_columns(prompt["user"]) if column not in columns]
+    if missing or not _prompt_columns(prompt["user"]):
+        what = (f"names no column {missing}{_unknown_hints(missing, columns)}" if missing
+                else "names no column, so every prompt would be the same")
+        raise ConfigError(f"prompt: user={prompt['user']!r} {what}; the dataset's columns: {columns}")
+    system = prompt.get("system")
+
+    def messages(row):
+        try:
+            user = prompt["user"].format(**row)
+        except (KeyError, IndexError, ValueError, AttributeError) as error:
+            raise ConfigError(f"prompt: user={prompt['user']!r} cannot be filled from the row {row!r} "
+                              f"({type(error).__name__}: {error})") from None
+        return {"prompt": ([{"role": "system", "content": system}] if system is not None else [])
+                + [{"role": "user", "content": user}]}
+
+    return dataset.map(messages, desc="building the prompts")
+
+
+def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None, prompt: dict | None = None):
     """The data set `name` names: a local file (read from `base_dir` when relative), a local folder, or a datasets
-    hub name; `split` of it."""
+    hub name; `split` of it. `prompt`: the config's `prompt:` key, which builds the "prompt" column from the other
+    columns (build_prompts); without it the data set must have one."""
     import datasets
 
     if not isinstance(name, str):
@@ -167,8 +235,14 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
             dataset = datasets.load_dataset(name, split=split)
         except Exception as error:  # network, missing dataset, bad split: say which
             raise ConfigError(f"cannot load dataset {name!r} (split {split!r}): {error}") from None
+    if prompt is not None:
+        return build_prompts(dataset, check_prompt_key(prompt), name)
     if "prompt" not in dataset.column_names:
-        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {dataset.column_names})")
+        columns = dataset.column_names
+        source = next((c for c in _PROMPT_LIKE_COLUMNS if c in columns), columns[0] if columns else "question")
+        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {columns}); to build chat prompts from "
+                          f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
+                          "optionally system: \"...\"; docs/cli.md)")
     return dataset
 
 
@@ -205,16 +279,23 @@ def build_trainer(config: dict, base_dir: str | None = None):
     reward_specs = [reward_specs] if isinstance(reward_specs, str) else reward_specs
     if not isinstance(reward_specs, list) or not reward_specs or not all(isinstance(s, str) for s in reward_specs):
         raise ConfigError(f"reward_funcs must be one or more 'package.module:function' strings, got {reward_specs!r}")
+    if config.get("prompt") is not None:
+        check_prompt_key(config["prompt"])
     reward_funcs = [load_reward_func(s, base_dir) for s in reward_specs]
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
         raise ConfigError(f"args: {_one_line(error)}") from None
-    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir)
+    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
+                                 prompt=config.get("prompt"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except OSError as error:
         raise ConfigError(f"cannot load model {model!r}: {error}") from None
+    if config.get("prompt") is not None and not getattr(tokenizer, "chat_template", None):
+        # TRL would fail at the first step, inside apply_chat_template
+        raise ConfigError(f"the prompt key builds chat messages, and the tokenizer of model {model!r} has no chat "
+                          "template: use an instruct (chat) model, or give the tokenizer a chat_template")
     try:
         return GFPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                            processing_class=tokenizer)
@@ -286,6 +367,74 @@ def _convert_value(name: str, value: str, action):
         raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
                           f"{_did_you_mean(value, action.choices)}")
     return converted
+
+
+def apply_overrides(config: dict, overrides: list[str], top_level_keys: tuple[str, ...],
+                    section: str = "args") -> dict:
+    """The config with command-line overrides applied, as `trl grpo --config F --max_steps 3` applies its flags.
+
+    Each override is `--name value` or `--name=value`. `name` is a top-level key (`--model path`), a dotted path from
+    one (`--args.max_steps 3`, `--eval.samples 4`: sections that do not exist yet are made), or a bare name that is no
+    top-level key, which goes into `section` (`--max_steps 3` sets args.max_steps). Dashes in a name read as
+    underscores (`--max-steps`), as in TRL's flags. A value is read as one YAML value: `3` is 3, `true` True,
+    `[a, b]` a list, `null` None, and `1e-6` stays the string that the config's own conversion reads as a float.
+    Names are not checked here: the config's validation reports an unknown one, with the close name.
+
+    Args:
+        config: the parsed YAML config (left unchanged).
+        overrides: the command-line words after the command's own options, e.g. ["--max_steps", "3", "--bf16=true"].
+        top_level_keys: the config's top-level keys (the first part of a dotted path must be one).
+        section: where a bare name that is no top-level key goes.
+
+    Returns:
+        A new dict: `config` with every override applied, later ones over earlier ones.
+
+    Raises:
+        ConfigError naming the flag: a word that is no `--name`, a flag without a value, a value that is not YAML,
+        a dotted path from no top-level key or through a value that is not a mapping.
+    """
+    import copy
+
+    import yaml
+
+    config = copy.deepcopy(config)
+    words = list(overrides)
+    while words:
+        flag = words.pop(0)
+        name, equals, value = flag.partition("=")
+        if not name.startswith("--") or len(name) == 2:
+            raise ConfigError(f"{flag!r}: overrides are --name value (or --name=value), e.g. --max_steps 3 or "
+                              f"--{section}.max_steps 3")
+        name = name[2:].replace("-", "_")
+        if not equals:
+            if not words or words[0].startswith("--"):
+                raise ConfigError(f"{flag}: no value given; write {flag} VALUE or {flag}=VALUE (a switch takes true "
+                                  f"or false: {flag} true)")
+            value = words.pop(0)
+        if value.strip() == "":
+            raise ConfigError(f"--{name}: the value is empty; give one (null unsets an optional field: --{name} null)")
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--{name}={value!r} is not a YAML value ({_one_line(error)}); quote it for the "
+                              "shell, e.g. --name '[1, 2]'") from None
+        path = name.split(".")
+        if len(path) == 1 and name not in top_level_keys:
+            path = [section, name]
+        if path[0] not in top_level_keys or not all(path):
+            raise ConfigError(f"--{name}: the config has no section {path[0]!r}"
+                              f"{_did_you_mean(path[0], top_level_keys)}; its keys: {list(top_level_keys)}")
+        place = config
+        for depth, key in enumerate(path[:-1]):
+            if place.get(key) is None:
+                place[key] = {}
+            elif not isinstance(place[key], dict):
+                where = ".".join(path[:depth + 1])
+                raise ConfigError(f"--{name}: {where} is {place[key]!r}, not a mapping of fields; set it whole with "
+                                  f"--{where} VALUE")
+            place = place[key]
+        place[path[-1]] = value
+    return config
 
 
 def saved_line(output_dir: str) -> str:
@@ -402,8 +551,8 @@ def _sentence(summary: str) -> str:
 
 
 TRAIN_DESCRIPTION = (
-    "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column, reward functions and GFPOConfig "
-    "fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
+    "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column (or a prompt key that builds "
+    "one from its columns), reward functions and GFPOConfig fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
     "args.output_dir (default gfpo-output, beside the config file)."
 )
 
@@ -436,16 +585,22 @@ def main(argv=None) -> int:
     demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
     demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
     train = commands.add_parser("train", help="train with GFPO from a YAML config", description=TRAIN_DESCRIPTION,
-                                epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter)
+                                epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter,
+                                usage="%(prog)s --config FILE.yaml [--field value ...]", allow_abbrev=False)
     train.add_argument("--config", required=True,
                        help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
-                       "and optionally dataset_split (default train)")
+                       "and optionally dataset_split (default train) and prompt. Any further --field value (or --field=value) "
+                       "overrides the file: a GFPOConfig field (--max_steps 3, or --args.max_steps 3) or a top-level "
+                       "key (--model DIR)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
                         "extension, backends, and whether the installed TRL and vLLM are supported")
     for command in commands._choices_actions:  # a command's --help opens with its summary from the list above
         if commands.choices[command.dest].description is None:
             commands.choices[command.dest].description = _sentence(command.help)
-    options = parser.parse_args(argv)
+    # the train command's further words are config overrides (apply_overrides); the other commands take none
+    options, overrides = parser.parse_known_args(argv)
+    if overrides and options.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if options.command == "env":  # needs no TRL: a bug report must be possible from a broken install
         from .env_report import environment_report
 
@@ -476,6 +631,7 @@ def main(argv=None) -> int:
                 config = yaml.safe_load(f) or {}
             if not isinstance(config, dict):
                 raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
+            config = apply_overrides(config, overrides, _TOP_LEVEL_KEYS)
             trainer = build_trainer(config, base_dir=os.path.dirname(os.path.abspath(options.config)))
         except (ConfigError, OSError, yaml.YAMLError) as error:
             print(f"error: {_one_line(error)}", file=sys.stderr)
