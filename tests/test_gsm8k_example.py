@@ -176,3 +176,168 @@ def test_the_examples_tiny_model_reads_gsm8k_text_whole(tmp_path):
     longest = max(map(len, prompts))
     assert longest + yaml.safe_load((EXAMPLE / "tiny.yaml").read_text())["args"]["max_completion_length"] <= \
         AutoConfig.from_pretrained(path).max_position_embeddings
+
+
+# --- the configs through the train command ----------------------------------------------------------------------
+
+DOC = Path(__file__).parents[1] / "docs" / "gsm8k-example.md"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """tiny.yaml run as written by `python -m gfpo_trainer train --config` (in this process, so that the reward
+    functions can be watched), in a copy of the example's folder with the tiny model saved beside it as
+    save_tiny_model.py saves it. Returns the folder, the config, and the calls the reward functions received."""
+    pytest.importorskip("trl")
+    import functools
+    import shutil
+
+    import yaml
+
+    from gfpo_trainer import cli
+
+    work = tmp_path_factory.mktemp("gsm8k")
+    for name in ("tiny.yaml", "train.jsonl", "rewards.py"):
+        shutil.copy(EXAMPLE / name, work / name)
+    _load("save_tiny_model").save_tiny_model(work / "tiny-model")
+    calls = []
+    load = cli.load_reward_func
+
+    def watched(spec, base_dir=None):
+        func = load(spec, base_dir)
+
+        @functools.wraps(func)  # TRL names the metrics after __name__
+        def record(completions, **kwargs):
+            rewards = func(completions, **kwargs)
+            calls.append(dict(func=func.__name__, completions=completions, rewards=rewards, **kwargs))
+            return rewards
+
+        return record
+
+    original = cli.load_reward_func
+    cli.load_reward_func = watched
+    try:
+        assert cli.main(["train", "--config", str(work / "tiny.yaml")]) == 0
+    finally:
+        cli.load_reward_func = original
+    return work, yaml.safe_load((work / "tiny.yaml").read_text()), calls
+
+
+def test_the_tiny_config_trains_and_the_answer_column_reaches_the_rewards(tiny_run):
+    work, config, calls = tiny_run
+    answers = {row["question"]: row["answer"] for row in _rows("train.jsonl")}
+    steps, group = config["args"]["max_steps"], config["args"]["num_generations"]
+    assert [c["func"] for c in calls] == ["correctness", "format_reward"] * steps
+    for call in calls:
+        assert len(call["completions"]) == len(call["prompts"]) == len(call["answer"]) == group
+        for prompt, answer, completion in zip(call["prompts"], call["answer"], call["completions"]):
+            # the prompt: key's chat messages, and each row's own answer beside its question
+            assert prompt == [{"role": "system", "content": config["prompt"]["system"]},
+                              {"role": "user", "content": prompt[1]["content"]}]
+            assert answers[prompt[1]["content"]] == answer
+            assert completion[0]["role"] == "assistant" and isinstance(completion[0]["content"], str)
+        assert call["rewards"] == rewards.__dict__[call["func"]](call["completions"], answer=call["answer"])
+    out = work / config["args"]["output_dir"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(out).chat_template  # the saved model still takes chat prompts
+
+
+def _logged_steps(work, config):
+    out = work / config["args"]["output_dir"]
+    state = json.loads((out / f"checkpoint-{config['args']['max_steps']}" / "trainer_state.json").read_text())
+    return [log for log in state["log_history"] if "reward" in log]
+
+
+def test_the_tiny_run_logs_what_the_page_says(tiny_run):
+    """docs/gsm8k-example.md: the random model's run has no signal (every reward 0, nothing trained) while the
+    rewards are computed and logged per function, half of each group kept."""
+    work, config, calls = tiny_run
+    logs = _logged_steps(work, config)
+    assert len(logs) == config["args"]["max_steps"]
+    assert all(c["rewards"] == [0.0] * len(c["rewards"]) for c in calls)
+    for log in logs:
+        assert log["reward"] == log["rewards/correctness/mean"] == log["rewards/format_reward/mean"] == 0.0
+        assert log["frac_reward_zero_std"] == log["gfpo/skipped_zero_gradient_fraction"] == 1.0
+        assert log["loss"] == log["grad_norm"] == 0.0
+        assert log["entropy"] is None and log["clip_ratio/region_mean"] is None
+        assert log["gfpo/kept_fraction"] == 0.5
+
+
+def test_every_metric_the_page_names_is_logged(tiny_run):
+    """The healthy-run table names metrics the trainer logs (the tiny run's log, whose keys are those of a length-
+    filtered run), except the ones it marks as logged only elsewhere: vLLM's, and kl with beta > 0."""
+    work, config, _ = tiny_run
+    logged = set().union(*(log.keys() for log in _logged_steps(work, config)))
+    table = DOC.read_text().split("## What a healthy run looks like", 1)[1]
+    named = {name for row in re.findall(r"^\| (.*?) \|", table, re.M) for name in re.findall(r"`([^`]+)`", row)}
+    named |= {"completions/mean_length", "gfpo/kept_completion_length"}  # named in the paragraph above the table
+    assert len(named) > 12 and not named - logged - {"sampling/sampling_logp_difference/mean"}, named - logged
+    assert "kl" not in logged  # beta = 0: the page says kl is logged only above 0
+
+
+def test_the_real_config_builds_and_trains_a_step_on_the_tiny_model(tiny_run, tmp_path):
+    """qwen2.5-0.5b.yaml, with what a CPU changes given as command-line overrides: the tiny model for the Hub one, the
+    local file for the Hub data set, no vLLM, no bf16, one short step."""
+    pytest.importorskip("trl")
+    import shutil
+
+    from gfpo_trainer.cli import main
+
+    work, _, _ = tiny_run
+    for name in ("qwen2.5-0.5b.yaml", "train.jsonl", "rewards.py"):
+        shutil.copy(EXAMPLE / name, tmp_path / name)
+    overrides = ["--model", str(work / "tiny-model"), "--dataset", "train.jsonl", "--dataset_config", "null",
+                 "--use_vllm", "false", "--bf16", "false", "--use_cpu", "true", "--max_steps", "1",
+                 "--max_completion_length", "8", "--gradient_accumulation_steps", "1", "--log_completions", "false"]
+    assert main(["train", "--config", str(tmp_path / "qwen2.5-0.5b.yaml"), *overrides]) == 0
+    assert (tmp_path / "out-qwen2.5-0.5b" / "model.safetensors").exists()
+
+
+def test_the_real_config_names_the_hub_gsm8k_and_the_settings_of_the_page():
+    import yaml
+
+    config = yaml.safe_load((EXAMPLE / "qwen2.5-0.5b.yaml").read_text())
+    assert (config["model"], config["dataset"], config["dataset_config"]) == (
+        "Qwen/Qwen2.5-0.5B-Instruct", "openai/gsm8k", "main")
+    assert config["prompt"] == yaml.safe_load((EXAMPLE / "tiny.yaml").read_text())["prompt"]
+    args = config["args"]
+    assert (args["num_generations"], args["num_remains_in_group"], args["group_filter"]) == (16, 8, "length")
+    assert (args["max_completion_length"], args["beta"], args["loss_type"], args["use_vllm"]) == (512, 0.0, "dapo", True)
+    assert args["reward_weights"] == [1.0, 0.5] and str(args["learning_rate"]) == "1e-6"
+
+
+# --- dataset_config: a hub data set's configuration -----------------------------------------------------------
+
+def test_dataset_config_reaches_load_dataset(monkeypatch):
+    pytest.importorskip("trl")
+    import datasets
+
+    from gfpo_trainer.cli import load_train_dataset
+
+    asked = []
+
+    def fake_load_dataset(name, config_name=None, split=None, **kwargs):
+        asked.append((name, config_name, split))
+        if config_name is None:  # what datasets says for a data set of several configurations
+            raise ValueError("Config name is missing.\nPlease pick one among the available configs: ['main', "
+                             "'socratic']")
+        return datasets.Dataset.from_list(_rows("test.jsonl")[:3])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    dataset = load_train_dataset("openai/gsm8k", "test", config_name="main", prompt={"user": "{question}"})
+    assert asked == [("openai/gsm8k", "main", "test")]
+    assert dataset.column_names == ["question", "answer", "prompt"]
+    with pytest.raises(ValueError, match=r"cannot load dataset 'openai/gsm8k' \(split 'train'\): Config name is "
+                       r"missing\. .*; a data set of several configurations needs one named: dataset_config: NAME"):
+        load_train_dataset("openai/gsm8k", prompt={"user": "{question}"})
+
+
+def test_dataset_config_with_a_local_file_is_refused():
+    pytest.importorskip("trl")
+    from gfpo_trainer.cli import ConfigError, load_train_dataset
+
+    with pytest.raises(ConfigError, match=r"dataset_config='main' names a configuration of a hub data set; the file "
+                       r"'train.jsonl' has none: remove dataset_config"):
+        load_train_dataset("train.jsonl", base_dir=str(EXAMPLE), config_name="main")
