@@ -268,3 +268,23 @@ def _vllm_serve_parser():
     except ImportError:
         from vllm.entrypoints.openai.cli_args import make_arg_parser
     return make_arg_parser(FlexibleArgumentParser())
+
+
+def test_the_vllm_quickstart_names_fields_that_exist_and_a_config_that_sets_them():
+    """docs/vllm-quickstart.md's settings are GFPOConfig fields (or its TRL server's client fields), and the config its
+    colocate commands run sets the colocate ones as the table says."""
+    pytest.importorskip("trl")
+    import dataclasses
+
+    from gfpo_trainer import GFPOConfig
+
+    page = ROOT / "docs" / "vllm-quickstart.md"
+    fields = {f.name for f in dataclasses.fields(GFPOConfig)}
+    named = set(re.findall(r"`((?:vllm|gfpo|use|group)_\w+)`", prose(page)))
+    assert len(named) >= 10 and named <= fields, named - fields
+    used = {words[words.index("--config") + 1] for block in code_blocks(page, "bash") for words in shell_commands(block)
+            if "--config" in words}
+    assert used == {"examples/gsm8k/qwen2.5-0.5b.yaml"}
+    args = yaml.safe_load((ROOT / "examples/gsm8k/qwen2.5-0.5b.yaml").read_text())["args"]
+    assert (args["use_vllm"], args["vllm_mode"], args["group_filter"]) == (True, "colocate", "length")
+    assert args["vllm_max_model_length"] >= args["max_completion_length"]

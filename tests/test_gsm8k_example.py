@@ -275,6 +275,8 @@ def test_every_metric_the_page_names_is_logged(tiny_run):
     named |= {"completions/mean_length", "gfpo/kept_completion_length"}  # named in the paragraph above the table
     assert len(named) > 12 and not named - logged - {"sampling/sampling_logp_difference/mean"}, named - logged
     assert "kl" not in logged  # beta = 0: the page says kl is logged only above 0
+    # the early-stop rule on: the dropped lengths are logged as truncated, the untruncated name not at all
+    assert "gfpo/dropped_completion_length_truncated" in logged and "gfpo/dropped_completion_length" not in logged
 
 
 def test_the_real_config_builds_and_trains_a_step_on_the_tiny_model(tiny_run, tmp_path):
