@@ -34,6 +34,8 @@ import re
 import sys
 import warnings
 
+from ._names import closest_name, did_you_mean
+
 _LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # a Hub model named as the Hub names models today, "namespace/name" (Qwen/Qwen2.5-0.5B-Instruct; the old unprefixed
 # names such as gpt2 redirect from namespaced ones, openai-community/gpt2): one '/', letters, digits, '-', '_', '.'
@@ -55,16 +57,12 @@ class ConfigError(ValueError):
 
 def _did_you_mean(name, choices) -> str:
     """" (did you mean 'x'?)" for the closest of `choices` to `name`, "" when none is close: the rule of every
-    unknown-name error of the package (gfpo_kernels._validation.did_you_mean)."""
-    from gfpo_kernels._validation import did_you_mean  # not at the top: gfpo_kernels imports torch, --help needs none
-
+    unknown-name error of the package, in its torch-free copy (a config is checked before torch is imported)."""
     return did_you_mean(name, choices)
 
 
 def _unknown_hints(unknown: list, choices) -> str:
     """The did-you-mean hint of the one unknown name, or of each that has a close match, naming it."""
-    from gfpo_kernels._validation import closest_name
-
     if len(unknown) == 1:
         return _did_you_mean(unknown[0], choices)
     pairs = [(name, closest_name(name, choices)) for name in unknown]
@@ -258,13 +256,14 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
     return dataset
 
 
-def build_trainer(config: dict, base_dir: str | None = None):
-    """A GFPOTrainer from a parsed training config; relative paths in it are read from `base_dir` (the config file's
-    folder; default: the working directory)."""
-    from transformers import AutoTokenizer
-
-    from .config import GFPOConfig
-    from .trainer import GFPOTrainer
+def check_config(config: dict, base_dir: str | None = None) -> dict:
+    """Everything about a training config that can be checked without TRL, transformers or torch (which take
+    seconds to import): the keys, the model directory, the `args` field names, their values' types and choices (by
+    config_fields.field_specs), the group_filter name, the prompt key, the reward function names' form and a local
+    data file's existence. Returns {"model": the resolved model, "args": the args converted to the field types,
+    "reward_specs": the reward functions' names}; ConfigError naming what is wrong."""
+    from . import config_fields
+    from .filters import group_filter_spec
 
     base_dir = os.path.abspath(base_dir or os.getcwd())
     unknown = sorted(set(config) - set(_TOP_LEVEL_KEYS), key=str)
@@ -275,25 +274,51 @@ def build_trainer(config: dict, base_dir: str | None = None):
         if key not in config:
             raise ConfigError(f"the config needs {key!r}")
     model = resolve_model(config["model"], base_dir)
-    fields = {f.name for f in dataclasses.fields(GFPOConfig) if f.init}
     args = config.get("args") or {}
     if not isinstance(args, dict):
         raise ConfigError(f"args must be a mapping of GFPOConfig fields (field: value), got {args!r}")
-    bad = sorted((name for name in args if name not in fields), key=str)
+    specs = config_fields.field_specs()
+    bad = sorted((name for name in args if name not in specs), key=str)
     if bad:
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(fields))}")
-    args = _convert_args(args)
-    args.setdefault("output_dir", "gfpo-output")
-    for name in PATH_ARGS:  # a deepspeed config may also be given inline, as a mapping: left as it is
-        if isinstance(args.get(name), str) and not (name == "deepspeed" and args[name].lstrip().startswith("{")):
-            args[name] = _in_folder(args[name], base_dir)
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(specs))}")
+    args = _convert_args(args, specs)
+    try:
+        group_filter_spec(args.get("group_filter"))
+    except ValueError as error:
+        raise ConfigError(f"args: {error}") from None
+    if config.get("prompt") is not None:
+        check_prompt_key(config["prompt"])
     reward_specs = config["reward_funcs"]
     reward_specs = [reward_specs] if isinstance(reward_specs, str) else reward_specs
     if not isinstance(reward_specs, list) or not reward_specs or not all(isinstance(s, str) for s in reward_specs):
         raise ConfigError(f"reward_funcs must be one or more 'package.module:function' strings, got {reward_specs!r}")
-    if config.get("prompt") is not None:
-        check_prompt_key(config["prompt"])
-    reward_funcs = [load_reward_func(s, base_dir) for s in reward_specs]
+    dataset, split = config["dataset"], config.get("dataset_split", "train")
+    if not isinstance(dataset, str):
+        raise ConfigError(f"dataset must be a file path or a datasets hub name, got {dataset!r}")
+    if not isinstance(split, str):
+        raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
+    local = _in_folder(dataset, base_dir)
+    if os.path.splitext(dataset)[1].lower() in _LOCAL_DATA and not os.path.exists(local):
+        raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local})")
+    return {"model": model, "args": args, "reward_specs": reward_specs}
+
+
+def build_trainer(config: dict, base_dir: str | None = None):
+    """A GFPOTrainer from a parsed training config (checked first by check_config); relative paths in it are read
+    from `base_dir` (the config file's folder; default: the working directory)."""
+    from transformers import AutoTokenizer
+
+    from .config import GFPOConfig
+    from .trainer import GFPOTrainer
+
+    base_dir = os.path.abspath(base_dir or os.getcwd())
+    checked = check_config(config, base_dir)
+    model, args = checked["model"], checked["args"]
+    args.setdefault("output_dir", "gfpo-output")
+    for name in PATH_ARGS:  # a deepspeed config may also be given inline, as a mapping: left as it is
+        if isinstance(args.get(name), str) and not (name == "deepspeed" and args[name].lstrip().startswith("{")):
+            args[name] = _in_folder(args[name], base_dir)
+    reward_funcs = [load_reward_func(s, base_dir) for s in checked["reward_specs"]]
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
@@ -315,69 +340,64 @@ def build_trainer(config: dict, base_dir: str | None = None):
         raise ConfigError(_one_line(error)) from None
 
 
-def _convert_args(args: dict) -> dict:
+def _convert_args(args: dict, specs: dict) -> dict:
     """YAML strings -> the GFPOConfig field types, as TRL's CLI converts them: PyYAML reads `1e-6` as a string, a
     quoted '4' or 'false' stays one, and GFPOConfig converts nothing. The types are those of HfArgumentParser's
-    actions (what `trl grpo --learning_rate 1e-6` goes through). Values that are not strings must already be of the
-    field's type (an int field takes no 2.5 nor 4.0, a float field no list), or the run would fail steps later
-    inside transformers or TRL, naming neither the key nor the value."""
-    from enum import Enum
-
-    from transformers import HfArgumentParser
-    from transformers.hf_argparser import string_to_bool
-
-    from .config import GFPOConfig
-
-    actions = HfArgumentParser(GFPOConfig)._option_string_actions  # "--name" -> its argparse action
+    actions (what `trl grpo --learning_rate 1e-6` goes through), as config_fields.field_specs gives them. Values that
+    are not strings must already be of the field's type (an int field takes no 2.5 nor 4.0, a float field no list),
+    or the run would fail steps later inside transformers or TRL, naming neither the key nor the value."""
     converted = dict(args)
     for name, value in args.items():
-        action = actions.get(f"--{name}")
-        kind = getattr(action, "type", None)
+        kind, choices, is_list = specs[name]
         # only the types that parse text: str needs nothing, and dict or config-object fields (liger_kernel_config,
         # parallelism_config) keep their string, which TrainingArguments reads as JSON itself
-        if not (kind in (int, float, string_to_bool) or getattr(action, "choices", None) is not None
-                or (isinstance(kind, type) and issubclass(kind, Enum))):
+        if kind is None:
             continue
         if isinstance(value, str):
-            converted[name] = _convert_value(name, value, action)
-        elif action.nargs == "+" and isinstance(value, list):  # list[int] and the like: item by item
-            converted[name] = [_convert_value(name, v, action) if isinstance(v, str) else _checked(name, v, action)
-                               for v in value]
+            converted[name] = _convert_value(name, value, kind, choices)
+        elif is_list and isinstance(value, list):  # list[int] and the like: item by item
+            converted[name] = [_convert_value(name, v, kind, choices) if isinstance(v, str)
+                               else _checked(name, v, kind, choices) for v in value]
         elif value is not None:  # None: an optional field left unset
-            converted[name] = _checked(name, value, action)
+            converted[name] = _checked(name, value, kind, choices)
     return converted
 
 
-def _checked(name: str, value, action):
+def _checked(name: str, value, kind: str, choices):
     """A value YAML gave as a number, bool or list, checked against the field's type (a bool field also takes 0/1)."""
-    kind = action.type
-    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(kind)
-    what = {int: "an int", float: "a number"}.get(kind)
-    if getattr(kind, "__name__", None) == "string_to_bool":
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(kind)
+    what = {"int": "an int", "float": "a number"}.get(kind)
+    if kind == "bool":
         if type(value) is int and value in (0, 1):
             return bool(value)
         ok, what = (lambda v: isinstance(v, bool)), "a bool (true/false, 1/0)"
     if ok is not None and not ok(value):
         raise ConfigError(f"args: {name}={value!r} is not {what}")
-    if ok is None and action.choices is not None and value not in action.choices:
-        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
-                          f"{_did_you_mean(value, action.choices)}")
+    if ok is None and choices is not None and value not in choices:
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(choices)}{_did_you_mean(value, choices)}")
     return value
 
 
-def _convert_value(name: str, value: str, action):
-    import argparse
+# the words a bool field's string takes, as transformers' string_to_bool reads them (any case)
+_BOOL_WORDS = {"true": True, "yes": True, "t": True, "y": True, "1": True,
+               "false": False, "no": False, "f": False, "n": False, "0": False}
 
+
+def _convert_value(name: str, value: str, kind: str, choices):
+    """A string -> the field's kind, as HfArgumentParser's action for it converts `--name value`."""
     try:
-        converted = action.type(value)
-    except (ValueError, TypeError, argparse.ArgumentTypeError):
-        what = getattr(action.type, "__name__", "its type")
-        what = "a bool (true/false, yes/no, 1/0)" if what == "string_to_bool" else what
+        if kind == "bool":
+            converted = _BOOL_WORDS[value.lower()]
+        elif kind in ("int", "float"):
+            converted = {"int": int, "float": float}[kind](value)
+        else:  # a choice: the value whose text it is
+            converted = {str(choice): choice for choice in choices}.get(value, value)
+    except (ValueError, KeyError):
+        what = "a bool (true/false, yes/no, 1/0)" if kind == "bool" else kind
         raise ConfigError(f"args: {name}={value!r} cannot be read as {what}") from None
-    if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
-                          f"{_did_you_mean(value, action.choices)}")
+    if choices is not None and converted not in choices:
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(choices)}{_did_you_mean(value, choices)}")
     return converted
 
 
@@ -542,6 +562,27 @@ def _demo(options) -> int:
     return 0
 
 
+# the packages of the trainer extra that `train` imports (pyproject.toml's `trainer` extra lists them with versions)
+TRAIN_MODULES = ("yaml", "trl", "transformers", "datasets", "accelerate", "torch")
+
+
+def _not_installed(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ValueError, ImportError):  # a module set to None in sys.modules, or a broken package
+        return True
+
+
+def _missing_dependency(name: str) -> int:
+    """The one line for a package of the trainer extra that is not installed; the exit status 2."""
+    missing = name.partition(".")[0]  # the package, not its submodule
+    print(f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, "
+          'pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
+    return 2
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """argparse's formatting, with a description or epilog filled paragraph by paragraph, and an indented paragraph
     (the example config) kept as it is written."""
@@ -618,21 +659,19 @@ def main(argv=None) -> int:
 
         print(environment_report())
         return 0
-    try:  # the commands need the trainer extra, which `pip install --no-build-isolation .` alone does not bring
-        if options.command == "demo":
+    if options.command == "demo":
+        try:  # the commands need the trainer extra, which `pip install --no-build-isolation .` alone does not bring
             from . import demo  # noqa: F401 (TRL, transformers, datasets: the runs import them)
             from .trainer import GFPOTrainer  # noqa: F401
-        else:
-            from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)
-    except ModuleNotFoundError as error:
-        missing = error.name.partition(".")[0] if error.name else str(error)  # the package, not its submodule
-        print(f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, "
-              'pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
-        return 2
-
-    if options.command == "demo":
+        except ModuleNotFoundError as error:
+            return _missing_dependency(error.name or str(error))
         return _demo(options)
 
+    # the training stack takes seconds to import: a missing package is found by name (find_spec imports nothing),
+    # and the config is checked (check_config) before the stack is imported, so a mistake is reported at once
+    missing = next((name for name in TRAIN_MODULES if _not_installed(name)), None)
+    if missing is not None:
+        return _missing_dependency(missing)
     import yaml
 
     # a mistake in the file is one line: what the libraries warn while the config is built (transformers' deprecation
@@ -644,7 +683,13 @@ def main(argv=None) -> int:
             if not isinstance(config, dict):
                 raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
             config = apply_overrides(config, overrides, _TOP_LEVEL_KEYS)
-            trainer = build_trainer(config, base_dir=os.path.dirname(os.path.abspath(options.config)))
+            base_dir = os.path.dirname(os.path.abspath(options.config))
+            check_config(config, base_dir)
+            try:
+                from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)
+            except ModuleNotFoundError as error:  # a dependency of theirs
+                return _missing_dependency(error.name or str(error))
+            trainer = build_trainer(config, base_dir=base_dir)
         except (ConfigError, OSError, yaml.YAMLError) as error:
             print(f"error: {_one_line(error)}", file=sys.stderr)
             return 2

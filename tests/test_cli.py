@@ -191,8 +191,12 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(args={"num_remains_in_group": 9, "num_generations": 8}),
          r"args: num_remains_in_group must be an int with 2 <= k < num_generations=8 .*got num_remains_in_group=9"),
         (dict(args={"group_filter": "shortest", "num_remains_in_group": 4}),
-         re.escape(f"args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest'")),
-        (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}), r"args: .*num_generations \(16\)"),
+         re.escape(f"args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest' (did you "
+                   "mean 'length'? the filter the paper calls 'shortest', which keeps the k completions with the "
+                   "fewest tokens)")),
+        (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}),
+         r"^args: per_device_train_batch_size=8 x 1 process x gradient_accumulation_steps=1 = 8 completions per "
+         r"generation batch, which must hold whole groups of num_generations=16: .* per_device_train_batch_size=16"),
         (dict(args={"num_remains_in_group": 4, "num_generations": 8, "per_device_train_batch_size": 8}),
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
         (dict(dataset="/nonexistent/train.jsonl"),
@@ -528,7 +532,13 @@ def test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn(model_dir, 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cases = [
         (dict(args={**_config(model_dir, dataset_file, tmp_path)["args"], "group_filter": "shortest"}),
-         f"error: args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest'"),
+         f"error: args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest' (did you "
+         "mean 'length'? the filter the paper calls 'shortest', which keeps the k completions with the fewest "
+         "tokens)"),
+        # found by GFPOConfig itself, after TrainingArguments warned
+        (dict(args={**_config(model_dir, dataset_file, tmp_path)["args"], "num_remains_in_group": 9}),
+         "error: args: num_remains_in_group must be an int with 2 <= k < num_generations=8 (with k = 1 every "
+         "advantage is 0), got num_remains_in_group=9"),
         (dict(model="tiny_modle"), f"error: model 'tiny_modle': no directory {tmp_path / 'tiny_modle'} (did you mean "
          f"'tiny-model'?) (relative paths are read from the config file's folder {tmp_path}; a Hub model is named "
          "namespace/name)"),
@@ -560,6 +570,7 @@ def test_warnings_of_a_good_config_are_still_shown(monkeypatch, tmp_path):
         return trainer
 
     monkeypatch.setattr(cli, "build_trainer", build)
+    monkeypatch.setattr(cli, "check_config", lambda config, base_dir=None: None)  # the stand-in's config is no real one
     config_file = tmp_path / "config.yaml"
     config_file.write_text("model: x\n")
     with pytest.warns(FutureWarning, match="`old_option` is deprecated"):  # shown: to stderr outside pytest
