@@ -222,12 +222,8 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
         raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
     local = _in_folder(name, base_dir or os.getcwd())
     extension = os.path.splitext(name)[1].lower()
-    if config_name is not None and not isinstance(config_name, str):
-        raise ConfigError(f"dataset_config must be the name of a configuration of the data set, got {config_name!r}")
+    _check_dataset_config(name, config_name)
     if extension in _LOCAL_DATA:
-        if config_name is not None:
-            raise ConfigError(f"dataset_config={config_name!r} names a configuration of a hub data set; the file "
-                              f"{name!r} has none: remove dataset_config")
         if not os.path.exists(local):
             raise ConfigError(f"dataset file {name!r} does not exist (looked for {local})")
         name = local
@@ -254,6 +250,15 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
                           f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
                           "optionally system: \"...\"; docs/cli.md)")
     return dataset
+
+
+def _check_dataset_config(dataset: str, config_name) -> None:
+    """`dataset_config`: None, or the name of a configuration of a hub data set (a local file has none)."""
+    if config_name is not None and not isinstance(config_name, str):
+        raise ConfigError(f"dataset_config must be the name of a configuration of the data set, got {config_name!r}")
+    if config_name is not None and os.path.splitext(dataset)[1].lower() in _LOCAL_DATA:
+        raise ConfigError(f"dataset_config={config_name!r} names a configuration of a hub data set; the file "
+                          f"{dataset!r} has none: remove dataset_config")
 
 
 def check_config(config: dict, base_dir: str | None = None) -> dict:
@@ -300,6 +305,7 @@ def check_config(config: dict, base_dir: str | None = None) -> dict:
     local = _in_folder(dataset, base_dir)
     if os.path.splitext(dataset)[1].lower() in _LOCAL_DATA and not os.path.exists(local):
         raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local})")
+    _check_dataset_config(dataset, config.get("dataset_config"))
     return {"model": model, "args": args, "reward_specs": reward_specs}
 
 

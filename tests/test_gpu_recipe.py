@@ -96,9 +96,10 @@ def test_recipe_builds_its_gfpo_config_as_written(name):
     pytest.importorskip("trl")
     from gfpo_trainer import GFPOConfig
     from gfpo_trainer.cli import _convert_args
+    from gfpo_trainer.config_fields import field_specs
 
     recipe = RECIPES[name]
-    args = GFPOConfig(**_convert_args(recipe["args"]), use_cpu=True)
+    args = GFPOConfig(**_convert_args(recipe["args"], field_specs()), use_cpu=True)
     G, k, batch = args.num_generations, args.num_remains_in_group, args.per_device_train_batch_size
     assert (G, k, args.group_filter, args.use_gfpo_kernels, args.use_vllm) == (16, 8, "length", True, True)
     assert args.gfpo_stop_dropped_generations and batch * k % G == 0

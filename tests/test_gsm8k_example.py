@@ -343,3 +343,22 @@ def test_dataset_config_with_a_local_file_is_refused():
     with pytest.raises(ConfigError, match=r"dataset_config='main' names a configuration of a hub data set; the file "
                        r"'train.jsonl' has none: remove dataset_config"):
         load_train_dataset("train.jsonl", base_dir=str(EXAMPLE), config_name="main")
+
+
+def test_dataset_config_is_checked_with_the_config_before_any_loading(tmp_path):
+    """check_config (the command line's check before the training stack is imported) refuses it too."""
+    pytest.importorskip("trl")
+    import yaml
+
+    from gfpo_trainer.cli import ConfigError, check_config
+
+    config = yaml.safe_load((EXAMPLE / "tiny.yaml").read_text())
+    (tmp_path / "tiny-model").mkdir()
+    (tmp_path / "train.jsonl").write_text("")
+    assert check_config(config, str(tmp_path))["reward_specs"] == ["rewards:correctness", "rewards:format_reward"]
+    with pytest.raises(ConfigError, match=r"^dataset_config='main' names a configuration of a hub data set; the file "
+                       r"'train.jsonl' has none: remove dataset_config$"):
+        check_config({**config, "dataset_config": "main"}, str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^dataset_config must be the name of a configuration of the data set, "
+                       r"got \['main'\]$"):
+        check_config({**config, "dataset": "openai/gsm8k", "dataset_config": ["main"]}, str(tmp_path))
