@@ -648,7 +648,7 @@ def main(argv=None) -> int:
                                 usage="%(prog)s --config FILE.yaml [--field value ...]", allow_abbrev=False)
     train.add_argument("--config", required=True,
                        help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
-                       "and optionally dataset_split (default train) and prompt. Any further --field value (or --field=value) "
+                       "and optionally dataset_split (default train), dataset_config and prompt. Any further --field value (or --field=value) "
                        "overrides the file: a GFPOConfig field (--max_steps 3, or --args.max_steps 3) or a top-level "
                        "key (--model DIR)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
