@@ -88,6 +88,30 @@ def own_random_stream(seed: int, device: torch.device):
         yield
 
 
+def stop_strings_with_tensor_parallelism(generation, args) -> str | None:
+    """The warning for stop strings with tensor parallelism in colocate mode, or None where it does not apply.
+
+    vLLM detects a stop string in its frontend and aborts the requests that ended on one itself, all of an engine
+    step's in one call; its scheduler frees the requests of one call in the order of a set of their ids, which carry a
+    random suffix per rank, so the ranks of a TP group return those KV blocks in different orders, and under KV-cache
+    pressure with prefix caching can evict different blocks, schedule different batches and hang in a collective.
+    GFPO's own aborts are one request a call (the same order on every rank); vLLM's are not its to change.
+
+    Args:
+        generation: TRL's colocated vLLM generation (`tensor_parallel_size`).
+        args: the trainer's config (`generation_kwargs`, where TRL takes `stop` from).
+    """
+    stop = (getattr(args, "generation_kwargs", None) or {}).get("stop")
+    if generation.tensor_parallel_size <= 1 or not stop:
+        return None
+    return (f"generation_kwargs['stop']={stop!r} with vllm_tensor_parallel_size={generation.tensor_parallel_size}: "
+            "vLLM aborts the requests that end on a stop string itself, a step's in one call, and each rank's "
+            "scheduler frees them in an order of its own (a set of ids that differ between ranks); under KV-cache "
+            "pressure with prefix caching the ranks can then evict different blocks and hang in a collective. End "
+            "completions on token ids instead (EOS, stop_token_ids), or generate with vllm_tensor_parallel_size=1 "
+            "(docs/vllm.md, tensor parallelism)")
+
+
 class GenerationPath:
     """One generation call's stand-in for a `generate` of TRL's (see the module docstring). Subclasses give
     `_target` (what to replace, or None on a process that replaces nothing) and `_settle` (sets `called`,
@@ -163,8 +187,10 @@ class ColocatePath(GenerationPath):
     requests of a group aborted once the filter is certain to drop them (vllm_stop.py); without the rule, vLLM's own
     `LLM.generate` with the seeded parameters. Every rank of a TP group generates the group's gathered prompts and
     keeps its own share, and aborts one request a call, in row order (every rank frees the same KV blocks in the same
-    order). Metrics: `gfpo/vllm_engine_steps` (engine steps that returned model output) and, with the rule,
-    `gfpo/vllm_discarded_tokens` (tokens vLLM computed for requests already cut: one per cut with async scheduling).
+    order). Metrics: `gfpo/vllm_engine_steps` (engine steps that handed the frontend new tokens) and, with the rule,
+    `gfpo/vllm_discarded_tokens` (the tokens vLLM had scheduled for the requests the rule cut and not yet returned,
+    which it drops: vLLM's own count, read before each abort; 0 with synchronous scheduling; not logged where the
+    engine core runs in a process of its own).
 
     Args:
         generation: TRL's colocated vLLM generation (`llm`, `tensor_parallel_size`).
@@ -199,7 +225,7 @@ class ColocatePath(GenerationPath):
         if self.called and self.stop:
             self.stopped_rows = torch.tensor(self.plan.stopped[self.local], dtype=torch.bool, device=self.device)
         self.metrics = {"gfpo/vllm_engine_steps": float(self.plan.engine_steps)}
-        if self.called and self.stop:
+        if self.called and self.stop and self.plan.discarded_tokens is not None:
             self.metrics["gfpo/vllm_discarded_tokens"] = float(self.plan.discarded_tokens)
 
 
