@@ -25,7 +25,8 @@ from accelerate.utils import broadcast_object_list
 from transformers import LogitsProcessorList
 
 from .early_stop import StopDroppedCompletions
-from .vllm_server import ServerGroupGeneration, ServerLimits, Transport, probe_streaming
+from ._compat import check_server_vllm_version
+from .vllm_server import ServerGroupGeneration, ServerLimits, Transport, probe_streaming, server_vllm_version
 from .vllm_stop import SEED_BOUND, VLLMGroupGeneration, request_seeds
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,23 @@ def stop_strings_with_tensor_parallelism(generation, args) -> str | None:
             "pressure with prefix caching the ranks can then evict different blocks and hang in a collective. End "
             "completions on token ids instead (EOS, stop_token_ids), or generate with vllm_tensor_parallel_size=1 "
             "(docs/vllm.md, tensor parallelism)")
+
+
+def check_server_version(generation, accelerator) -> None:
+    """Server mode: the main process asks the server which vLLM it runs (vllm_server.server_vllm_version, with TRL's
+    client session) and tells every process (a collective where there are several), and each checks it against the
+    installed TRL's vLLM range (_compat.check_server_vllm_version: a ValueError outside it, on every process alike;
+    a warning where it is untested, differs from the installed vLLM, or could not be read)."""
+    box = [None]
+    if accelerator.is_main_process:
+        client = generation.vllm_client
+        try:
+            box[0] = (client.base_url, server_vllm_version(client.base_url, client.session), None)
+        except (OSError, ValueError, TypeError, AttributeError) as error:  # requests' errors are OSErrors
+            box[0] = (client.base_url, None, f"{type(error).__name__}: {error}")
+    if accelerator.num_processes > 1:
+        broadcast_object_list(box, from_process=0)
+    check_server_vllm_version(*box[0])
 
 
 class GenerationPath:
