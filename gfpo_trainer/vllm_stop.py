@@ -253,8 +253,9 @@ class VLLMGroupGeneration:
         tensor_parallel_size: the ranks sharing the engine; above 1 every abort is one call per request, in row
             order, so that every rank frees the same KV blocks in the same order.
 
-    After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` (engine steps that returned model
-    output to the frontend), `generated_tokens` (the tokens returned), `discarded_tokens` (the tokens vLLM had
+    After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` (engine steps whose output handed
+    the frontend at least one request's tokens or end), `generated_tokens` (the tokens of the outputs returned, a cut
+    request's as it held them), `discarded_tokens` (the tokens vLLM had
     scheduled for the requests the rule cut and not yet returned when each was cut, which it drops: vLLM's own count,
     see the module docstring; 0 with the rule off; None where the engine core is not in this process) and, after the
     rule's loop, `request_ids` (the engine's own id of each
@@ -310,9 +311,10 @@ class VLLMGroupGeneration:
 
     @contextlib.contextmanager
     def _counting_engine_steps(self):
-        """Counts into `engine_steps`, for the block, the engine steps whose engine-core output holds model output:
-        `output_processor.process_outputs`, which every `LLMEngine.step` calls, wrapped on the instance (and restored
-        after). A step that only launched a batch (async scheduling) hands it nothing."""
+        """Counts into `engine_steps`, for the block, the engine steps whose engine-core output holds at least one
+        request's output (new tokens, or its end): `output_processor.process_outputs`, which every `LLMEngine.step`
+        calls, wrapped on the instance (and restored after). A step that only launched a batch (async scheduling), or
+        whose batch held only prefill chunks or requests already cut, hands it nothing."""
         processor = self.engine.output_processor
         own = vars(processor).get("process_outputs")
         process = processor.process_outputs
