@@ -965,3 +965,14 @@ def test_stop_strings_with_tensor_parallelism_warn_once(monkeypatch, caplog):
     assert stop_strings_with_tensor_parallelism(one_rank, SimpleNamespace(generation_kwargs={"stop": ["x"]})) is None
     assert stop_strings_with_tensor_parallelism(SimpleNamespace(tensor_parallel_size=2),
                                                 SimpleNamespace(generation_kwargs={"stop": []})) is None
+
+
+def test_a_scheduler_request_without_its_in_flight_count_is_a_surface_error(monkeypatch):
+    """A vLLM whose scheduler requests no longer carry `num_output_placeholders` as an int (what the discarded-token
+    count reads at a cut): one VLLMSurfaceError naming the request and the attribute, and every request aborted."""
+    monkeypatch.setattr(CoreRequest, "num_output_placeholders", property(lambda self: None))
+    engine = FakeEngine(async_scheduling=True)
+    with pytest.raises(VLLMSurfaceError, match=r"vLLM's scheduler request '\d+-[0-9a-f]{8}' has "
+                                               r"num_output_placeholders=None, not an int"):
+        generate(engine)
+    assert not engine.has_unfinished_requests()
