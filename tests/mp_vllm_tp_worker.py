@@ -4,8 +4,9 @@ an engine rank with its own scheduler, and both generate the group's gathered pr
 of 32 tokens and a cache of BLOCKS of them (fewer than the batch needs: requests are preempted and cached blocks
 evicted), the early-stop rule on. Trains STEPS steps at learning rate 0 (each step syncs the weights into the engine,
 and they stay the ones a one-rank engine loads) and dumps, per generation call on this rank: the prompts, the
-request seeds and sampling parameters, the completions with their log-probabilities, the rows cut, the abort calls
-and the engine's preemptions and evictions."""
+request seeds and sampling parameters, the completions with their log-probabilities, the rows cut, the abort calls,
+the engine's preemptions and evictions, and the KV blocks its scheduler freed, in order. With `batched` (the test's
+control run) the cuts of a step are aborted in one call, as with one rank, instead of one call a request."""
 
 import json
 import os
@@ -22,6 +23,7 @@ from gfpo_trainer.vllm_stop import VLLMGroupGeneration
 G, K, STEPS, BLOCK, BLOCKS = 8, 3, 3, 32, 12
 # a shared first block (prefix-cache hits), then the pair
 PREFIX = "Add the two numbers and give the sum in digits: "
+PAIRS = [(a, b) for a in range(10) for b in range(10)]
 ENGINE_OPTIONS = dict(enable_prefix_caching=True, block_size=BLOCK, num_gpu_blocks_override=BLOCKS)
 
 
@@ -35,7 +37,13 @@ def sampling_fields(params) -> dict:
     return {name: getattr(params, name) for name in names}
 
 
-def main(out_dir, model_dir):
+def abort_in_one_call(plan, engine_ids):
+    """VLLMGroupGeneration._abort as with one rank: a step's cuts in one call (the test's control run)."""
+    if engine_ids:
+        plan.engine.abort_request(engine_ids, internal=True)
+
+
+def main(out_dir, model_dir, batched=False):
     import vllm
 
     keep_linear_weights()
@@ -49,9 +57,10 @@ def main(out_dir, model_dir):
     def recorded(plan, prompts, sampling_params=None, **kwargs):
         engine = plan.engine
         scheduler = engine.engine_core.engine_core.scheduler
-        counts = {"aborts": [], "preemptions": 0, "evictions": 0}
+        counts = {"aborts": [], "preemptions": 0, "evictions": 0, "freed": []}
         abort, preempt = engine.abort_request, scheduler._preempt_request
-        evict = scheduler.kv_cache_manager.block_pool._maybe_evict_cached_block
+        pool = scheduler.kv_cache_manager.block_pool
+        evict, free = pool._maybe_evict_cached_block, pool.free_blocks
 
         def counted_abort(request_ids, internal=False):
             counts["aborts"].append(len(request_ids))
@@ -66,13 +75,17 @@ def main(out_dir, model_dir):
             counts["evictions"] += bool(evicted)
             return evicted
 
+        def recorded_free(ordered_blocks):
+            blocks = list(ordered_blocks)
+            counts["freed"] += [block.block_id for block in blocks]
+            return free(blocks)
+
         engine.abort_request, scheduler._preempt_request = counted_abort, counted_preempt
-        scheduler.kv_cache_manager.block_pool._maybe_evict_cached_block = counted_evict
+        pool._maybe_evict_cached_block, pool.free_blocks = counted_evict, recorded_free
         try:
             outputs = generate(plan, prompts, sampling_params, **kwargs)
         finally:
-            del engine.abort_request, scheduler._preempt_request
-            del scheduler.kv_cache_manager.block_pool._maybe_evict_cached_block
+            del engine.abort_request, scheduler._preempt_request, pool._maybe_evict_cached_block, pool.free_blocks
         calls.append(dict(
             prompts=[p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts], seeds=plan.seeds,
             params=sampling_fields(sampling_params), stopped=plan.stopped, engine_steps=plan.engine_steps,
@@ -82,6 +95,8 @@ def main(out_dir, model_dir):
         return outputs
 
     vllm.LLM.__init__, VLLMGroupGeneration.generate = build_small, recorded
+    if batched:
+        VLLMGroupGeneration._abort = abort_in_one_call
     with run_vllm_engines_eagerly():
         args = GFPOConfig(
             output_dir=out_dir, per_device_train_batch_size=16, num_generations=G, num_remains_in_group=K,
@@ -91,8 +106,7 @@ def main(out_dir, model_dir):
             vllm_max_model_length=128, vllm_tensor_parallel_size=2,
         )
         trainer = GFPOTrainer(model=model_dir, reward_funcs=digit_reward, args=args, processing_class=make_tokenizer(),
-                              train_dataset=Dataset.from_list([{"prompt": f"{PREFIX}{a}+{b}="} for a in range(10)
-                                                               for b in range(10)]))
+                              train_dataset=Dataset.from_list([{"prompt": f"{PREFIX}{a}+{b}="} for a, b in PAIRS]))
         trainer.train()
     # vLLM's CPU TP communicator maps shared-memory segments named after the group ("/dev/shm/-tp:0-[0-1]-cpushm_R")
     # and does not remove them (end_worker_process exits without finalization either): one left behind stops the next
@@ -114,5 +128,5 @@ def main(out_dir, model_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], batched=sys.argv[3:] == ["batched"])
     end_worker_process()

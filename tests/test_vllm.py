@@ -709,8 +709,10 @@ def test_tensor_parallel_two_ranks_on_the_cpu_engine(tmp_path):
     process an engine rank with its own scheduler), prefix caching on and a KV cache of 12 blocks of 32 tokens, so
     that requests are preempted and cached blocks evicted, the early-stop rule on, 3 training steps
     (tests/mp_vllm_tp_worker.py): no hang, both ranks generate the same completions, log-probabilities, cuts, abort
-    calls (one request each), preemptions and evictions at every call; and a one-rank engine, given the same prompts,
-    seeds and cache, generates the same completions and keeps the same rows."""
+    calls (one request each), preemptions and evictions, and free the same KV blocks in the same order, at every
+    call; a one-rank engine, given the same prompts, seeds and cache, generates the same completions and keeps the
+    same rows. The control run, a step's cuts aborted in one call (as with one rank): the ranks free blocks in
+    different orders (vLLM's scheduler frees one call's requests in the order of a set of rank-suffixed ids)."""
     import sys
     from pathlib import Path
 
@@ -724,8 +726,14 @@ def test_tensor_parallel_two_ranks_on_the_cpu_engine(tmp_path):
     tokenizer = make_tokenizer()
     make_tiny_model(tokenizer, hidden_size=128, num_heads=2).save_pretrained(model_dir)  # 2 heads: one a rank
     tokenizer.save_pretrained(model_dir)
-    launch_cpu_workers("mp_vllm_tp_worker.py", 2, str(tmp_path), str(model_dir), timeout=600,
-                       VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    environment = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    control = tmp_path / "batched"
+    control.mkdir()
+    launch_cpu_workers("mp_vllm_tp_worker.py", 2, str(control), str(model_dir), "batched", timeout=600, **environment)
+    batched = [json.loads((control / f"rank{r}.json").read_text())["calls"] for r in range(2)]
+    assert any(size > 1 for call in batched[0] for size in call["aborts"])
+    assert [call["freed"] for call in batched[0]] != [call["freed"] for call in batched[1]]
+    launch_cpu_workers("mp_vllm_tp_worker.py", 2, str(tmp_path), str(model_dir), timeout=600, **environment)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["shm"] and not [p for p in Path("/dev/shm").glob("*cpushm*") if p.name in ranks[0]["shm"]]
     assert ranks[0]["calls"] == ranks[1]["calls"] and len(ranks[0]["calls"]) == worker.STEPS
