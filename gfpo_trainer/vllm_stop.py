@@ -255,13 +255,12 @@ class VLLMGroupGeneration:
 
     After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` (engine steps whose output handed
     the frontend at least one request's tokens or end), `generated_tokens` (the tokens of the outputs returned, a cut
-    request's as it held them), `discarded_tokens` (the tokens vLLM had
-    scheduled for the requests the rule cut and not yet returned when each was cut, which it drops: vLLM's own count,
-    see the module docstring; 0 with the rule off; None where the engine core is not in this process) and, after the
-    rule's loop, `request_ids` (the engine's own id of each
-    prompt's request). During the rule's loop, `watched` maps each group with k finished completions and running
-    requests to the k-th shortest finished length (bench/vllm_host_cost.py fills it to measure the rule's worst
-    case).
+    request's as it held them), `discarded_tokens` (the tokens vLLM had scheduled for the requests the rule cut and
+    not yet returned when each was cut, which it drops: vLLM's own count, see the module docstring; 0 with the rule
+    off; None where the engine core is not in this process) and, after the rule's loop, `request_ids` (the engine's
+    own id of each prompt's request). During the rule's loop, `watched` maps each group with k finished completions
+    and running requests to the k-th shortest finished length (bench/vllm_host_cost.py fills it to measure the rule's
+    worst case).
     """
 
     def __init__(self, llm, *, group_size: int, k: int, first_row: int, seeds: list[int] | None, stop: bool,
