@@ -5,10 +5,12 @@ the engine's ids returned), `add_request` (the engine's id is the caller's with 
 registered before the engine core's request), `step`, `abort_request` (by the engine's ids with `internal=True`,
 else by the callers'), `has_unfinished_requests`, the output processor (`request_states` with each request's
 detokenizer length and make_request_output, `process_outputs`), a scheduler that frees the requests of one abort
-call in the order of a set of their ids, with KV blocks from a free list, and vLLM's async scheduling (a batch
-queue of 2: a step launches the next batch before it returns the previous one's output). Each request's tokens are a
-function of its seed and position, as a seeded request's are on vLLM, so a request generates the same tokens
-whatever shares its steps. The real engine is tested in tests/test_vllm.py.
+call in the order of a set of their ids, with KV blocks from a free list, preemption, the engine core's scheduler in
+process (each request's `num_output_placeholders`), and vLLM's async scheduling (a batch queue of 2: a step launches
+the next batch before it returns the previous one's output; the tokens a launched batch held for a request aborted
+after its launch are counted as they are dropped, the truth the discarded-token count is checked against). Each
+request's tokens are a function of its seed and position, as a seeded request's are on vLLM, so a request generates
+the same tokens whatever shares its steps. The real engine is tested in tests/test_vllm.py.
 """
 
 from __future__ import annotations
