@@ -219,8 +219,10 @@ def is_supported_vllm(vllm: str, trl_version: str) -> bool:
 
 
 def check_vllm_version() -> None:
-    """With use_vllm=True: vLLM is installed, in the range of the installed TRL (vllm_range). Otherwise an
-    ImportError of one line naming the version found and the versions supported."""
+    """With use_vllm=True: vLLM is installed (TRL imports it in both modes, and its server client picks endpoints by
+    the installed version), in the range of the installed TRL (vllm_range). Outside that range an ImportError of one
+    line naming the version found and the versions supported; inside it, but outside the releases GFPO's vLLM paths
+    ran on (TESTED_VLLM), one warning."""
     found = vllm_version()
     known = vllm_range(trl.__version__)
     supported = known.describe(trl.__version__) if known else f"the vllm of a tested trl ({_supported()})"
@@ -229,15 +231,45 @@ def check_vllm_version() -> None:
     if known is None or not known.contains(found):
         raise ImportError(f"use_vllm=True: vllm {found} is installed, GFPOTrainer supports {supported}: "
                           f"{VLLM_INSTALL_HINT} installs one")
+    _warn_untested_vllm(found, f"vllm {found}")
+
+
+def _warn_untested_vllm(found: str, what: str) -> None:
+    """One warning per version where `found` lies outside TESTED_VLLM (`what` names it: the installed vLLM, or a
+    server's)."""
     low, high = (Version(v) for v in TESTED_VLLM)
-    if not low.release <= Version(found).release <= high.release and found not in _warned_untested_vllm:
-        _warned_untested_vllm.add(found)
+    if not low.release <= Version(found).release <= high.release and what not in _warned_untested_vllm:
+        _warned_untested_vllm.add(what)
         warnings.warn(
-            f"gfpo: vllm {found} is untested: GFPO's vLLM paths ran on vllm {TESTED_VLLM[0]} to {TESTED_VLLM[1]}; the "
+            f"gfpo: {what} is untested: GFPO's vLLM paths ran on vllm {TESTED_VLLM[0]} to {TESTED_VLLM[1]}; the "
             "vLLM surfaces they read are checked when the trainer is built, the engine's behaviour behind them is not",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
+
+
+def check_server_vllm_version(base_url: str, found: str | None, error: str | None = None) -> None:
+    """With vllm_mode="server": the vLLM the server at `base_url` runs (`found`, what its /version endpoint answered;
+    None where it did not, `error` saying why), checked as the installed one is: outside the installed TRL's range
+    a ValueError of one line naming the server, its version and the versions supported; inside it but untested, one
+    warning; a version other than the installed one, one warning (TRL's client picks the server's endpoints by the
+    installed vLLM); unreadable, one warning that it was not checked."""
+    where = f"the vLLM server at {base_url}"
+    if found is None:
+        warnings.warn(f"gfpo: {where} did not say its vLLM version ({error}); it is not checked against trl "
+                      f"{trl.__version__}'s range", UserWarning, stacklevel=3)
+        return
+    known = vllm_range(trl.__version__)
+    if known is None or not known.contains(found):
+        supported = known.describe(trl.__version__) if known else f"the vllm of a tested trl ({_supported()})"
+        raise ValueError(f"use_vllm=True, vllm_mode='server': {where} runs vllm {found}, GFPOTrainer supports "
+                         f"{supported}: serve from a vLLM in that range")
+    _warn_untested_vllm(found, f"vllm {found} at {base_url}")
+    local = vllm_version()
+    if local is not None and Version(local).release != Version(found).release:  # a local build (+cpu) alike
+        warnings.warn(f"gfpo: {where} runs vllm {found}, this process has vllm {local}: TRL's client picks the "
+                      "server's endpoints by the installed vLLM's version; install the server's", UserWarning,
+                      stacklevel=3)
 
 
 def check_fused_kernels_trl() -> None:

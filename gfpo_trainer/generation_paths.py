@@ -25,7 +25,8 @@ from accelerate.utils import broadcast_object_list
 from transformers import LogitsProcessorList
 
 from .early_stop import StopDroppedCompletions
-from .vllm_server import ServerGroupGeneration, ServerLimits, Transport, probe_streaming
+from ._compat import check_server_vllm_version
+from .vllm_server import ServerGroupGeneration, ServerLimits, Transport, probe_streaming, server_vllm_version
 from .vllm_stop import SEED_BOUND, VLLMGroupGeneration, request_seeds
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,47 @@ def own_random_stream(seed: int, device: torch.device):
         for cuda_device in devices:
             torch.cuda.default_generators[cuda_device.index or 0].manual_seed(seed)
         yield
+
+
+def stop_strings_with_tensor_parallelism(generation, args) -> str | None:
+    """The warning for stop strings with tensor parallelism in colocate mode, or None where it does not apply.
+
+    vLLM detects a stop string in its frontend and aborts the requests that ended on one itself, all of an engine
+    step's in one call; its scheduler frees the requests of one call in the order of a set of their ids, which carry a
+    random suffix per rank, so the ranks of a TP group return those KV blocks in different orders, and under KV-cache
+    pressure with prefix caching can evict different blocks, schedule different batches and hang in a collective.
+    GFPO's own aborts are one request a call (the same order on every rank); vLLM's are not its to change.
+
+    Args:
+        generation: TRL's colocated vLLM generation (`tensor_parallel_size`).
+        args: the trainer's config (`generation_kwargs`, where TRL takes `stop` from).
+    """
+    stop = (getattr(args, "generation_kwargs", None) or {}).get("stop")
+    if generation.tensor_parallel_size <= 1 or not stop:
+        return None
+    return (f"generation_kwargs['stop']={stop!r} with vllm_tensor_parallel_size={generation.tensor_parallel_size}: "
+            "vLLM aborts the requests that end on a stop string itself, a step's in one call, and each rank's "
+            "scheduler frees them in an order of its own (a set of ids that differ between ranks); under KV-cache "
+            "pressure with prefix caching the ranks can then evict different blocks and hang in a collective. End "
+            "completions on token ids instead (EOS, stop_token_ids), or generate with vllm_tensor_parallel_size=1 "
+            "(docs/vllm.md, tensor parallelism)")
+
+
+def check_server_version(generation, accelerator) -> None:
+    """Server mode: the main process asks the server which vLLM it runs (vllm_server.server_vllm_version, with TRL's
+    client session) and tells every process (a collective where there are several), and each checks it against the
+    installed TRL's vLLM range (_compat.check_server_vllm_version: a ValueError outside it, on every process alike;
+    a warning where it is untested, differs from the installed vLLM, or could not be read)."""
+    box = [None]
+    if accelerator.is_main_process:
+        client = generation.vllm_client
+        try:
+            box[0] = (client.base_url, server_vllm_version(client.base_url, client.session), None)
+        except (OSError, ValueError, TypeError, AttributeError) as error:  # requests' errors are OSErrors
+            box[0] = (client.base_url, None, f"{type(error).__name__}: {error}")
+    if accelerator.num_processes > 1:
+        broadcast_object_list(box, from_process=0)
+    check_server_vllm_version(*box[0])
 
 
 class GenerationPath:
@@ -163,8 +205,10 @@ class ColocatePath(GenerationPath):
     requests of a group aborted once the filter is certain to drop them (vllm_stop.py); without the rule, vLLM's own
     `LLM.generate` with the seeded parameters. Every rank of a TP group generates the group's gathered prompts and
     keeps its own share, and aborts one request a call, in row order (every rank frees the same KV blocks in the same
-    order). Metrics: `gfpo/vllm_engine_steps` (engine steps that returned model output) and, with the rule,
-    `gfpo/vllm_discarded_tokens` (tokens vLLM computed for requests already cut: one per cut with async scheduling).
+    order). Metrics: `gfpo/vllm_engine_steps` (engine steps that handed the frontend new tokens) and, with the rule,
+    `gfpo/vllm_discarded_tokens` (the tokens vLLM had scheduled for the requests the rule cut and not yet returned,
+    which it drops: vLLM's own count, read before each abort; 0 with synchronous scheduling; not logged where the
+    engine core runs in a process of its own).
 
     Args:
         generation: TRL's colocated vLLM generation (`llm`, `tensor_parallel_size`).
@@ -199,7 +243,7 @@ class ColocatePath(GenerationPath):
         if self.called and self.stop:
             self.stopped_rows = torch.tensor(self.plan.stopped[self.local], dtype=torch.bool, device=self.device)
         self.metrics = {"gfpo/vllm_engine_steps": float(self.plan.engine_steps)}
-        if self.called and self.stop:
+        if self.called and self.stop and self.plan.discarded_tokens is not None:
             self.metrics["gfpo/vllm_discarded_tokens"] = float(self.plan.discarded_tokens)
 
 

@@ -54,7 +54,8 @@ from .config import GFPOConfig
 from .filters import GroupFilterSpec, group_filter_spec
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
 from .generation_paths import (
-    ColocatePath, GenerationPath, HFStoppingPath, ServerPath, generation_seed, own_random_stream
+    ColocatePath, GenerationPath, HFStoppingPath, ServerPath, check_server_version, generation_seed,
+    own_random_stream, stop_strings_with_tensor_parallelism,
 )
 from .rows import (
     crop_to_longest_completion, no_metrics_from_padding_only, plan_trained_rows, restore_shuffle_rng,
@@ -138,6 +139,8 @@ class GFPOTrainer(GRPOTrainer):
             **grpo_kwargs,
         )
         check_trainer_attributes(self)
+        if self.use_vllm and self.vllm_mode == "server":  # the server's vLLM, not only the one installed here
+            check_server_version(self.vllm_generation, self.accelerator)
         own_generation = self._filter_spec is not None and self._filter_spec.own_generation
         if self.use_vllm and self.vllm_mode == "colocate" and own_generation:
             check_vllm_generation(self)
@@ -232,6 +235,10 @@ class GFPOTrainer(GRPOTrainer):
         first_turn = batch is not None and batch.turns == 0
         if batch is not None:
             batch.turns += 1
+        if self.use_vllm and self.vllm_mode == "colocate":  # vLLM's own stop-string aborts (every generation call)
+            warning = stop_strings_with_tensor_parallelism(self.vllm_generation, self.args)
+            if warning is not None:
+                self._warn_once("vllm-tp-stop-strings", warning)
         if not (first_turn and self._filtering() and self._filter_spec is not None
                 and self._filter_spec.own_generation):
             # Tool turns (TRL's tool loop calls again with the rows that called a tool, a different subset on each

@@ -319,6 +319,20 @@ def _check_choice(choice, what: str) -> None:
                                        "token_ids")
 
 
+def server_vllm_version(base_url: str, session, timeout: float = 30.0) -> str:
+    """The vLLM version the server at `base_url` runs: GET /version, which vLLM's OpenAI server (and so TRL's
+    `trl vllm-serve`) answers with {"version": ...}, sent with `session` (TRL's client's requests.Session: its
+    headers, proxy and TLS settings). Raises ValueError where the answer holds no version string; requests' errors
+    (a refused connection, an error status) come through."""
+    answer = session.get(f"{base_url.rstrip('/')}/version", timeout=timeout)
+    answer.raise_for_status()
+    body = answer.json()
+    version = body.get("version") if isinstance(body, dict) else None
+    if not isinstance(version, str):
+        raise ValueError(f"/version answered {str(body)[:200]!r}, not a version")
+    return version
+
+
 def probe_streaming(base_url: str, model: str, transport: Transport | None = None,
                     limits: ServerLimits | None = None) -> str | None:
     """Sends one streamed 2-token completion to the server and checks that it streams what the early-stop rule

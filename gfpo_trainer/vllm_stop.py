@@ -44,10 +44,17 @@ random suffix per rank, so with TP > 1 the loop aborts one request a call, in ro
 processes: each process counts only the rows it generates (conservative: it stops less, never wrongly).
 
 Scheduling: with vLLM's async scheduling (its default on a GPU) an engine step launches the next batch before it
-returns the previous one's output, so a call's first step only launches, and a request the rule cuts is already in
-the launched batch: that one token is computed and discarded. `engine_steps` counts the steps that returned model
-output (the forward passes whose tokens reached the frontend), the same in both modes, and `discarded_tokens` the
-tokens of cut requests in a launched batch (one per cut request with async scheduling, none without).
+returns the previous one's output, so a call's first step only launches, and a request the rule cuts may already be
+in the launched batch, whose tokens for it vLLM computes and then drops. The counters, each as it is:
+`engine_steps` counts the engine steps whose output handed the frontend at least one request's new tokens (a step
+that only launched a batch, or whose batch held only prefill chunks or requests already cut, is not counted), the
+same in both modes; `generated_tokens` the tokens returned (a cut request's included, what it held); and
+`discarded_tokens` the tokens vLLM had scheduled for the requests the rule cuts and not yet returned when they were
+cut: vLLM's own count of them, `Request.num_output_placeholders` of the engine core's scheduler, read just before
+each abort (one a launched batch that holds the request, more with speculative decoding's draft tokens; 0 for a
+request preempted or left out of the launched batch by the token budget, and always 0 with synchronous scheduling).
+vLLM drops those tokens when their batch returns. It is read where the engine core runs in this process (TRL's
+colocate mode: the external launcher keeps it there); elsewhere `discarded_tokens` is None.
 """
 
 from __future__ import annotations
@@ -128,6 +135,15 @@ def async_scheduling(engine) -> bool:
                                "not a bool (GFPO's vLLM generation counts its engine steps and discarded tokens "
                                "by it)")
     return value
+
+
+def engine_scheduler(engine):
+    """The engine core's scheduler of `engine` (an `LLMEngine`) where the engine core runs in this process
+    (`engine.engine_core.engine_core.scheduler`, whose `requests` maps the engine's request ids to vLLM's `Request`:
+    TRL's colocate mode, whose external launcher keeps the engine core in process), else None (an engine core in a
+    process of its own)."""
+    scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+    return scheduler if isinstance(getattr(scheduler, "requests", None), dict) else None
 
 
 def check_vllm_surfaces(llm, engine_loop: bool = True) -> None:
@@ -237,12 +253,14 @@ class VLLMGroupGeneration:
         tensor_parallel_size: the ranks sharing the engine; above 1 every abort is one call per request, in row
             order, so that every rank frees the same KV blocks in the same order.
 
-    After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` (engine steps that returned model
-    output), `generated_tokens` (the tokens returned), `discarded_tokens` (tokens computed for requests already cut:
-    one per cut request with async scheduling) and, after the rule's loop, `request_ids` (the engine's own id of each
-    prompt's request). During the rule's loop, `watched` maps each group with k finished completions and running
-    requests to the k-th shortest finished length (bench/vllm_host_cost.py fills it to measure the rule's worst
-    case).
+    After `generate`: `stopped` (per prompt, aborted by the rule), `engine_steps` (engine steps whose output handed
+    the frontend at least one request's tokens or end), `generated_tokens` (the tokens of the outputs returned, a cut
+    request's as it held them), `discarded_tokens` (the tokens vLLM had scheduled for the requests the rule cut and
+    not yet returned when each was cut, which it drops: vLLM's own count, see the module docstring; 0 with the rule
+    off; None where the engine core is not in this process) and, after the rule's loop, `request_ids` (the engine's
+    own id of each prompt's request). During the rule's loop, `watched` maps each group with k finished completions
+    and running requests to the k-th shortest finished length (bench/vllm_host_cost.py fills it to measure the rule's
+    worst case).
     """
 
     def __init__(self, llm, *, group_size: int, k: int, first_row: int, seeds: list[int] | None, stop: bool,
@@ -255,7 +273,7 @@ class VLLMGroupGeneration:
         self.stopped: list[bool] = []
         self.engine_steps = 0
         self.generated_tokens = 0
-        self.discarded_tokens = 0
+        self.discarded_tokens: int | None = 0
         self.request_ids: list[str] = []
         self.called = False
         self.watched: dict[int, int] = {}
@@ -292,9 +310,10 @@ class VLLMGroupGeneration:
 
     @contextlib.contextmanager
     def _counting_engine_steps(self):
-        """Counts into `engine_steps`, for the block, the engine steps whose engine-core output holds model output:
-        `output_processor.process_outputs`, which every `LLMEngine.step` calls, wrapped on the instance (and restored
-        after). A step that only launched a batch (async scheduling) hands it nothing."""
+        """Counts into `engine_steps`, for the block, the engine steps whose engine-core output holds at least one
+        request's output (new tokens, or its end): `output_processor.process_outputs`, which every `LLMEngine.step`
+        calls, wrapped on the instance (and restored after). A step that only launched a batch (async scheduling), or
+        whose batch held only prefill chunks or requests already cut, hands it nothing."""
         processor = self.engine.output_processor
         own = vars(processor).get("process_outputs")
         process = processor.process_outputs
@@ -370,7 +389,7 @@ class VLLMGroupGeneration:
         n = len(prompts)
         # group -> its k-th shortest finished length, while it has running rows
         watched = self.watched = {}
-        discards = async_scheduling(engine)  # a cut request is already in the batch launched before the cut
+        self.discarded_tokens = 0 if engine_scheduler(engine) is not None else None
         engine_ids = self.request_ids = self._add_requests(prompts, sampling_params)
         outputs: list = [None] * n
         group_of = [(self.first_row + i) // self.group_size for i in range(n)]
@@ -412,9 +431,7 @@ class VLLMGroupGeneration:
                     elif not running[group]:
                         watched.pop(group, None)
                 if watched:
-                    cut = self._abort_dropped(engine_ids, outputs, running, watched)
-                    if discards:
-                        self.discarded_tokens += cut
+                    self._abort_dropped(engine_ids, outputs, running, watched)
         except BaseException:
             self._abort([engine_ids[i] for i in sorted(i for rows in running.values() for i in rows)])
             raise
@@ -423,10 +440,29 @@ class VLLMGroupGeneration:
                 raise RuntimeError(f"gfpo: vLLM returned no output for request {engine_ids[i]}")
         return outputs
 
+    def _in_flight(self, engine_ids: list[str]) -> int:
+        """The tokens the engine core's scheduler has scheduled for these requests and not yet returned (vLLM's
+        `Request.num_output_placeholders`: the requests' share of the batches launched and still in flight, which
+        vLLM drops once the requests are aborted); a request the scheduler no longer holds has none."""
+        requests = engine_scheduler(self.engine).requests
+        total = 0
+        for engine_id in engine_ids:
+            request = requests.get(engine_id)
+            if request is None:
+                continue
+            in_flight = getattr(request, "num_output_placeholders", None)
+            if not isinstance(in_flight, int):
+                raise VLLMSurfaceError(f"vLLM's scheduler request {engine_id!r} has num_output_placeholders="
+                                       f"{in_flight!r}, not an int (GFPO counts the tokens of a cut request that vLLM "
+                                       "discards with it)")
+            total += in_flight
+        return total
+
     def _abort_dropped(self, engine_ids, outputs, running, watched) -> int:
         """Aborts every running request that holds as many tokens as the k-th shortest finished completion of its
         group, or more (in row order); its output (the tokens and log-probabilities it holds, finish reason "abort")
-        is taken from the engine's state of the request first. Returns the requests cut."""
+        is taken from the engine's state of the request first, and the tokens vLLM has in flight for it are added to
+        `discarded_tokens`. Returns the requests cut."""
         _, abort = vllm_enums()
         states = self.engine.output_processor.request_states
         cut = []  # (row, group, its output); a row leaves `running` only once aborted (an error before: the caller
@@ -445,6 +481,8 @@ class VLLMGroupGeneration:
                     cut.append((i, group, state.make_request_output([], None, abort, None)))
         if cut:
             cut.sort(key=lambda item: item[0])
+            if self.discarded_tokens is not None:
+                self.discarded_tokens += self._in_flight([engine_ids[i] for i, _, _ in cut])
             self._abort([engine_ids[i] for i, _, _ in cut])
             for i, group, output in cut:
                 running[group].discard(i)

@@ -5,10 +5,12 @@ the engine's ids returned), `add_request` (the engine's id is the caller's with 
 registered before the engine core's request), `step`, `abort_request` (by the engine's ids with `internal=True`,
 else by the callers'), `has_unfinished_requests`, the output processor (`request_states` with each request's
 detokenizer length and make_request_output, `process_outputs`), a scheduler that frees the requests of one abort
-call in the order of a set of their ids, with KV blocks from a free list, and vLLM's async scheduling (a batch
-queue of 2: a step launches the next batch before it returns the previous one's output). Each request's tokens are a
-function of its seed and position, as a seeded request's are on vLLM, so a request generates the same tokens
-whatever shares its steps. The real engine is tested in tests/test_vllm.py.
+call in the order of a set of their ids, with KV blocks from a free list, preemption, the engine core's scheduler in
+process (each request's `num_output_placeholders`), and vLLM's async scheduling (a batch queue of 2: a step launches
+the next batch before it returns the previous one's output; the tokens a launched batch held for a request aborted
+after its launch are counted as they are dropped, the truth the discarded-token count is checked against). Each
+request's tokens are a function of its seed and position, as a seeded request's are on vLLM, so a request generates
+the same tokens whatever shares its steps. The real engine is tested in tests/test_vllm.py.
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ class OutputProcessor:
 
 @dataclass
 class CoreRequest:
-    """The engine core's request: its seed and length, the tokens computed and scheduled, its KV blocks."""
+    """The engine core's request: its seed and length, the tokens computed and scheduled, its KV blocks, and the step
+    until which it is preempted (waiting again, its blocks freed)."""
 
     seed: int
     length: int
@@ -152,6 +155,12 @@ class CoreRequest:
     computed: int = 0
     scheduled: int = 0
     blocks: list = field(default_factory=list)
+    preempted_until: int = 0
+
+    @property
+    def num_output_placeholders(self) -> int:
+        """vLLM's count of the tokens scheduled for the request in launched batches and not yet returned."""
+        return self.scheduled - self.computed
 
 
 class FakeEngine:
@@ -160,13 +169,19 @@ class FakeEngine:
     `async_scheduling`: each step schedules and launches a batch, then returns the output of the batch launched
     before it (vLLM's batch queue of 2), so a call's first step returns nothing and a request aborted after a step is
     already in the launched batch (its tokens there are computed and discarded: `discarded_by_abort`).
+    `preempt(step, n)`: the n-th request, running, is preempted at that step (its KV blocks freed; it waits 2 steps,
+    then resumes where it was). The engine core is in process: `engine_core.engine_core.scheduler.requests` maps the
+    engine ids of the requests in the core to their `CoreRequest` (`in_process_core=False`: an engine core in a
+    process of its own, no scheduler to read). `discarded_by_abort` is the truth the loop's counter is checked
+    against: the tokens a launched batch held for a request aborted after its launch, counted when that batch
+    executes (`drain()` executes the batches still in flight after a call).
     `rank`: the stream of the random suffixes of the engine's ids (each TP rank has its own). Faults: `fail_add_at`,
     `fail_step_at`, `fail_cut`, `extra_logprob_row` (one log-probability entry too many), `twice_row` (a final output
     returned twice), `abort_ignores_internal_ids`."""
 
     def __init__(self, *, cap=32, tokens_per_step=None, max_running=10**9, top_n=0, fail_add_at=None,
                  fail_step_at=None, extra_logprob_row=None, rank=0, fail_cut=False, async_scheduling=False,
-                 abort_ignores_internal_ids=False, twice_row=None):
+                 abort_ignores_internal_ids=False, twice_row=None, preempt=None, in_process_core=True):
         self.output_processor = OutputProcessor(self)
         self.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
         self.cap, self.max_running, self.top_n = cap, max_running, top_n
@@ -176,6 +191,12 @@ class FakeEngine:
         self.async_scheduling, self.abort_ignores_internal_ids = async_scheduling, abort_ignores_internal_ids
         self.suffixes = random.Random(f"rank{rank}")
         self.core: dict[str, CoreRequest] = {}  # engine id -> request, in the order added (the scheduler's queue)
+        self.preempt = preempt or (lambda step, n: False)
+        if in_process_core:
+            scheduler = SimpleNamespace(requests=self.core)
+            self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler))
+        self.aborted_ids = set()
+        self.preemptions = 0
         self.free_blocks = deque(range(10_000))
         self.freed = []  # KV block ids, in the order returned to the free list
         self.batches = deque()  # async scheduling: launched batches, the newest first
@@ -206,11 +227,21 @@ class FakeEngine:
         return engine_id
 
     def _schedule(self) -> list[tuple[str, int]]:
-        """A batch: each of the first `max_running` requests gets its tokens of this step, and the KV blocks for
-        them."""
+        """A batch: each of the first `max_running` requests gets its tokens of this step (none past its planned
+        length, none while preempted), and the KV blocks for them."""
         batch = []
         for engine_id, request in list(self.core.items())[: self.max_running]:
-            count = self.tokens_per_step(self.steps, request.number)
+            if request.preempted_until > self.steps:
+                continue
+            if request.scheduled and self.preempt(self.steps, request.number):
+                self.preemptions += 1
+                request.preempted_until = self.steps + 2
+                for block in reversed(request.blocks):
+                    self.free_blocks.append(block)
+                    self.freed.append(block)
+                request.blocks = []
+                continue
+            count = min(self.tokens_per_step(self.steps, request.number), request.length - request.scheduled)
             if count:
                 request.scheduled += count
                 while len(request.blocks) * BLOCK < request.scheduled:
@@ -225,7 +256,8 @@ class FakeEngine:
         outputs = []
         for engine_id, count in batch:
             request = self.core.get(engine_id)
-            if request is None:  # finished, or aborted, after the batch was launched
+            if request is None:  # aborted after the batch was launched: its tokens here are computed and dropped
+                self.discarded_by_abort += count if engine_id in self.aborted_ids else 0
                 continue
             new = []
             while len(new) < count and request.computed < request.length:
@@ -269,9 +301,13 @@ class FakeEngine:
             self.states.pop(engine_id, None)
         for engine_id in sorted(set(engine_ids), key=set_order):  # the scheduler frees in set order
             if engine_id in self.core:
-                request = self.core[engine_id]
-                self.discarded_by_abort += request.scheduled - request.computed  # in a launched batch
+                self.aborted_ids.add(engine_id)
                 self._free(engine_id)
+
+    def drain(self) -> None:
+        """Executes the batches still in flight (async scheduling), as the engine's next step would."""
+        while self.batches:
+            self.output_processor.process_outputs(self._execute(self.batches.pop()))
 
     def has_unfinished_requests(self):
         return bool(self.states)
@@ -324,6 +360,7 @@ def generate(engine, *, stop=True, seeds=None, first_row=0, rows=2 * G, params=N
     plan = VLLMGroupGeneration(llm, group_size=G, k=K, first_row=first_row, seeds=seeds, stop=stop,
                                tensor_parallel_size=tp)
     outputs = plan.generate([[1, 2]] * rows, sampling_params=params or Params(), use_tqdm=False)
+    engine.drain()  # the truth of the tokens discarded is complete once the batches in flight have executed
     return outputs, plan, llm
 
 
@@ -754,8 +791,9 @@ def test_gpu_smoke_script_checks_the_counters_of_both_scheduling_modes():
     """scripts/vllm_gpu_smoke.py's verdict on one configuration, on runs of the fake engine in each scheduling mode
     (what vLLM did measured as the script measures it: the step calls, and the tokens the scheduler received for
     requests already aborted): none on runs as GFPO's loop makes them; a wrong step count (a step counted that
-    returned no model output), a discarded-token count that does not fit the mode, or one that is not what the
-    scheduler received, is named. Its configurations cover both modes on both runners."""
+    returned no model output), a discarded-token count that is not what the scheduler received, tokens discarded
+    with synchronous scheduling, or a received count that does not fit the mode, is named. Its configurations cover
+    both modes on both runners."""
     smoke = _smoke_script()
     configs = sorted((env["VLLM_USE_V2_MODEL_RUNNER"], engine["async_scheduling"]) for _, env, engine in smoke.CONFIGS)
     assert configs == [("0", False), ("0", True), ("1", False), ("1", True)]
@@ -770,19 +808,26 @@ def test_gpu_smoke_script_checks_the_counters_of_both_scheduling_modes():
                               logps=[[next(iter(entry.values())) for entry in o.outputs[0].logprobs] for o in outputs])
         assert smoke.verdict(runs[False], runs[True], G, K, mode, all_start_together=True) == []
         cuts = sum(runs[True]["stopped"])
-        other_mode_wants = 0 if mode else cuts
-        assert smoke.verdict(runs[False], runs[True], G, K, not mode, all_start_together=True)[0] == (
-            f"{runs[True]['discarded']} tokens counted discarded with the rule ({other_mode_wants} expected: one per "
-            "cut with async scheduling, none without)")
-        # GFPO's count right for the mode, but not what vLLM's scheduler received (a cut that reached vLLM late, or
-        # an engine that did not launch ahead): named, with both figures
+        assert runs[True]["discarded"] == (cuts if mode else 0)  # one token a step, every request from the first
+        if mode:  # async scheduling's count read as synchronous scheduling's: tokens discarded where none can be
+            assert smoke.verdict(runs[False], runs[True], G, K, False, all_start_together=True)[0] == (
+                f"{cuts} tokens counted discarded with the rule and 0 without (none expected with synchronous "
+                "scheduling, and none without the rule)")
+        # GFPO's count not what vLLM's scheduler received: named, with both figures
+        miscounted = dict(runs[True], discarded=runs[True]["discarded"] + 1)
+        assert smoke.verdict(runs[False], miscounted, G, K, True, all_start_together=True)[0] == (
+            f"{miscounted['discarded']} tokens counted discarded with the rule, where vLLM's scheduler received "
+            f"{runs[True]['received']} for the requests it cut")
+        # GFPO's count what the scheduler received, but that not what the mode makes (a cut that reached vLLM late,
+        # or an engine that did not launch ahead): named, with both figures
         measured, want = dict(runs[True], received=cuts + 1 if mode else 1), cuts if mode else 0
-        assert smoke.verdict(runs[False], measured, G, K, mode, all_start_together=True) == [
+        measured["discarded"] = measured["received"]
+        assert smoke.verdict(runs[False], measured, G, K, True, all_start_together=True) == [
             f"vLLM's scheduler received {measured['received']} tokens for requests the rule had cut ({want} "
             f"expected: one per cut where the engine had launched the next batch, none without; GFPO counted "
-            f"{runs[True]['discarded']})"]
-        if mode:  # fewer received than cut: an upper bound only where not every request ran from the first step
-            fewer = dict(runs[True], received=cuts - 1)
+            f"{measured['discarded']})"]
+        if mode:  # fewer received than cut: fine only where not every request ran from the first step
+            fewer = dict(runs[True], received=cuts - 1, discarded=cuts - 1)
             assert smoke.verdict(runs[False], fewer, G, K, mode, all_start_together=True)
             assert smoke.verdict(runs[False], fewer, G, K, mode, all_start_together=False) == []
         runs[False]["steps"] += 1  # as counting every step call would with async scheduling
@@ -836,3 +881,100 @@ def test_gpu_smoke_script_stops_a_configuration_and_its_workers(tmp_path, child_
             break
         time.sleep(0.05)
     assert not _alive(worker)
+
+
+# --------------------------------------------------------------------------- the tokens discarded, against the truth
+
+DISCARD_CASES = {
+    # five running at once, 1 to 3 tokens a request and step (speculative steps)
+    "multi-token": dict(tokens_per_step=lambda step, n: 1 + (n + step) % 3, max_running=5),
+    # running requests the token budget leaves out of some steps
+    "skipped-steps": dict(tokens_per_step=lambda step, n: 0 if (7 * n + step) % 3 == 0 else 1),
+    # running requests preempted (their blocks freed; they wait two steps, then resume)
+    "preemption": dict(preempt=lambda step, n: (step + 2 * n) % 7 == 0),
+}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("case", sorted(DISCARD_CASES))
+def test_discarded_tokens_are_the_tokens_the_engine_drops(case, async_scheduling):
+    """`discarded_tokens` equals the tokens the engine really computed for cut requests and dropped (the fake's
+    truth, counted when each launched batch executes, the batches still in flight after the call included), with
+    requests that gain several tokens a step, skip steps or are preempted: not one per cut (a cut request that is
+    preempted or left out of the launched batch costs nothing, one in a speculative step costs several). None are
+    discarded with synchronous scheduling. The rule still keeps what the filter keeps."""
+    options = dict(DISCARD_CASES[case], async_scheduling=async_scheduling)
+    off_outputs, _, _ = generate(FakeEngine(**options), stop=False)
+    engine = FakeEngine(**options)
+    outputs, plan, _ = generate(engine)
+    check_rule(outputs, plan, off_outputs, exact_cut=False)
+    cuts = sum(plan.stopped)
+    assert cuts > 0 and plan.discarded_tokens == engine.discarded_by_abort
+    if case == "preemption":
+        assert engine.preemptions > 0
+    if not async_scheduling:
+        assert engine.discarded_by_abort == 0
+    else:
+        assert engine.discarded_by_abort > 0 and engine.discarded_by_abort != cuts  # "one per cut" would be wrong
+
+
+def test_discarded_tokens_unknown_without_the_engine_core_in_process():
+    """An engine whose core runs in a process of its own (no scheduler to read): the rule runs as ever, and the
+    tokens discarded are unknown (None), so ColocatePath logs no `gfpo/vllm_discarded_tokens`; with the core in
+    process it logs the count."""
+    from gfpo_trainer.generation_paths import ColocatePath
+
+    for in_process, want in ((False, None), (True, 0.0)):
+        llm = FakeLLM(FakeEngine(in_process_core=in_process))
+        accelerator = SimpleNamespace(process_index=0, num_processes=1, device=torch.device("cpu"))
+        path = ColocatePath(SimpleNamespace(llm=llm, tensor_parallel_size=1), accelerator, n_local=2 * G,
+                            group_size=G, k=K, base_seed=11, stop=True)
+        with path:
+            llm.generate([[1, 2]] * 2 * G, sampling_params=Params(), use_tqdm=False)
+        assert path.called and path.stopped_rows.any()
+        assert path.metrics.get("gfpo/vllm_discarded_tokens") == want
+        assert path.plan.discarded_tokens == (None if want is None else 0)
+
+
+def test_stop_strings_with_tensor_parallelism_warn_once(monkeypatch, caplog):
+    """Stop strings (TRL's generation_kwargs['stop']) with vllm_tensor_parallel_size=2 in colocate mode: one warning
+    over two generation calls, naming the setting and the way out; none without stop strings, or with one rank."""
+    pytest.importorskip("trl")
+    from trl import GRPOTrainer
+
+    from gfpo_trainer.batch import GenerationBatch
+    from gfpo_trainer.generation_paths import stop_strings_with_tensor_parallelism
+
+    world = World([[[[1, 2]] * G, [[1, 3]] * G]])
+    world.rank = 0
+    monkeypatch.setattr(GRPOTrainer, "_generate", trl_generate(world))
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", trl_single_turn(world))
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", world.broadcast_object_list)
+    for stop, warnings in ((["\n\n"], 1), (None, 0)):
+        trainer = stub_trainer(0, FakeLLM(FakeEngine()), tools=False)
+        trainer.args.generation_kwargs = {"stop": stop, "max_tokens": 32} if stop else {"max_tokens": 32}
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gfpo_trainer"):
+            for _ in range(2):
+                trainer._gfpo_batch = GenerationBatch(filtering=True, skip_zero=False)
+                trainer._generate([None] * G)
+        messages = [r.getMessage() for r in caplog.records if "stop string" in r.getMessage()]
+        assert len(messages) == warnings
+        if warnings:
+            assert messages[0].startswith("generation_kwargs['stop']=['\\n\\n'] with vllm_tensor_parallel_size=2: ")
+            assert "stop_token_ids" in messages[0] and "vllm_tensor_parallel_size=1" in messages[0]
+    one_rank = SimpleNamespace(tensor_parallel_size=1)
+    assert stop_strings_with_tensor_parallelism(one_rank, SimpleNamespace(generation_kwargs={"stop": ["x"]})) is None
+    assert stop_strings_with_tensor_parallelism(SimpleNamespace(tensor_parallel_size=2),
+                                                SimpleNamespace(generation_kwargs={"stop": []})) is None
+
+
+def test_a_scheduler_request_without_its_in_flight_count_is_a_surface_error(monkeypatch):
+    """A vLLM whose scheduler requests no longer carry `num_output_placeholders` as an int (what the discarded-token
+    count reads at a cut): one VLLMSurfaceError naming the request and the attribute, and every request aborted."""
+    monkeypatch.setattr(CoreRequest, "num_output_placeholders", property(lambda self: None))
+    engine = FakeEngine(async_scheduling=True)
+    with pytest.raises(VLLMSurfaceError, match=r"vLLM's scheduler request '\d+-[0-9a-f]{8}' has "
+                                               r"num_output_placeholders=None, not an int"):
+        generate(engine)
+    assert not engine.has_unfinished_requests()

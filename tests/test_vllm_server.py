@@ -31,6 +31,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from packaging.version import Version
 
 pytest.importorskip("trl")
 vllm = pytest.importorskip("vllm")
@@ -320,6 +321,18 @@ def test_probe(server, non_streaming_server):
     reason = probe_streaming(f"http://127.0.0.1:{_free_port()}", server.model, limits=ServerLimits(retry_deadline=0))
     assert reason.startswith("it turned a streamed /v1/completions request away 1 time within the retry deadline of "
                              "0 s, the last: ClientConnectorError: Cannot connect to host 127.0.0.1:")
+
+
+def test_the_server_says_its_vllm_version(server):
+    """vLLM's server answers /version with the vLLM it runs (what server mode checks against TRL's range): here the
+    one installed in this process, which started it."""
+    import requests
+
+    from gfpo_trainer._compat import vllm_version
+    from gfpo_trainer.vllm_server import server_vllm_version
+
+    served = server_vllm_version(server.url, requests.Session())
+    assert Version(served).release == Version(vllm_version()).release
 
 
 # --------------------------------------------------------------------------- GFPOTrainer in server mode

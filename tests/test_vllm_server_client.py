@@ -73,7 +73,9 @@ class FakeVLLM:
     as a server or a link that fails while the request generates; "break off" to answer 200 and close the connection
     partway: half of an unstreamed answer's body, or a stream's first event, before any token); `stall_after` /
     `error_after` / `break_after` {seed: n} sends n tokens of the request and then nothing / an error event / closes
-    the connection; `server_info`: what /server_info answers (None: 404, as without dev mode); `gather_until_open`:
+    the connection; `server_info`: what /server_info answers (None: 404, as without dev mode); `version`: the vLLM
+    version /version answers, as vLLM's server does (None: 404; `version_headers` records the headers of its
+    requests); `gather_until_open`:
     each request waits (up to 0.5 s) until this many are open.
 
     Records every /v1/completions request (`received`: its body, headers, Host) and the most requests open at once
@@ -89,6 +91,7 @@ class FakeVLLM:
         self.break_after: dict[int, int] = {}
         self.generation_s = 0.05
         self.server_info = None
+        self.version, self.version_headers = "0.31.0", []
         self.received: list[SimpleNamespace] = []
         self.live: dict = {}  # the requests being answered, by id
         self.peak_open = 0
@@ -111,6 +114,7 @@ class FakeVLLM:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/server_info", self._server_info)
+        app.router.add_get("/version", self._version)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port, ssl_context=self.ssl_context)
@@ -125,6 +129,12 @@ class FakeVLLM:
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
+
+    async def _version(self, request):
+        self.version_headers.append(dict(request.headers))
+        if self.version is None:
+            return web.Response(status=404, text='{"detail":"Not Found"}')
+        return web.json_response({"version": self.version})
 
     async def _server_info(self, request):
         if self.server_info is None:
@@ -700,3 +710,51 @@ def test_the_fast_decoder_decodes_as_json_does():
              "id": "cmpl-1", "big": 2**70, "tiny": 5e-324, "text": "é\u2028\\n\""}
     for text in (stdlib_json.dumps(event), stdlib_json.dumps(event, ensure_ascii=False)):
         assert decode(text.encode()) == stdlib_json.loads(text)
+
+
+@pytest.mark.parametrize("served, local, problem", [
+    ("0.31.0", "0.31.0", None),
+    ("0.22.1+cpu", "0.22.1", None),
+    ("0.22.0", "0.22.0", "vllm 0.22.0 at {url} is untested: GFPO's vLLM paths ran on vllm 0.22.1 to 0.31.0"),
+    ("0.22.1", "0.31.0", "the vLLM server at {url} runs vllm 0.22.1, this process has vllm 0.31.0: TRL's client "
+                         "picks the server's endpoints by the installed vLLM's version"),
+    ("0.21.0", "0.31.0", "ValueError: use_vllm=True, vllm_mode='server': the vLLM server at {url} runs vllm 0.21.0, "
+                         "GFPOTrainer supports vllm 0.22.0 to 0.31.0 (trl 1.16.0's range): serve from a vLLM in "
+                         "that range"),
+    (None, "0.31.0", "the vLLM server at {url} did not say its vLLM version (HTTPError: 404 Client Error"),
+])
+def test_the_servers_vllm_version_is_checked(server, monkeypatch, served, local, problem):
+    """Server mode checks the vLLM the server runs (its /version, asked with TRL's client session), not only the one
+    installed here: outside TRL's range one error naming the server and both; untested, other than the installed
+    one, or unreadable: one warning; in the range and the installed one: nothing."""
+    import warnings
+
+    import trl
+
+    from gfpo_trainer import _compat
+    from gfpo_trainer.generation_paths import check_server_version
+
+    monkeypatch.setattr(trl, "__version__", "1.16.0")
+    monkeypatch.setattr(_compat, "vllm_version", lambda: local)
+    monkeypatch.setattr(_compat, "_warned_untested_vllm", set())
+    server.version = served
+    session = requests.Session()
+    session.headers["X-Cluster-Token"] = "abc"
+    generation = SimpleNamespace(vllm_client=SimpleNamespace(base_url=server.url, session=session))
+    accelerator = SimpleNamespace(is_main_process=True, num_processes=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            check_server_version(generation, accelerator)
+            raised = None
+        except ValueError as error:
+            raised = f"ValueError: {error}"
+    messages = [str(w.message) for w in caught if str(w.message).startswith("gfpo: ")]
+    assert server.version_headers[-1]["X-Cluster-Token"] == "abc"
+    if problem is None:
+        assert raised is None and messages == []
+    elif problem.startswith("ValueError"):
+        assert raised == problem.format(url=server.url) and messages == []
+    else:
+        assert raised is None and len(messages) == 1
+        assert messages[0].startswith(f"gfpo: {problem.format(url=server.url)}")
