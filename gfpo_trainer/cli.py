@@ -328,8 +328,8 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def _demo(options) -> int:
-    from .demo import run_demo
-    from .study import ARMS, DEMO_ARMS, STUDY_ARMS, DemoSettings, merge_studies, run_study
+    from gfpo_study.demo import run_demo
+    from gfpo_study.study import ARMS, DEMO_ARMS, STUDY_ARMS, DemoSettings, merge_studies, run_study
 
     if options.merge is not None:
         given = [flag for flag, value in (("--seeds", options.seeds), ("--arms", options.arms),
@@ -365,7 +365,7 @@ def _demo(options) -> int:
         return 2
     settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
     if options.task is not None:
-        from .sums_task import TASKS
+        from gfpo_study.sums_task import TASKS
 
         settings = dataclasses.replace(settings, task=TASKS[options.task])
     if options.rl_steps is not None:
@@ -425,7 +425,7 @@ def main(argv=None) -> int:
                       help="join the pieces of a study (the --output-dir of each `--seeds` run) into one study in "
                       "--output-dir: study.json, study.md, study.png")
     demo.add_argument("--task", default=None, choices=("sums", "easy-hard-sums", "small-large-sums"),
-                      help="the task (gfpo_trainer/sums_task.py, TASKS; default sums)")
+                      help="the task (gfpo_study/sums_task.py, TASKS; default sums)")
     demo.add_argument("--rl-steps", type=int, default=None, metavar="N",
                       help="RL steps per arm (default: the preset's, 300, or 200 with --quick)")
     demo.add_argument("--arms", default=None,
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
         return 0
     try:  # the commands need the trainer extra, which `pip install --no-build-isolation .` alone does not bring
         if options.command == "demo":
-            from . import demo  # noqa: F401 (TRL, transformers, datasets: the runs import them)
+            from gfpo_study import demo  # noqa: F401 (TRL, transformers, datasets: the runs import them)
             from .trainer import GFPOTrainer  # noqa: F401
         else:
             from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)

@@ -17,7 +17,7 @@ yaml = pytest.importorskip("yaml")
 
 from gfpo_trainer import GROUP_FILTERS  # noqa: E402
 from gfpo_trainer.cli import ConfigError, build_trainer, load_reward_func, main, saved_line  # noqa: E402
-from gfpo_trainer.demo import correctness_reward  # noqa: E402
+from gfpo_study.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
 REPO = Path(__file__).parents[1]
@@ -47,7 +47,7 @@ def _config(model_dir, dataset_file, tmp_path, **changes):
     config = {
         "model": model_dir,
         "dataset": dataset_file,
-        "reward_funcs": ["gfpo_trainer.demo:correctness_reward"],
+        "reward_funcs": ["gfpo_study.demo:correctness_reward"],
         "args": dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=8,
                      num_remains_in_group=4, group_filter="length", max_completion_length=6, max_steps=1,
                      use_cpu=True, bf16=False, report_to="none", save_strategy="no"),
@@ -130,10 +130,10 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
         (dict(dataset="/nonexistent/train.jsonl"),
          r"dataset file '/nonexistent/train.jsonl' does not exist \(looked for /nonexistent/train.jsonl\)"),
-        (dict(reward_funcs=["gfpo_trainer.demo:nope"]), r"module 'gfpo_trainer.demo' has no function 'nope'; its "
+        (dict(reward_funcs=["gfpo_study.demo:nope"]), r"module 'gfpo_study.demo' has no function 'nope'; its "
          r"functions: \[.*'correctness_reward', .*\]$"),
-        (dict(reward_funcs=["gfpo_trainer.demo:correctnes_reward"]),
-         r"^reward function 'gfpo_trainer.demo:correctnes_reward': module 'gfpo_trainer.demo' has no function "
+        (dict(reward_funcs=["gfpo_study.demo:correctnes_reward"]),
+         r"^reward function 'gfpo_study.demo:correctnes_reward': module 'gfpo_study.demo' has no function "
          r"'correctnes_reward' \(did you mean 'correctness_reward'\?\); its functions: \[.*'correctness_reward'"),
         (dict(reward_funcs=["gfpo_trainer.filters:GROUP_FILTERS"]),
          r"module 'gfpo_trainer.filters' has 'GROUP_FILTERS' of type tuple, not a function; its functions: \[.*"
@@ -257,8 +257,8 @@ def test_train_command_reports_errors(tmp_path, capsys):
 
 
 def test_load_reward_func_forms():
-    assert load_reward_func("gfpo_trainer.demo.correctness_reward") is correctness_reward
-    assert load_reward_func("gfpo_trainer.demo:correctness_reward") is correctness_reward
+    assert load_reward_func("gfpo_study.demo.correctness_reward") is correctness_reward
+    assert load_reward_func("gfpo_study.demo:correctness_reward") is correctness_reward
     with pytest.raises(ConfigError, match="must look like 'package.module:function'"):
         load_reward_func("correctness_reward")
 

@@ -1,4 +1,4 @@
-"""The one-seed demo (gfpo_trainer/demo.py): its table, verdict, plot and files, and its command line."""
+"""The one-seed demo (gfpo_study/demo.py): its table, verdict, plot and files, and its command line."""
 
 import json
 import re
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from gfpo_trainer import demo, study  # noqa: E402
+from gfpo_study import demo, study  # noqa: E402
 
 REPO = Path(__file__).parents[1]
 
@@ -150,7 +150,7 @@ def test_parse_seeds(text, seeds):
 def test_task_choices_are_the_tasks(capsys):
     """The CLI's --task choices (written out, so that building the parser imports no torch) are sums_task.TASKS."""
     from gfpo_trainer.cli import main
-    from gfpo_trainer.sums_task import TASKS
+    from gfpo_study.sums_task import TASKS
 
     with pytest.raises(SystemExit):
         main(["demo", "--task", "nope"])

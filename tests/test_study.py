@@ -1,4 +1,4 @@
-"""The length study (gfpo_trainer/study.py, study_report.py): arms, runs in pieces and their merge, the report."""
+"""The length study (gfpo_study/study.py, study_report.py): arms, runs in pieces and their merge, the report."""
 
 import json
 from pathlib import Path
@@ -8,9 +8,9 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("scipy")
 
-from gfpo_trainer import study  # noqa: E402
-from gfpo_trainer.study_report import ELR_IN_WORDS, paper_comparison_table, study_verdict  # noqa: E402
-from gfpo_trainer.study_stats import figure  # noqa: E402
+from gfpo_study import study  # noqa: E402
+from gfpo_study.study_report import ELR_IN_WORDS, paper_comparison_table, study_verdict  # noqa: E402
+from gfpo_study.study_stats import figure  # noqa: E402
 
 REPO = Path(__file__).parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -193,7 +193,7 @@ def test_a_study_names_its_task():
     """study.json names its task (sums_task.TASKS) from its fields: the tasks' field sets tell them apart."""
     import dataclasses
 
-    from gfpo_trainer.sums_task import TASKS, SumsTask
+    from gfpo_study.sums_task import TASKS, SumsTask
 
     for name, task in TASKS.items():
         assert study._task_name(json.loads(json.dumps(dataclasses.asdict(task)))) == name

@@ -1,13 +1,13 @@
 """`python -m gfpo_trainer demo`: GRPO against GFPO on one seed, from scratch, on CPU, no downloads.
 
-A tiny Qwen2-style model is warmed up (supervised) on a task of gfpo_trainer/sums_task.py whose answers come at once
+A tiny Qwen2-style model is warmed up (supervised) on a task of gfpo_study/sums_task.py whose answers come at once
 (" 17") or step by step with filler words (" 3+5=8, hmm 8+9=17, so 17"); RL rewarding correct answers lengthens
 them. GRPO and GFPO Shortest 8/16 (other arms with `--arms`) then train from the same warm-up weights with the same
 prompts, steps and seed, and are evaluated on held-out prompts; the demo prints a table and a verdict that sets the
 seed's figures beside what the study over 8 seeds found (STUDY_FINDINGS), and writes a plot.
 
-The study itself (many seeds, every arm, intervals) is gfpo_trainer/study.py (`demo --seeds`), its statistics
-gfpo_trainer/study_stats.py and its report gfpo_trainer/study_report.py.
+The study itself (many seeds, every arm, intervals) is gfpo_study/study.py (`demo --seeds`), its statistics
+gfpo_study/study_stats.py and its report gfpo_study/study_report.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The length study's runs: arms, sizes, one arm's training and evaluation, a seed's runs, the study and its pieces.
 
 Each arm (ARMS) trains from the same warm-up weights with the same prompts, steps and seed as every other arm of its
-seed, on a task of gfpo_trainer/sums_task.py (TASKS), and is evaluated on held-out prompts: accuracy and length of
+seed, on a task of gfpo_study/sums_task.py (TASKS), and is evaluated on held-out prompts: accuracy and length of
 sampled answers, their form, and the curves during training. `run_study` runs arms x seeds and writes study.json;
 a study too long for one sitting runs in pieces (seed ranges) that `merge_studies` joins into one study file. The
-statistics are gfpo_trainer/study_stats.py's, the tables, verdict and plot gfpo_trainer/study_report.py's; the
-one-seed demo is gfpo_trainer/demo.py.
+statistics are gfpo_study/study_stats.py's, the tables, verdict and plot gfpo_study/study_report.py's; the
+one-seed demo is gfpo_study/demo.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .sums_task import TASKS, SumsTask, correctness_reward, evaluate, signed_correctness_reward, warm_up
-from .tiny import make_tiny_model, make_tokenizer
+from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
 
 __all__ = ["ARMS", "DEMO_ARMS", "STUDY_ARMS", "Arm", "DemoSettings", "merge_studies", "run_arm", "run_seed",
            "run_study"]
@@ -116,7 +116,7 @@ class DemoSettings:
 
 
 def _arm_config(arm: Arm, settings: DemoSettings, output_dir: str, seed: int, use_kernels: bool, verbose: bool):
-    from .config import GFPOConfig
+    from gfpo_trainer.config import GFPOConfig
 
     return GFPOConfig(
         output_dir=output_dir,
@@ -207,7 +207,7 @@ def run_arm(arm: Arm, start_dir: str, tokenizer, task: SumsTask, train, held_out
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .trainer import GFPOTrainer
+    from gfpo_trainer.trainer import GFPOTrainer
 
     args = _arm_config(arm, settings, output_dir, seed, use_kernels, verbose)
     dataset = Dataset.from_list([{"prompt": p} for p in _training_prompts(task, train, settings, seed)])

@@ -1,6 +1,6 @@
 """The study's statistics over seeds: Student-t intervals, the paper's excess length reduction, the summary.
 
-Everything here is pure (lists of numbers and the per-seed results of gfpo_trainer/study.py in, numbers out), so it
+Everything here is pure (lists of numbers and the per-seed results of gfpo_study/study.py in, numbers out), so it
 is tested on synthetic data (tests/test_study_stats.py). The words of the reports follow the t-interval; the
 percentile bootstrap (the 200-step study's interval) is kept beside it as "ci95".
 """

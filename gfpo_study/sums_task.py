@@ -19,7 +19,7 @@ import re
 import torch
 from tqdm.auto import tqdm
 
-from .tiny import supervised_warm_up
+from gfpo_trainer.tiny import supervised_warm_up
 
 _NUMBER = re.compile(r"\d+")
 
