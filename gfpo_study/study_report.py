@@ -60,17 +60,18 @@ def signal_table(summary: dict) -> str:
     whose trained rewards are all equal) and the trained rows' reward spread; the final answers' form and accuracy
     within each form."""
     phases = next((list(f["signal"]) for f in summary["arms"].values() if "signal" in f), [])
+    forms = all("stepwise_fraction" in f for f in summary["arms"].values())
     rows = []
     for name, f in summary["arms"].items():
         signal = f.get("signal", {})
         rows.append([name]
                     + [fmt(signal[p]["train_frac_reward_zero_std"], "{:.2f}") if p in signal else "-" for p in phases]
                     + [fmt(signal[p]["train_reward_std"], "{:.2f}") if p in signal else "-" for p in phases]
-                    + [fmt(f["stepwise_fraction"], "{:.2f}"), fmt(f["accuracy_stepwise"], "{:.3f}"),
-                       fmt(f["accuracy_at_once"], "{:.3f}")])
+                    + ([fmt(f["stepwise_fraction"], "{:.2f}"), fmt(f["accuracy_stepwise"], "{:.3f}"),
+                        fmt(f["accuracy_at_once"], "{:.3f}")] if forms else []))
+    forms_header = ["stepwise share (end)", "accuracy stepwise (end)", "accuracy at once (end)"] if forms else []
     return markdown_table(["arm"] + [f"advantage-0 share, steps {p}" for p in phases]
-                  + [f"reward spread, steps {p}" for p in phases]
-                  + ["stepwise share (end)", "accuracy stepwise (end)", "accuracy at once (end)"], rows)
+                  + [f"reward spread, steps {p}" for p in phases] + forms_header, rows)
 
 
 def checkpoint_table(summary: dict) -> str:
@@ -188,15 +189,18 @@ def _t_quantile(seeds: int) -> float:
 
 def study_report(summary: dict, seeds: int, paper_tables: dict | None, arms: dict) -> str:
     """study.md: the tables and the verdict."""
-    parts = ["## Held-out figures at the end\n\n" + study_table(summary),
-             "## Per number of terms\n\n" + by_terms_table(summary)]
+    parts = ["## Held-out figures at the end\n\n" + study_table(summary)]
+    if summary["warm-up"].get("by_terms"):
+        parts.append("## Per number of terms\n\n" + by_terms_table(summary))
     if any(f.get("checkpoints") for f in summary["arms"].values()):
         parts.append("## Over training (curves: 2 samples a prompt)\n\n" + checkpoint_table(summary))
     if any("stepwise_fraction" in p for f in summary["arms"].values() for p in f.get("checkpoints", {}).values()):
         parts.append("## The answers' form over training (curves: 2 samples a prompt)\n\n" + form_table(summary))
     if any("signal" in f for f in summary["arms"].values()):
         parts.append("## Learning signal and form\n\n" + signal_table(summary))
-    if paper_tables is not None and "grpo" in summary["arms"]:
+    if paper_tables is not None and "grpo" in summary["arms"] and any(
+            getattr(arms.get(name), "paper", None) in paper_tables["benchmarks"]["Average"]
+            for name in summary["arms"] if name != "grpo"):
         parts.append("## Beside the paper (Tables 1-2, average)\n\n" + paper_comparison_table(summary, paper_tables,
                                                                                                arms))
     parts.append("## Verdict\n\n" + study_verdict(summary, seeds))

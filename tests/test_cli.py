@@ -1,5 +1,5 @@
-"""The command line: `train --config` with its errors, the commands' help and missing dependencies (the demo:
-tests/test_demo.py)."""
+"""The command line: `train --config` with its errors, the commands' help and missing dependencies (the study's
+command line: tests/test_study_command.py)."""
 
 import json
 import os
@@ -535,7 +535,7 @@ def _prose(block: str) -> str:
     return " ".join(block.split())
 
 
-@pytest.mark.parametrize("argv", [[], ["demo"], ["train"], ["env"]])
+@pytest.mark.parametrize("argv", [[], ["train"], ["env"]])
 def test_help_prints_whole_sentences(argv, capsys, monkeypatch):
     """Every paragraph of prose that --help prints ends its sentence (a ':' only before an indented example), and a
     command's help opens with the summary the command list gives it, as a sentence."""
@@ -550,7 +550,7 @@ def test_help_prints_whole_sentences(argv, capsys, monkeypatch):
         assert text.endswith(".") or (text.endswith(":") and next_kind == "example"), text
     if argv:
         listing = _prose(next(b for b in _help([], capsys, monkeypatch) if b.startswith("positional arguments:")))
-        others = "|".join(name for name in ("demo", "train", "env") if name != argv[0])
+        others = "|".join(name for name in ("train", "env") if name != argv[0])
         summary = re.search(rf" {argv[0]} (.+?)(?= (?:{others}) |$| options:)", listing)[1]
         assert prose[0][0].lower().startswith(summary.lower().rstrip("."))
 
@@ -560,7 +560,7 @@ def test_top_level_help_prints_the_whole_description(capsys, monkeypatch):
     import gfpo_trainer.cli as cli
 
     first_paragraph = _prose(cli.__doc__.split("\n\n")[0])
-    assert first_paragraph.endswith(".") and first_paragraph.count("python -m gfpo_trainer") == 3
+    assert first_paragraph.endswith(".") and first_paragraph.count("python -m gfpo_trainer") == 2
     assert _prose(_help([], capsys, monkeypatch)[1]) == first_paragraph
 
 
@@ -580,7 +580,7 @@ def test_train_help_shows_a_config_that_is_valid(capsys, monkeypatch):
     assert all(name in rule for name in PATH_ARGS)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["train", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
 def test_help_imports_no_training_stack(argv):
     """--help answers at once: TRL, transformers and datasets are imported only when a command runs."""
     probe = ("import sys, runpy; sys.argv = ['gfpo_trainer'] + sys.argv[1:]\n"
@@ -591,7 +591,7 @@ def test_help_imports_no_training_stack(argv):
     assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
 
 
-@pytest.mark.parametrize("command, missing", [(["demo", "--smoke"], "tqdm"), (["train", "--config", "run.yaml"], "trl")])
+@pytest.mark.parametrize("command, missing", [(["train", "--config", "run.yaml"], "trl")])
 def test_commands_without_the_trainer_extra_say_what_to_install(command, missing):
     """`pip install --no-build-isolation .` installs the kernels' dependencies only: a command then names the missing
     module and the install command in one line, exit status 2, instead of a ModuleNotFoundError traceback."""
