@@ -24,7 +24,7 @@ from .study import (  # noqa: F401 (ARMS, Arm, STUDY_ARMS, DemoSettings, run_stu
     ARMS, DEMO_ARMS, STUDY_ARMS, Arm, DemoSettings, assemble_study, run_environment, run_study, study_config,
     sums_config, write_json,
 )
-from .study_report import ELR_IN_WORDS
+from .study_report import ELR_IN_WORDS, fmt
 from .study_stats import excess_length_reduction
 from .sums_task import correctness_reward  # noqa: F401 (the demo's reward, imported from here by tests and configs)
 
@@ -42,12 +42,16 @@ STUDY_FIGURES: dict[str, tuple[tuple[float, float, float], tuple[float, float, f
 }
 
 
+def _figure(triple) -> dict:
+    return {"mean": triple[0], "t95": triple[1:]}
+
+
 def study_findings() -> str:
     """STUDY_FIGURES in words, "" where there are none."""
     if not STUDY_FIGURES:
         return ""
-    parts = [f"{name} ELR {elr[0]:.0%} [{elr[1]:.0%}, {elr[2]:.0%}], accuracy {acc[0]:+.3f} [{acc[1]:+.3f}, "
-             f"{acc[2]:+.3f}]" for name, (elr, acc) in STUDY_FIGURES.items()]
+    parts = [f"{name} ELR {fmt(_figure(elr), '{:.0%}')}, accuracy {fmt(_figure(acc), '{:+.3f}')}"
+             for name, (elr, acc) in STUDY_FIGURES.items()]
     return (f"The study ({STUDY_RUN}, docs/demo.md; means and 95% t-intervals over seeds, against GRPO): "
             + "; ".join(parts) + ".")
 

@@ -7,6 +7,7 @@ Every figure is a mean over seeds with its Student-t 95% interval ("t95"); the w
 from __future__ import annotations
 
 import math
+import re
 
 from .study_stats import (
     CHECKPOINT_STEPS, NO_LOSS_HALF_WIDTH, NO_LOSS_MEAN, PLATEAU_ACCURACY, PLATEAU_LENGTH_TOKENS, accuracy_verdict,
@@ -20,13 +21,28 @@ ELR_IN_WORDS = ("ELR, the paper's excess length reduction (its Eq. 4): (L_GRPO -
 
 
 def fmt(figure: dict | None, spec: str, interval: str = "t95") -> str:
-    """`mean [low, high]` of a study_stats.figure, "-" where it is undefined."""
+    """`mean [low, high]` of a study_stats.figure, "-" where it is undefined. A bound that is not 0 but prints as 0
+    at `spec`'s precision gets one more digit (two if that still prints 0): which side of zero it lies on decides
+    verdicts. A figure defined on fewer seeds than the study's says so: "(7 of 8 seeds)"."""
     if figure is None or figure.get("mean") is None:
         return "-"
+    per_seed = figure.get("per_seed")
+    fewer = (f" ({figure['n']} of {len(per_seed)} seeds)" if per_seed is not None and "n" in figure
+             and figure["n"] < len(per_seed) else "")
     low, high = figure[interval]
     if math.isnan(low):
-        return spec.format(figure["mean"])
-    return f"{spec.format(figure['mean'])} [{spec.format(low)}, {spec.format(high)}]"
+        return spec.format(figure["mean"]) + fewer
+    return f"{spec.format(figure['mean'])} [{_bound(spec, low)}, {_bound(spec, high)}]{fewer}"
+
+
+def _bound(spec: str, value: float) -> str:
+    text = spec.format(value)
+    for _ in range(2):
+        if value == 0 or re.search(r"[1-9]", text):
+            break
+        spec = re.sub(r"\.(\d+)", lambda m: f".{int(m.group(1)) + 1}", spec, count=1)
+        text = spec.format(value)
+    return text
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -174,10 +190,12 @@ def study_verdict(summary: dict, seeds: int) -> str:
         lines.append(f"- {name}: {shorter}{length}; accuracy {fmt(difference, '{:+.3f}')} against GRPO: "
                      f"{accuracy_verdict(difference)}.")
     lines.append(f"{ELR_IN_WORDS}. \"No accuracy loss\" is said only where the accuracy difference's interval "
-                 f"contains 0 and is at most +-{NO_LOSS_HALF_WIDTH} wide, and its mean is {NO_LOSS_MEAN:+} or better.")
+                 f"contains 0 and is at most +-{NO_LOSS_HALF_WIDTH} wide, and its mean is {NO_LOSS_MEAN:+} or better "
+                 "(the mean's condition was added after the first study's results were seen: stricter, it only takes "
+                 "claims away). Shorter than GRPO is said only where the ELR's interval lies above 0.")
     if seeds < 5:
-        lines.append(f"Only {seeds} seeds: the t-intervals are wide (t = {_t_quantile(seeds):.2f} standard errors "
-                     "on each side); the protocols run 8.")
+        lines.append(f"Only {seeds} seeds (fewer than 5): the t-intervals are wide (t = {_t_quantile(seeds):.2f} "
+                     "standard errors on each side) and the verdicts above weak; the protocols run 8.")
     return "\n".join(lines)
 
 

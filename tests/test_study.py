@@ -192,8 +192,23 @@ def test_study_verdict_follows_the_intervals():
     assert lines[2] == ("- token-efficiency-8of16: ELR 10% [-244%, 264%]: not shown shorter than GRPO; accuracy "
                         "-0.055 [-0.119, +0.009] against GRPO: not resolved (the interval contains 0 but is wider "
                         "than +-0.03).")
-    assert lines[-1] == "Only 2 seeds: the t-intervals are wide (t = 12.71 standard errors on each side); the " \
-                        "protocols run 8."
+    assert lines[-1] == ("Only 2 seeds (fewer than 5): the t-intervals are wide (t = 12.71 standard errors on each "
+                         "side) and the verdicts above weak; the protocols run 8.")
+    assert "(the mean's condition was added after the first study's results were seen: stricter" in lines[-2]
+
+
+def test_bounds_that_print_as_zero_get_a_digit_and_fewer_seeds_are_said():
+    """Which side of zero a bound lies on decides the verdicts: a bound that is not 0 is never printed as 0."""
+    from gfpo_study.study_report import fmt
+
+    elr = {"mean": 0.221, "t95": (-0.004, 0.446), "per_seed": [0.2] * 8, "n": 8}
+    assert fmt(elr, "{:.0%}") == "22% [-0.4%, 45%]"
+    accuracy = {"mean": -0.0223, "t95": (-0.0448, 0.0003), "per_seed": [0.0] * 8, "n": 8}
+    assert fmt(accuracy, "{:+.3f}") == "-0.022 [-0.045, +0.0003]"
+    assert fmt({"mean": 0.0, "t95": (-0.00004, 0.0), "per_seed": [0.0] * 2, "n": 2}, "{:+.3f}") == (
+        "+0.000 [-0.00004, +0.000]")
+    # ELR is undefined on a seed where GRPO did not lengthen answers: the figure says over how many seeds it is
+    assert fmt(figure([0.5, None, 0.3]), "{:.0%}").endswith(" (2 of 3 seeds)")
 
 
 def test_paper_comparison_reads_the_papers_average_row():

@@ -136,7 +136,7 @@ def test_a_users_study_runs_end_to_end(finished_study):
         [r["arms"]["shortest-4of8"]["final"]["accuracy"] - r["arms"]["grpo"]["final"]["accuracy"]
          for r in written["seed_results"]])
     report = (out / "study.md").read_text()
-    assert "## Verdict" in report and "Only 2 seeds: the t-intervals are wide" in report
+    assert "## Verdict" in report and "Only 2 seeds (fewer than 5): the t-intervals are wide" in report
     assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
 
 
