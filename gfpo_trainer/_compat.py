@@ -438,3 +438,21 @@ def _gather_zero3_params(params):
     # once each (tied or shared parameters repeat), and only those not already gathered by their owning module
     to_gather = {id(p): p for p in params if p is not None and p.ds_status != ZeroParamStatus.AVAILABLE}
     return deepspeed.zero.GatheredParameters(list(to_gather.values())) if to_gather else contextlib.nullcontext()
+
+
+# Warnings the libraries give on every run that neither a config nor gfpo's code can act on, filtered by message,
+# category and the module that warns, nothing wider: (message regex, category, module regex, where it comes from).
+KNOWN_NOISE = (
+    (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated and "
+     r"will be removed in v6", FutureWarning, r"transformers\.modeling_utils",
+     "TRL's disable_gradient_checkpointing, which GRPOTrainer (each generation) and GFPOTrainer's deferred log-prob "
+     "pass use, calls transformers' old names; TRL's own wrapper of them (selective activation checkpointing) is "
+     "why gfpo calls it rather than the new names"),
+)
+
+
+def quiet_known_noise() -> None:
+    """Adds KNOWN_NOISE to the warning filters (once each: warnings replaces an identical filter)."""
+    for message, category, module, _ in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+

@@ -6,6 +6,7 @@ A training config (YAML):
     model: Qwen/Qwen2.5-0.5B-Instruct      # a Hub model (namespace/name) or a local directory
     dataset: data/train.jsonl              # a local .json/.jsonl/.csv/.parquet file, or a datasets hub name
     dataset_split: train                   # optional, default train (a local file has only "train", or "train[:100]")
+    prompt: {user: "{question}"}           # optional: chat prompts from a data set without a "prompt" column
     reward_funcs:                          # "module.path:function" (or "module.path.function")
       - my_rewards:correctness
     args:                                  # GFPOConfig fields
@@ -32,6 +33,8 @@ import re
 import sys
 import warnings
 
+from ._names import closest_name, did_you_mean
+
 _LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # a Hub model named as the Hub names models today, "namespace/name" (Qwen/Qwen2.5-0.5B-Instruct; the old unprefixed
 # names such as gpt2 redirect from namespaced ones, openai-community/gpt2): one '/', letters, digits, '-', '_', '.'
@@ -39,7 +42,12 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # GFPOConfig (TrainingArguments) fields that name files or folders: read from the config file's folder when relative
 # (the module docstring names them)
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed")
-_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "reward_funcs", "args")
+_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "prompt", "reward_funcs", "args")
+# the `prompt:` key's fields: the chat messages built from a data set's own columns
+PROMPT_KEYS = ("system", "user")
+# the column a data set without "prompt" most likely holds its prompts in (GSM8K's "question" first): the error's
+# suggested `prompt:` line names the first of these it has
+_PROMPT_LIKE_COLUMNS = ("question", "problem", "instruction", "query", "input", "text")
 
 
 class ConfigError(ValueError):
@@ -48,16 +56,12 @@ class ConfigError(ValueError):
 
 def _did_you_mean(name, choices) -> str:
     """" (did you mean 'x'?)" for the closest of `choices` to `name`, "" when none is close: the rule of every
-    unknown-name error of the package (gfpo_kernels._validation.did_you_mean)."""
-    from gfpo_kernels._validation import did_you_mean  # not at the top: gfpo_kernels imports torch, --help needs none
-
+    unknown-name error of the package, in its torch-free copy (a config is checked before torch is imported)."""
     return did_you_mean(name, choices)
 
 
 def _unknown_hints(unknown: list, choices) -> str:
     """The did-you-mean hint of the one unknown name, or of each that has a close match, naming it."""
-    from gfpo_kernels._validation import closest_name
-
     if len(unknown) == 1:
         return _did_you_mean(unknown[0], choices)
     pairs = [(name, closest_name(name, choices)) for name in unknown]
@@ -142,9 +146,71 @@ def _look_in_first(base_dir: str, top: str) -> None:
             del sys.modules[name]
 
 
-def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None):
+def check_prompt_key(prompt) -> dict:
+    """The config's `prompt:` key, checked: a mapping with `user` (a str.format template over a row's columns,
+    "{question}") and optionally `system` (a system message, as it is). Returns it; ConfigError naming what is
+    wrong."""
+    import string
+
+    form = "prompt: {system: \"optional system message\", user: \"{question}\"}"
+    if not isinstance(prompt, dict):
+        raise ConfigError(f"prompt must be a mapping of the chat messages to build, {form}; got {prompt!r}")
+    unknown = sorted((key for key in prompt if key not in PROMPT_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"unknown prompt keys {unknown}{_unknown_hints(unknown, PROMPT_KEYS)}; expected "
+                          f"{list(PROMPT_KEYS)}: {form}")
+    if not isinstance(prompt.get("user"), str) or not prompt["user"].strip():
+        raise ConfigError(f"prompt needs user, the user message made from each row's columns, e.g. {form}; got "
+                          f"user={prompt.get('user')!r}")
+    if prompt.get("system") is not None and not isinstance(prompt["system"], str):
+        raise ConfigError(f"prompt: system must be a string (the system message), got {prompt['system']!r}")
+    try:
+        list(string.Formatter().parse(prompt["user"]))
+    except ValueError as error:  # "Single '}' encountered in format string" and the like
+        raise ConfigError(f"prompt: user={prompt['user']!r} is not a format string ({error}); columns are named "
+                          "in braces, {question}, and a literal brace is doubled, {{") from None
+    return prompt
+
+
+def _prompt_columns(user: str) -> list[str]:
+    """The columns a `prompt: user` template reads ("{question} ({source})" -> ["question", "source"])."""
+    import string
+
+    names = [field for _, field, _, _ in string.Formatter().parse(user) if field is not None]
+    return list(dict.fromkeys(re.split(r"[.\[]", name, maxsplit=1)[0] for name in names))
+
+
+def build_prompts(dataset, prompt: dict, name: str):
+    """`dataset` with a conversational "prompt" column built by the `prompt:` key: a system message where `system`
+    is given, then the user message `user.format(**row)`. The other columns stay (TRL passes them to the reward
+    functions as keyword arguments: GSM8K's `answer`)."""
+    columns = dataset.column_names
+    if "prompt" in columns:
+        raise ConfigError(f"dataset {name!r} has a 'prompt' column already, and the config's prompt key would build "
+                          "another: remove the prompt key to train on the column, or rename the column")
+    missing = [column for column in _prompt_columns(prompt["user"]) if column not in columns]
+    if missing or not _prompt_columns(prompt["user"]):
+        what = (f"names no column {missing}{_unknown_hints(missing, columns)}" if missing
+                else "names no column, so every prompt would be the same")
+        raise ConfigError(f"prompt: user={prompt['user']!r} {what}; the dataset's columns: {columns}")
+    system = prompt.get("system")
+
+    def messages(row):
+        try:
+            user = prompt["user"].format(**row)
+        except (KeyError, IndexError, ValueError, AttributeError) as error:
+            raise ConfigError(f"prompt: user={prompt['user']!r} cannot be filled from the row {row!r} "
+                              f"({type(error).__name__}: {error})") from None
+        return {"prompt": ([{"role": "system", "content": system}] if system is not None else [])
+                + [{"role": "user", "content": user}]}
+
+    return dataset.map(messages, desc="building the prompts")
+
+
+def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None, prompt: dict | None = None):
     """The data set `name` names: a local file (read from `base_dir` when relative), a local folder, or a datasets
-    hub name; `split` of it."""
+    hub name; `split` of it. `prompt`: the config's `prompt:` key, which builds the "prompt" column from the other
+    columns (build_prompts); without it the data set must have one."""
     import datasets
 
     if not isinstance(name, str):
@@ -167,18 +233,25 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
             dataset = datasets.load_dataset(name, split=split)
         except Exception as error:  # network, missing dataset, bad split: say which
             raise ConfigError(f"cannot load dataset {name!r} (split {split!r}): {error}") from None
+    if prompt is not None:
+        return build_prompts(dataset, check_prompt_key(prompt), name)
     if "prompt" not in dataset.column_names:
-        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {dataset.column_names})")
+        columns = dataset.column_names
+        source = next((c for c in _PROMPT_LIKE_COLUMNS if c in columns), columns[0] if columns else "question")
+        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {columns}); to build chat prompts from "
+                          f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
+                          "optionally system: \"...\"; docs/cli.md)")
     return dataset
 
 
-def build_trainer(config: dict, base_dir: str | None = None):
-    """A GFPOTrainer from a parsed training config; relative paths in it are read from `base_dir` (the config file's
-    folder; default: the working directory)."""
-    from transformers import AutoTokenizer
-
-    from .config import GFPOConfig
-    from .trainer import GFPOTrainer
+def check_config(config: dict, base_dir: str | None = None) -> dict:
+    """Everything about a training config that can be checked without TRL, transformers or torch (which take
+    seconds to import): the keys, the model directory, the `args` field names, their values' types and choices (by
+    config_fields.field_specs), the group_filter name, the prompt key, the reward function names' form and a local
+    data file's existence. Returns {"model": the resolved model, "args": the args converted to the field types,
+    "reward_specs": the reward functions' names}; ConfigError naming what is wrong."""
+    from . import config_fields
+    from .filters import group_filter_spec
 
     base_dir = os.path.abspath(base_dir or os.getcwd())
     unknown = sorted(set(config) - set(_TOP_LEVEL_KEYS), key=str)
@@ -189,32 +262,65 @@ def build_trainer(config: dict, base_dir: str | None = None):
         if key not in config:
             raise ConfigError(f"the config needs {key!r}")
     model = resolve_model(config["model"], base_dir)
-    fields = {f.name for f in dataclasses.fields(GFPOConfig) if f.init}
     args = config.get("args") or {}
     if not isinstance(args, dict):
         raise ConfigError(f"args must be a mapping of GFPOConfig fields (field: value), got {args!r}")
-    bad = sorted((name for name in args if name not in fields), key=str)
+    specs = config_fields.field_specs()
+    bad = sorted((name for name in args if name not in specs), key=str)
     if bad:
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(fields))}")
-    args = _convert_args(args)
-    args.setdefault("output_dir", "gfpo-output")
-    for name in PATH_ARGS:  # a deepspeed config may also be given inline, as a mapping: left as it is
-        if isinstance(args.get(name), str) and not (name == "deepspeed" and args[name].lstrip().startswith("{")):
-            args[name] = _in_folder(args[name], base_dir)
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(specs))}")
+    args = _convert_args(args, specs)
+    try:
+        group_filter_spec(args.get("group_filter"))
+    except ValueError as error:
+        raise ConfigError(f"args: {error}") from None
+    if config.get("prompt") is not None:
+        check_prompt_key(config["prompt"])
     reward_specs = config["reward_funcs"]
     reward_specs = [reward_specs] if isinstance(reward_specs, str) else reward_specs
     if not isinstance(reward_specs, list) or not reward_specs or not all(isinstance(s, str) for s in reward_specs):
         raise ConfigError(f"reward_funcs must be one or more 'package.module:function' strings, got {reward_specs!r}")
-    reward_funcs = [load_reward_func(s, base_dir) for s in reward_specs]
+    dataset, split = config["dataset"], config.get("dataset_split", "train")
+    if not isinstance(dataset, str):
+        raise ConfigError(f"dataset must be a file path or a datasets hub name, got {dataset!r}")
+    if not isinstance(split, str):
+        raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
+    local = _in_folder(dataset, base_dir)
+    if os.path.splitext(dataset)[1].lower() in _LOCAL_DATA and not os.path.exists(local):
+        raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local})")
+    return {"model": model, "args": args, "reward_specs": reward_specs}
+
+
+def build_trainer(config: dict, base_dir: str | None = None):
+    """A GFPOTrainer from a parsed training config (checked first by check_config); relative paths in it are read
+    from `base_dir` (the config file's folder; default: the working directory)."""
+    from transformers import AutoTokenizer
+
+    from .config import GFPOConfig
+    from .trainer import GFPOTrainer
+
+    base_dir = os.path.abspath(base_dir or os.getcwd())
+    checked = check_config(config, base_dir)
+    model, args = checked["model"], checked["args"]
+    args.setdefault("output_dir", "gfpo-output")
+    for name in PATH_ARGS:  # a deepspeed config may also be given inline, as a mapping: left as it is
+        if isinstance(args.get(name), str) and not (name == "deepspeed" and args[name].lstrip().startswith("{")):
+            args[name] = _in_folder(args[name], base_dir)
+    reward_funcs = [load_reward_func(s, base_dir) for s in checked["reward_specs"]]
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
         raise ConfigError(f"args: {_one_line(error)}") from None
-    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir)
+    dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
+                                 prompt=config.get("prompt"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except OSError as error:
         raise ConfigError(f"cannot load model {model!r}: {error}") from None
+    if config.get("prompt") is not None and not getattr(tokenizer, "chat_template", None):
+        # TRL would fail at the first step, inside apply_chat_template
+        raise ConfigError(f"the prompt key builds chat messages, and the tokenizer of model {model!r} has no chat "
+                          "template: use an instruct (chat) model, or give the tokenizer a chat_template")
     try:
         return GFPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                            processing_class=tokenizer)
@@ -222,70 +328,146 @@ def build_trainer(config: dict, base_dir: str | None = None):
         raise ConfigError(_one_line(error)) from None
 
 
-def _convert_args(args: dict) -> dict:
+def _convert_args(args: dict, specs: dict | None = None) -> dict:
     """YAML strings -> the GFPOConfig field types, as TRL's CLI converts them: PyYAML reads `1e-6` as a string, a
     quoted '4' or 'false' stays one, and GFPOConfig converts nothing. The types are those of HfArgumentParser's
-    actions (what `trl grpo --learning_rate 1e-6` goes through). Values that are not strings must already be of the
-    field's type (an int field takes no 2.5 nor 4.0, a float field no list), or the run would fail steps later
-    inside transformers or TRL, naming neither the key nor the value."""
-    from enum import Enum
+    actions (what `trl grpo --learning_rate 1e-6` goes through), as config_fields.field_specs gives them. Values that
+    are not strings must already be of the field's type (an int field takes no 2.5 nor 4.0, a float field no list),
+    or the run would fail steps later inside transformers or TRL, naming neither the key nor the value. `specs`:
+    config_fields.field_specs() when not given."""
+    if specs is None:
+        from .config_fields import field_specs
 
-    from transformers import HfArgumentParser
-    from transformers.hf_argparser import string_to_bool
-
-    from .config import GFPOConfig
-
-    actions = HfArgumentParser(GFPOConfig)._option_string_actions  # "--name" -> its argparse action
+        specs = field_specs()
     converted = dict(args)
     for name, value in args.items():
-        action = actions.get(f"--{name}")
-        kind = getattr(action, "type", None)
+        kind, choices, is_list = specs[name]
         # only the types that parse text: str needs nothing, and dict or config-object fields (liger_kernel_config,
         # parallelism_config) keep their string, which TrainingArguments reads as JSON itself
-        if not (kind in (int, float, string_to_bool) or getattr(action, "choices", None) is not None
-                or (isinstance(kind, type) and issubclass(kind, Enum))):
+        if kind is None:
             continue
         if isinstance(value, str):
-            converted[name] = _convert_value(name, value, action)
-        elif action.nargs == "+" and isinstance(value, list):  # list[int] and the like: item by item
-            converted[name] = [_convert_value(name, v, action) if isinstance(v, str) else _checked(name, v, action)
-                               for v in value]
+            converted[name] = _convert_value(name, value, kind, choices)
+        elif is_list and isinstance(value, list):  # list[int] and the like: item by item
+            converted[name] = [_convert_value(name, v, kind, choices) if isinstance(v, str)
+                               else _checked(name, v, kind, choices) for v in value]
         elif value is not None:  # None: an optional field left unset
-            converted[name] = _checked(name, value, action)
+            converted[name] = _checked(name, value, kind, choices)
     return converted
 
 
-def _checked(name: str, value, action):
+def _checked(name: str, value, kind: str, choices):
     """A value YAML gave as a number, bool or list, checked against the field's type (a bool field also takes 0/1)."""
-    kind = action.type
-    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(kind)
-    what = {int: "an int", float: "a number"}.get(kind)
-    if getattr(kind, "__name__", None) == "string_to_bool":
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(kind)
+    what = {"int": "an int", "float": "a number"}.get(kind)
+    if kind == "bool":
         if type(value) is int and value in (0, 1):
             return bool(value)
         ok, what = (lambda v: isinstance(v, bool)), "a bool (true/false, 1/0)"
     if ok is not None and not ok(value):
         raise ConfigError(f"args: {name}={value!r} is not {what}")
-    if ok is None and action.choices is not None and value not in action.choices:
-        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
-                          f"{_did_you_mean(value, action.choices)}")
+    if ok is None and choices is not None and value not in choices:
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(choices)}{_did_you_mean(value, choices)}")
     return value
 
 
-def _convert_value(name: str, value: str, action):
-    import argparse
+# the words a bool field's string takes, as transformers' string_to_bool reads them (any case)
+_BOOL_WORDS = {"true": True, "yes": True, "t": True, "y": True, "1": True,
+               "false": False, "no": False, "f": False, "n": False, "0": False}
 
+
+def _convert_value(name: str, value: str, kind: str, choices):
+    """A string -> the field's kind, as HfArgumentParser's action for it converts `--name value`."""
     try:
-        converted = action.type(value)
-    except (ValueError, TypeError, argparse.ArgumentTypeError):
-        what = getattr(action.type, "__name__", "its type")
-        what = "a bool (true/false, yes/no, 1/0)" if what == "string_to_bool" else what
+        if kind == "bool":
+            converted = _BOOL_WORDS[value.lower()]
+        elif kind in ("int", "float"):
+            converted = {"int": int, "float": float}[kind](value)
+        else:  # a choice: the value whose text it is
+            converted = {str(choice): choice for choice in choices}.get(value, value)
+    except (ValueError, KeyError):
+        what = "a bool (true/false, yes/no, 1/0)" if kind == "bool" else kind
         raise ConfigError(f"args: {name}={value!r} cannot be read as {what}") from None
-    if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"args: {name}={value!r} is not one of {list(action.choices)}"
-                          f"{_did_you_mean(value, action.choices)}")
+    if choices is not None and converted not in choices:
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(choices)}{_did_you_mean(value, choices)}")
     return converted
+
+
+def apply_overrides(config: dict, overrides: list[str], top_level_keys: tuple[str, ...],
+                    section: str = "args") -> dict:
+    """The config with command-line overrides applied, as `trl grpo --config F --max_steps 3` applies its flags.
+
+    Each override is `--name value` or `--name=value`. `name` is a top-level key (`--model path`), a dotted path from
+    one (`--args.max_steps 3`, `--eval.samples 4`: sections that do not exist yet are made), or a bare name that is no
+    top-level key, which goes into `section` (`--max_steps 3` sets args.max_steps). Dashes in a name read as
+    underscores (`--max-steps`), as in TRL's flags. A value is read as one YAML value: `3` is 3, `true` True,
+    `[a, b]` a list, `null` None, and `1e-6` stays the string that the config's own conversion reads as a float. A
+    mapping given for a mapping is merged into it (`--args '{max_steps: 3}'` keeps the file's other args). Names are
+    not checked here: the config's validation reports an unknown one, with the close name.
+
+    Args:
+        config: the parsed YAML config (left unchanged).
+        overrides: the command-line words after the command's own options, e.g. ["--max_steps", "3", "--bf16=true"].
+        top_level_keys: the config's top-level keys (the first part of a dotted path must be one).
+        section: where a bare name that is no top-level key goes.
+
+    Returns:
+        A new dict: `config` with every override applied, later ones over earlier ones.
+
+    Raises:
+        ConfigError naming the flag: a word that is no `--name`, a flag without a value, a value that is not YAML,
+        a dotted path from no top-level key or through a value that is not a mapping.
+    """
+    import copy
+
+    import yaml
+
+    config = copy.deepcopy(config)
+    words = list(overrides)
+    while words:
+        flag = words.pop(0)
+        name, equals, value = flag.partition("=")
+        if not name.startswith("--") or len(name) == 2:
+            raise ConfigError(f"{flag!r}: overrides are --name value (or --name=value), e.g. --max_steps 3 or "
+                              f"--{section}.max_steps 3")
+        name = name[2:].replace("-", "_")
+        if not equals:
+            if not words or words[0].startswith("--"):
+                raise ConfigError(f"{flag}: no value given; write {flag} VALUE or {flag}=VALUE (a switch takes true "
+                                  f"or false: {flag} true)")
+            value = words.pop(0)
+        if value.strip() == "":
+            raise ConfigError(f"--{name}: the value is empty; give one (null unsets an optional field: --{name} null)")
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ConfigError(f"--{name}={value!r} is not a YAML value ({_one_line(error)}); quote it for the "
+                              "shell, e.g. --name '[1, 2]'") from None
+        path = name.split(".")
+        if len(path) == 1 and name not in top_level_keys:
+            path = [section, name]
+        if path[0] not in top_level_keys or not all(path):
+            raise ConfigError(f"--{name}: the config has no section {path[0]!r}"
+                              f"{_did_you_mean(path[0], top_level_keys)}; its keys: {list(top_level_keys)}")
+        place = config
+        for depth, key in enumerate(path[:-1]):
+            if place.get(key) is None:
+                place[key] = {}
+            elif not isinstance(place[key], dict):
+                where = ".".join(path[:depth + 1])
+                raise ConfigError(f"--{name}: {where} is {place[key]!r}, not a mapping of fields; set it whole with "
+                                  f"--{where} VALUE")
+            place = place[key]
+        place[path[-1]] = _merged(place.get(path[-1]), value)
+    return config
+
+
+def _merged(old, new):
+    """`new` over `old`: two mappings key by key (what `new` leaves out is kept), anything else replaced by `new`."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{key: _merged(old.get(key), value) for key, value in new.items()}}
+    return new
 
 
 def saved_line(output_dir: str) -> str:
@@ -327,6 +509,27 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+# the packages of the trainer extra that `train` imports (pyproject.toml's `trainer` extra lists them with versions)
+TRAIN_MODULES = ("yaml", "trl", "transformers", "datasets", "accelerate", "torch")
+
+
+def _not_installed(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ValueError, ImportError):  # a module set to None in sys.modules, or a broken package
+        return True
+
+
+def _missing_dependency(name: str) -> int:
+    """The one line for a package of the trainer extra that is not installed; the exit status 2."""
+    missing = name.partition(".")[0]  # the package, not its submodule
+    print(f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, "
+          'pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
+    return 2
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """argparse's formatting, with a description or epilog filled paragraph by paragraph, and an indented paragraph
     (the example config) kept as it is written."""
@@ -348,8 +551,8 @@ def _sentence(summary: str) -> str:
 
 
 TRAIN_DESCRIPTION = (
-    "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column, reward functions and GFPOConfig "
-    "fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
+    "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column (or a prompt key that builds "
+    "one from its columns), reward functions and GFPOConfig fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
     "args.output_dir (default gfpo-output, beside the config file)."
 )
 
@@ -363,29 +566,32 @@ def main(argv=None) -> int:
                                      epilog="Each command's --help says what it does and what it takes.")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train with GFPO from a YAML config", description=TRAIN_DESCRIPTION,
-                                epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter)
+                                epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter,
+                                usage="%(prog)s --config FILE.yaml [--field value ...]", allow_abbrev=False)
     train.add_argument("--config", required=True,
                        help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
-                       "and optionally dataset_split (default train)")
+                       "and optionally dataset_split (default train) and prompt. Any further --field value (or --field=value) "
+                       "overrides the file: a GFPOConfig field (--max_steps 3, or --args.max_steps 3) or a top-level "
+                       "key (--model DIR)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "
                         "extension, backends, and whether the installed TRL and vLLM are supported")
     for command in commands._choices_actions:  # a command's --help opens with its summary from the list above
         if commands.choices[command.dest].description is None:
             commands.choices[command.dest].description = _sentence(command.help)
-    options = parser.parse_args(argv)
+    # the train command's further words are config overrides (apply_overrides); the other commands take none
+    options, overrides = parser.parse_known_args(argv)
+    if overrides and options.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
     if options.command == "env":  # needs no TRL: a bug report must be possible from a broken install
         from .env_report import environment_report
 
         print(environment_report())
         return 0
-    try:  # the commands need the trainer extra, which `pip install --no-build-isolation .` alone does not bring
-        from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)
-    except ModuleNotFoundError as error:
-        missing = error.name.partition(".")[0] if error.name else str(error)  # the package, not its submodule
-        print(f"error: {missing!r} is not installed: gfpo's trainer needs its dependencies; from the checkout, "
-              'pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
-        return 2
-
+    # the training stack takes seconds to import: a missing package is found by name (find_spec imports nothing),
+    # and the config is checked (check_config) before the stack is imported, so a mistake is reported at once
+    missing = next((name for name in TRAIN_MODULES if _not_installed(name)), None)
+    if missing is not None:
+        return _missing_dependency(missing)
     import yaml
 
     # a mistake in the file is one line: what the libraries warn while the config is built (transformers' deprecation
@@ -396,12 +602,28 @@ def main(argv=None) -> int:
                 config = yaml.safe_load(f) or {}
             if not isinstance(config, dict):
                 raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
-            trainer = build_trainer(config, base_dir=os.path.dirname(os.path.abspath(options.config)))
+            config = apply_overrides(config, overrides, _TOP_LEVEL_KEYS)
+            base_dir = os.path.dirname(os.path.abspath(options.config))
+            check_config(config, base_dir)
+            try:
+                from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)
+            except ModuleNotFoundError as error:  # a dependency of theirs
+                return _missing_dependency(error.name or str(error))
+            trainer = build_trainer(config, base_dir=base_dir)
         except (ConfigError, OSError, yaml.YAMLError) as error:
             print(f"error: {_one_line(error)}", file=sys.stderr)
             return 2
     for warning in held:
         warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    from ._compat import quiet_known_noise
+
+    quiet_known_noise()  # again: the trainer set these filters inside the block above, which undid them on leaving
+    from transformers.trainer_callback import ProgressCallback
+
+    from .progress import progress_callback
+
+    if trainer.pop_callback(ProgressCallback) is not None:  # none with disable_tqdm or in a notebook
+        trainer.add_callback(progress_callback())  # a bar that stays small in a log file
     # TrainingArguments.resume_from_checkpoint is read by the caller of train(), not by the Trainer (TRL's scripts
     # pass it too): without this, a config asking to resume would start again from the model and overwrite
     # the checkpoints

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -24,7 +26,9 @@ class GFPOConfig(GRPOConfig):
     r"""
     Configuration of [`GFPOTrainer`]: every field of TRL's `GRPOConfig`, plus the fields below (docs/trainer.md
     has each in full). One difference: `bf16` left unset is on only where the device supports it (TRL: always
-    on), so one config runs on a CPU and on a GPU.
+    on), so one config runs on a CPU and on a GPU; and two defaults that only warn are set quietly (the
+    `activation_checkpointing` name for TRL's default `gradient_checkpointing=True`, no `dataloader_pin_memory`
+    without an accelerator, where torch ignores it).
 
     Parameters:
         num_remains_in_group (`int` or `None`, *optional*, defaults to `None`):
@@ -145,7 +149,14 @@ class GFPOConfig(GRPOConfig):
             from transformers.utils import is_torch_bf16_gpu_available
 
             self.bf16 = not self.use_cpu and is_torch_bf16_gpu_available()
-        super().__post_init__()
+        self._quiet_defaults()
+        generation_batch_given, steps_given = self.generation_batch_size is not None, self.steps_per_generation
+        try:
+            super().__post_init__()
+        except ValueError:
+            if not generation_batch_given:  # TRL's message names generation_batch_size, a field not set here
+                self._check_generation_batch("steps_per_generation" if steps_given else "gradient_accumulation_steps")
+            raise
         G = self.num_generations
         k = self.num_remains_in_group
         if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 2 <= k < G):
@@ -222,3 +233,48 @@ class GFPOConfig(GRPOConfig):
                 f"{self.multi_objective_aggregation!r} is not supported with num_remains_in_group (use "
                 "'sum_then_normalize')"
             )
+
+    def _quiet_defaults(self):
+        """Two defaults that warn on every run, about nothing the config set, changed where that changes no result:
+        transformers 5 renamed gradient_checkpointing to activation_checkpointing and warns (FutureWarning) when the
+        old name is set, which TRL's GRPOConfig does by default (True): the new name takes that default (a value the
+        config gives the old name itself still warns). And page-locked memory needs an accelerator: without one
+        torch ignores dataloader_pin_memory and warns (UserWarning) at every data loader."""
+        import torch
+
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if ("activation_checkpointing" in defaults and self.activation_checkpointing is None
+                and self.gradient_checkpointing == defaults["gradient_checkpointing"]):
+            self.activation_checkpointing = self.gradient_checkpointing
+        if self.dataloader_pin_memory and not torch.accelerator.is_available():
+            self.dataloader_pin_memory = False
+
+    def _check_generation_batch(self, steps_name: str):
+        """Where the generation batch TRL derived (per_device_train_batch_size x processes x steps per generation,
+        `steps_name`: the field those steps come from) holds no whole number of groups, a ValueError in the fields
+        the config set, with values that work."""
+        G, batch = self.num_generations, self.generation_batch_size
+        if not (isinstance(G, int) and G >= 1 and isinstance(batch, int) and batch % G):
+            return
+        per_device, steps = self.per_device_train_batch_size, self.steps_per_generation or 1
+        processes = batch // (per_device * steps)
+        unit = G // math.gcd(G, processes * steps)  # per_device_train_batch_size must be a multiple of it
+        sizes = sorted({size for size in (per_device // unit * unit, -(-per_device // unit) * unit) if size > 0})
+        step_unit = G // math.gcd(G, per_device * processes)
+        k = self.num_remains_in_group if isinstance(self.num_remains_in_group, int) else 1
+        generations = [g for g in range(max(2, k + 1), batch + 1) if batch % g == 0]
+        generations = sorted(sorted(generations, key=lambda g: (abs(g - G), g))[:3])
+        others = [f"{steps_name}={-(-steps // step_unit) * step_unit}"]
+        if generations:
+            others.append(f"num_generations={_one_of(generations)}")
+        raise ValueError(
+            f"per_device_train_batch_size={per_device} x {processes} process{'es' * (processes != 1)} x "
+            f"{steps_name}={steps} = {batch} completions per generation batch, which must hold whole groups of "
+            f"num_generations={G}: make that product a multiple of {G}, e.g. per_device_train_batch_size="
+            f"{_one_of(sizes)} (or {', or '.join(others)})"
+        ) from None
+
+
+def _one_of(values: list[int]) -> str:
+    """[4] -> "4", [4, 8] -> "4 or 8", [2, 3, 6] -> "2, 3 or 6"."""
+    return " or ".join([", ".join(map(str, values[:-1])), str(values[-1])] if len(values) > 1 else [str(values[0])])

@@ -5,17 +5,21 @@ each group with the largest, or smallest, score are kept) and what the trainer m
 completions it will drop, report TRL's metrics over the kept rows, seed vLLM's requests one per completion.
 
 Readers: GFPOConfig (the names, its vLLM checks), selection.select (the score), GFPOTrainer (the generation path,
-the metrics). Adding a filter: an entry in GROUP_FILTER_SPECS and a test of its ranking.
+the metrics), the command line (the names and the paper's words for them, checked before torch is imported: this
+module imports torch only inside the score functions). Adding a filter: an entry in GROUP_FILTER_SPECS and a test of
+its ranking.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+import re
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
-import torch
+from ._names import did_you_mean
 
-from gfpo_kernels._validation import did_you_mean
+if TYPE_CHECKING:
+    import torch
 
 
 class FilterInputs(NamedTuple):
@@ -47,6 +51,8 @@ class GroupFilterSpec:
     vllm_request_seeds: on vLLM every completion is its own request, seeded from the trainer's random stream
         (gfpo_vllm_request_seeds), so the kept completions are the same with the early-stop rule on or off.
     summary: what it keeps, in a few words (error messages, the CLI's help).
+    paper_names: what the paper (arXiv 2508.09726) and the length study's arms call it, so that a config saying
+        `group_filter: shortest` is told the name to write (never taken silently: one name per filter).
     """
 
     name: str
@@ -56,6 +62,7 @@ class GroupFilterSpec:
     trl_metrics_over_kept_rows: bool
     vllm_request_seeds: bool
     summary: str
+    paper_names: tuple[str, ...] = ()
 
     @property
     def own_generation(self) -> bool:
@@ -80,6 +87,8 @@ def token_efficiency_score(x: FilterInputs) -> torch.Tensor:
     where a float32 reward over a token count is neither rounded to a false tie nor to 0.
 
     Returns: (N,) float64, -(position in the group), NaN for unscorable rows."""
+    import torch
+
     rewards, lengths = x.rewards.double(), x.lengths.double()
     efficiency = rewards / lengths.clamp(min=1.0)
     descending_efficiency = torch.nan_to_num(-efficiency, nan=torch.inf)  # NaN would sort first; it ranks last
@@ -94,6 +103,8 @@ def rank_in_group(keys: list[torch.Tensor], group_size: int) -> torch.Tensor:
 
     Stable sorts, least significant key first. -0.0 is folded into 0.0 (a radix sort, as on CUDA, orders their bits
     apart); keys must hold no NaN."""
+    import torch
+
     order = torch.arange(keys[0].numel(), device=keys[0].device)
     for key in reversed(keys):
         key = key + 0.0  # -0.0 + 0.0 = 0.0
@@ -106,10 +117,14 @@ def rank_in_group(keys: list[torch.Tensor], group_size: int) -> torch.Tensor:
 
 GROUP_FILTER_SPECS: dict[str, GroupFilterSpec] = {spec.name: spec for spec in (
     GroupFilterSpec("length", length_score, largest=False, early_stop=True, trl_metrics_over_kept_rows=True,
-                    vllm_request_seeds=True, summary="the k completions with the fewest tokens"),
+                    vllm_request_seeds=True, summary="the k completions with the fewest tokens",
+                    paper_names=("shortest", "shortest k/g", "shortest k", "shortest k of g", "short", "length filter",
+                                 "response length", "completion length", "min length")),
     GroupFilterSpec("token_efficiency", token_efficiency_score, largest=True, early_stop=False,
                     trl_metrics_over_kept_rows=False, vllm_request_seeds=False,
-                    summary="the k completions with the most reward per token"),
+                    summary="the k completions with the most reward per token",
+                    paper_names=("token efficiency", "efficiency", "reward per token", "reward/length",
+                                 "reward / length", "token efficient")),
 )}
 GROUP_FILTERS = tuple(GROUP_FILTER_SPECS)
 
@@ -121,6 +136,25 @@ def group_filter_spec(group_filter) -> GroupFilterSpec | None:
         return None
     spec = GROUP_FILTER_SPECS.get(group_filter) if isinstance(group_filter, str) else None
     if spec is None:
+        named = filter_named_in_the_paper(group_filter)
+        if named is None or named.name == "_".join(re.split(r"[\s_-]+", group_filter.strip().lower())):
+            hint = did_you_mean(group_filter, GROUP_FILTERS) if named is None else f" (did you mean {named.name!r}?)"
+        else:
+            hint = (f" (did you mean {named.name!r}? the filter the paper calls {group_filter!r}, which keeps "
+                    f"{named.summary})")
         raise ValueError(f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={group_filter!r}"
-                         f"{did_you_mean(group_filter, GROUP_FILTERS)}")
+                         f"{hint}")
     return spec
+
+
+def filter_named_in_the_paper(name) -> GroupFilterSpec | None:
+    """The built-in filter that `name` is another word for (one of its `paper_names`, whatever the case, with `-` or
+    `_` for spaces, or a study arm's name such as "shortest-8of16"), None when it is none of them."""
+    if not isinstance(name, str):
+        return None
+    words = " ".join(re.split(r"[\s_-]+", name.strip().lower()))
+    for spec in GROUP_FILTER_SPECS.values():
+        for paper_name in (spec.name.replace("_", " "), *spec.paper_names):
+            if words == paper_name or re.fullmatch(re.escape(paper_name) + r" \d+ ?(of|/) ?\d+", words):
+                return spec
+    return None

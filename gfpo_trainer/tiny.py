@@ -86,9 +86,9 @@ def supervised_warm_up(model, tokenizer, draw_example, steps: int, device, batch
     if desc is None:
         step_range = range(steps)
     else:
-        from tqdm.auto import tqdm
+        from .progress import progress_bar
 
-        step_range = tqdm(range(steps), desc=desc)
+        step_range = progress_bar(range(steps), desc=desc)
     losses = []
     for _ in step_range:
         ids, labels = [], []

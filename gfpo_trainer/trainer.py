@@ -42,7 +42,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from ._compat import (
     TRLSurfaceError, check_fused_kernels_trl, check_output, check_trainer_attributes, check_trl_surfaces,
     check_vllm_generation, check_vllm_server_generation, check_vllm_version, keep_model_forward_under_liger,
-    tool_mask_of
+    quiet_known_noise, tool_mask_of
 )
 from .adaptive import AdaptiveDifficulty
 from .batch import GenerationBatch
@@ -95,6 +95,7 @@ class GFPOTrainer(GRPOTrainer):
         **grpo_kwargs,
     ):
         check_trl_surfaces()
+        quiet_known_noise()
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = GFPOConfig(f"{name.split('/')[-1]}-GFPO")

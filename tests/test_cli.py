@@ -16,8 +16,9 @@ trl = pytest.importorskip("trl")
 yaml = pytest.importorskip("yaml")
 
 from gfpo_trainer import GROUP_FILTERS  # noqa: E402
-from gfpo_trainer.cli import ConfigError, build_trainer, load_reward_func, main, saved_line  # noqa: E402
-from gfpo_study.demo import correctness_reward  # noqa: E402
+from gfpo_trainer.cli import (  # noqa: E402
+    _TOP_LEVEL_KEYS, ConfigError, apply_overrides, build_trainer, load_reward_func, main, saved_line)
+from gfpo_study.sums_task import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
 REPO = Path(__file__).parents[1]
@@ -68,6 +69,79 @@ def test_train_command(model_dir, dataset_file, tmp_path, capsys):
     listed = last.split(": ", 1)[1].split(", ")
     assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(listed)
     assert sorted(listed) == sorted(path.name for path in out.iterdir())
+
+
+def test_apply_overrides_sets_fields_sections_and_top_level_keys():
+    """`--name value` and `--name=value`: a bare name goes into args (as `trl grpo --max_steps 3`), a dotted path
+    into its section (made when missing), a top-level key replaces its value; values are YAML values."""
+    config = {"model": "tiny", "args": {"max_steps": 1, "learning_rate": "1e-5"}}
+    keys = ("model", "dataset", "args", "eval")
+    got = apply_overrides(config, ["--max_steps", "3", "--args.learning_rate=1e-6", "--model", "other/dir",
+                                   "--eval.samples", "4", "--report-to", "[tensorboard, wandb]", "--bf16", "true",
+                                   "--epsilon", "-0.1", "--group_filter", "null", "--max_steps=5"], keys)
+    assert got == {"model": "other/dir",
+                   "args": {"max_steps": 5, "learning_rate": "1e-6", "report_to": ["tensorboard", "wandb"],
+                            "bf16": True, "epsilon": -0.1, "group_filter": None},
+                   "eval": {"samples": 4}}
+    assert config == {"model": "tiny", "args": {"max_steps": 1, "learning_rate": "1e-5"}}  # not changed
+    assert apply_overrides({}, ["--deep.a.b", "x"], ("deep",)) == {"deep": {"a": {"b": "x"}}}
+    assert apply_overrides({"args": None}, ["--seed", "7"], ("args",)) == {"args": {"seed": 7}}
+    assert apply_overrides({}, ["--max_steps", "3"], ("model", "eval"), section="eval") == {"eval": {"max_steps": 3}}
+    # a mapping merges into a mapping, key by key; any other value replaces
+    assert apply_overrides(config, ["--args", "{max_steps: 3, model_init_kwargs: {dtype: float32}}"], keys)["args"] == {
+        "max_steps": 3, "learning_rate": "1e-5", "model_init_kwargs": {"dtype": "float32"}}
+    assert apply_overrides({"prompt": {"system": "s", "user": "{q}"}}, ["--prompt", "{user: '{question}'}"],
+                           ("prompt",)) == {"prompt": {"system": "s", "user": "{question}"}}
+    assert apply_overrides({"reward_funcs": ["a:f", "b:g"]}, ["--reward_funcs", "[c:h]"], ("reward_funcs",)) == {
+        "reward_funcs": ["c:h"]}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--max_steps"], "--max_steps: no value given; write --max_steps VALUE or --max_steps=VALUE (a switch takes "
+     "true or false: --max_steps true)"),
+    (["--bf16", "--max_steps", "3"], "--bf16: no value given; write --bf16 VALUE or --bf16=VALUE (a switch takes "
+     "true or false: --bf16 true)"),
+    (["--max_steps="], "--max_steps: the value is empty; give one (null unsets an optional field: --max_steps null)"),
+    (["--argz.max_steps", "3"], "--argz.max_steps: the config has no section 'argz' (did you mean 'args'?); its "
+     "keys: ['model', 'dataset', 'dataset_split', 'prompt', 'reward_funcs', 'args']"),
+    (["--model.revision", "main"], "--model.revision: model is 'tiny', not a mapping of fields; set it whole with "
+     "--model VALUE"),
+    (["max_steps", "3"], "'max_steps': overrides are --name value (or --name=value), e.g. --max_steps 3 or "
+     "--args.max_steps 3"),
+    (["--report_to", "[a, b"], "--report_to='[a, b' is not a YAML value"),
+])
+def test_apply_overrides_errors_name_the_flag(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        apply_overrides({"model": "tiny", "args": {}}, overrides, _TOP_LEVEL_KEYS)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_train_command_takes_field_overrides(model_dir, dataset_file, tmp_path, capsys):
+    """`train --config F --field value`: the overrides reach GFPOConfig (converted like the file's values) and the
+    run; an unknown field is the config's own error, with the close name."""
+    config = _config(model_dir, dataset_file, tmp_path)
+    overridden = apply_overrides(config, ["--num_remains_in_group", "2", "--args.group_filter=token_efficiency",
+                                          "--learning_rate", "1e-6", "--use_gfpo_kernels", "false"], _TOP_LEVEL_KEYS)
+    args = build_trainer(overridden).args
+    assert (args.num_remains_in_group, args.group_filter, args.learning_rate, args.use_gfpo_kernels) == (
+        2, "token_efficiency", 1e-6, False)
+    assert config["args"]["num_remains_in_group"] == 4 and args.num_generations == 8  # the file's other values
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)  # the trainer built above made it
+    assert main(["train", "--config", str(config_file), "--max_steps", "2", "--save_strategy=steps",
+                 "--save-steps", "2", "--output_dir", str(tmp_path / "other")]) == 0
+    state = json.loads((tmp_path / "other" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and not (tmp_path / "out").exists()
+    capsys.readouterr()
+    assert main(["train", "--config", str(config_file), "--max_stepz", "3"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['max_stepz'] under 'args' (did you mean "
+                                       "'max_steps'?)\n")
+    assert main(["train", "--config", str(config_file), "--max_steps"]) == 2
+    assert capsys.readouterr().err.startswith("error: --max_steps: no value given; ")
+    with pytest.raises(SystemExit):  # the other commands take no overrides
+        main(["env", "--max_steps", "3"])
+    assert "unrecognized arguments: --max_steps 3" in capsys.readouterr().err
 
 
 def test_saved_line_lists_files_folders_and_checkpoints_in_step_order(tmp_path):
@@ -124,8 +198,12 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
         (dict(args={"num_remains_in_group": 9, "num_generations": 8}),
          r"args: num_remains_in_group must be an int with 2 <= k < num_generations=8 .*got num_remains_in_group=9"),
         (dict(args={"group_filter": "shortest", "num_remains_in_group": 4}),
-         re.escape(f"args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest'")),
-        (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}), r"args: .*num_generations \(16\)"),
+         re.escape(f"args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest' (did you "
+                   "mean 'length'? the filter the paper calls 'shortest', which keeps the k completions with the "
+                   "fewest tokens)")),
+        (dict(args={"per_device_train_batch_size": 8, "num_generations": 16}),
+         r"^args: per_device_train_batch_size=8 x 1 process x gradient_accumulation_steps=1 = 8 completions per "
+         r"generation batch, which must hold whole groups of num_generations=16: .* per_device_train_batch_size=16"),
         (dict(args={"num_remains_in_group": 4, "num_generations": 8, "per_device_train_batch_size": 8}),
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
         (dict(dataset="/nonexistent/train.jsonl"),
@@ -243,10 +321,114 @@ def test_dataset_split_slices_a_local_file(model_dir, dataset_file, tmp_path):
 
 
 def test_missing_prompt_column(model_dir, tmp_path):
+    """A data set without "prompt" (GSM8K's question/answer): the error names the columns and the line to add."""
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"question": "1+1="}) + "\n")
-    with pytest.raises(ConfigError, match=r"has no 'prompt' column \(columns: \['question'\]\)"):
+    path.write_text(json.dumps({"question": "1+1=", "answer": "#### 2"}) + "\n")
+    with pytest.raises(ConfigError) as error:
         build_trainer(_config(model_dir, str(path), tmp_path))
+    assert str(error.value) == (
+        f"dataset '{path}' has no 'prompt' column (columns: ['question', 'answer']); to build chat prompts from its "
+        "'question' column, add to the config: prompt: {user: \"{question}\"} (and optionally system: \"...\"; "
+        "docs/cli.md)")
+    line = str(error.value).split("add to the config: ")[1].split(" (and")[0]
+    assert yaml.safe_load(line) == {"prompt": {"user": "{question}"}}  # the line to add is YAML as printed
+    path.write_text(json.dumps({"problem": "1+1=", "solution": "2"}) + "\n")
+    with pytest.raises(ConfigError, match=r"from its 'problem' column, add to the config: prompt: \{user: "
+                                          r"\"\{problem\}\"\}"):
+        build_trainer(_config(model_dir, str(path), tmp_path))
+
+
+# a template of the form chat models have (role, then content), in the tiny tokenizer's characters
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} ; {% endfor %}"
+                      "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(model_dir, tmp_path_factory):
+    """The tiny model with a chat template on its tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("cli-chat-model") / "tiny-chat"
+    shutil.copytree(model_dir, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+QUESTIONS = [(f"what is {a} plus {a + 1}?", f"{a} + {a + 1} = {2 * a + 1}\n#### {2 * a + 1}") for a in range(8)]
+
+
+@pytest.fixture
+def question_file(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QUESTIONS))
+    return str(path)
+
+
+def test_prompt_key_builds_chat_prompts_from_the_columns(chat_model_dir, question_file, tmp_path):
+    config = _config(chat_model_dir, question_file, tmp_path,
+                     prompt={"system": "answer with a number", "user": "q: {question}"})
+    dataset = build_trainer(config).train_dataset
+    assert dataset.column_names == ["question", "answer", "prompt"]
+    assert dataset[3]["prompt"] == [{"role": "system", "content": "answer with a number"},
+                                    {"role": "user", "content": "q: what is 3 plus 4?"}]
+    assert [row["answer"] for row in dataset] == [a for _, a in QUESTIONS]  # the other columns stay
+    config["prompt"] = {"user": "{question}"}  # no system message: the user message alone
+    assert build_trainer(config).train_dataset[0]["prompt"] == [{"role": "user", "content": "what is 0 plus 1?"}]
+
+
+def test_prompt_key_answer_column_reaches_the_reward_function(chat_model_dir, question_file, tmp_path, monkeypatch):
+    """A real run: every reward call gets the `answer` of the very row whose question its prompt holds."""
+    calls = tmp_path / "calls.jsonl"
+    (tmp_path / "gfpo_cli_answer_rewards.py").write_text(
+        "import json\n"
+        "def final_number(completions, prompts, answer, **kwargs):\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write(json.dumps({'prompts': prompts, 'answer': answer}) + '\\n')\n"
+        "    return [float(a.split('####')[1].strip() in c[0]['content']) for c, a in zip(completions, answer)]\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    config = _config(chat_model_dir, question_file, tmp_path, prompt={"system": "be brief", "user": "{question}"},
+                     reward_funcs=["gfpo_cli_answer_rewards:final_number"])
+    config["args"].update(max_steps=2, logging_steps=1)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(config_file)]) == 0
+    logged = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(logged) == 2  # one call per generation batch, 8 rows (1 prompt x 8 generations) each
+    answer_of = dict(QUESTIONS)
+    for call in logged:
+        assert len(call["answer"]) == 8
+        for prompt, answer in zip(call["prompts"], call["answer"]):
+            assert prompt[0] == {"role": "system", "content": "be brief"}
+            assert answer == answer_of[prompt[1]["content"]]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("{question}", "prompt must be a mapping of the chat messages to build, prompt: {system: \"optional system "
+     "message\", user: \"{question}\"}; got '{question}'"),
+    ({"usr": "{question}"}, "unknown prompt keys ['usr'] (did you mean 'user'?); expected ['system', 'user']: "),
+    ({"system": "be brief"}, "prompt needs user, the user message made from each row's columns, e.g. prompt: "),
+    ({"user": "{question}", "system": ["a"]}, "prompt: system must be a string (the system message), got ['a']"),
+    ({"user": "{question"}, "prompt: user='{question' is not a format string (expected '}' before end of string); "),
+    ({"user": "{questoin}"}, "prompt: user='{questoin}' names no column ['questoin'] (did you mean 'question'?); "
+     "the dataset's columns: ['question', 'answer']"),
+    ({"user": "solve it"}, "prompt: user='solve it' names no column, so every prompt would be the same; "),
+])
+def test_prompt_key_errors(chat_model_dir, question_file, tmp_path, prompt, message):
+    with pytest.raises(ConfigError) as error:
+        build_trainer(_config(chat_model_dir, question_file, tmp_path, prompt=prompt))
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def test_prompt_key_needs_a_chat_template_and_no_prompt_column(model_dir, chat_model_dir, dataset_file,
+                                                               question_file, tmp_path):
+    with pytest.raises(ConfigError, match=r"^the prompt key builds chat messages, and the tokenizer of model .* has "
+                                          r"no chat template: use an instruct \(chat\) model, or give"):
+        build_trainer(_config(model_dir, question_file, tmp_path, prompt={"user": "{question}"}))
+    with pytest.raises(ConfigError, match=r"has a 'prompt' column already, and the config's prompt key would build "
+                                          r"another: remove the prompt key"):
+        build_trainer(_config(chat_model_dir, dataset_file, tmp_path, prompt={"user": "{prompt}"}))
 
 
 def test_train_command_reports_errors(tmp_path, capsys):
@@ -353,7 +535,13 @@ def test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn(model_dir, 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cases = [
         (dict(args={**_config(model_dir, dataset_file, tmp_path)["args"], "group_filter": "shortest"}),
-         f"error: args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest'"),
+         f"error: args: group_filter must be None or one of {GROUP_FILTERS}, got group_filter='shortest' (did you "
+         "mean 'length'? the filter the paper calls 'shortest', which keeps the k completions with the fewest "
+         "tokens)"),
+        # found by GFPOConfig itself, after TrainingArguments warned
+        (dict(args={**_config(model_dir, dataset_file, tmp_path)["args"], "num_remains_in_group": 9}),
+         "error: args: num_remains_in_group must be an int with 2 <= k < num_generations=8 (with k = 1 every "
+         "advantage is 0), got num_remains_in_group=9"),
         (dict(model="tiny_modle"), f"error: model 'tiny_modle': no directory {tmp_path / 'tiny_modle'} (did you mean "
          f"'tiny-model'?) (relative paths are read from the config file's folder {tmp_path}; a Hub model is named "
          "namespace/name)"),
@@ -378,13 +566,15 @@ def test_warnings_of_a_good_config_are_still_shown(monkeypatch, tmp_path):
     trainer = types.SimpleNamespace(args=types.SimpleNamespace(resume_from_checkpoint=None,
                                                                output_dir=str(tmp_path / "out")),
                                     train=lambda resume_from_checkpoint: trained.append(True),
-                                    save_model=lambda: (tmp_path / "out").mkdir(), is_world_process_zero=lambda: True)
+                                    save_model=lambda: (tmp_path / "out").mkdir(), is_world_process_zero=lambda: True,
+                                    pop_callback=lambda callback: None)
 
     def build(config, base_dir=None):
         warnings.warn("`old_option` is deprecated", FutureWarning)
         return trainer
 
     monkeypatch.setattr(cli, "build_trainer", build)
+    monkeypatch.setattr(cli, "check_config", lambda config, base_dir=None: None)  # the stand-in's config is no real one
     config_file = tmp_path / "config.yaml"
     config_file.write_text("model: x\n")
     with pytest.warns(FutureWarning, match="`old_option` is deprecated"):  # shown: to stderr outside pytest

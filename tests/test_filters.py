@@ -3,6 +3,8 @@ promise."""
 
 import math
 import re
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -34,6 +36,37 @@ def test_unknown_filter_gets_the_closest_name():
         group_filter_spec("lenght")
     assert str(error.value) == f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter='lenght' (did " \
                                "you mean 'length'?)"
+
+
+@pytest.mark.parametrize("word, name", [
+    ("shortest", "length"), ("Shortest k/G", "length"), ("shortest-8of16", "length"), ("shortest_4/16", "length"),
+    ("reward per token", "token_efficiency"), ("efficiency", "token_efficiency"), ("token-efficiency-8of16", "token_efficiency"),
+])
+def test_paper_names_point_to_the_filter(word, name):
+    """The paper's words (and the study's arm names) are told the name to write, with what that filter keeps; they
+    are not taken as values."""
+    with pytest.raises(ValueError) as error:
+        group_filter_spec(word)
+    assert str(error.value) == (f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={word!r} (did "
+                                f"you mean {name!r}? the filter the paper calls {word!r}, which keeps "
+                                f"{GROUP_FILTER_SPECS[name].summary})")
+
+
+@pytest.mark.parametrize("word, hint", [("Length", " (did you mean 'length'?)"),
+                                        ("TOKEN-EFFICIENCY", " (did you mean 'token_efficiency'?)"),
+                                        ("token efficiency", " (did you mean 'token_efficiency'?)"),
+                                        ("shortestpath", ""), ("xyz", "")])
+def test_names_that_differ_in_case_or_are_no_paper_word(word, hint):
+    with pytest.raises(ValueError) as error:
+        group_filter_spec(word)
+    assert str(error.value) == f"group_filter must be None or one of {GROUP_FILTERS}, got group_filter={word!r}{hint}"
+
+
+def test_the_table_loads_without_torch():
+    """The command line reads the names before torch is imported."""
+    probe = "import sys; import gfpo_trainer.filters as f; print(f.GROUP_FILTERS, 'torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.stdout.strip() == "('length', 'token_efficiency') False", done.stderr
 
 
 def test_length_score_puts_a_cut_row_one_token_further():

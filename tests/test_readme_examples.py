@@ -22,7 +22,9 @@ import dataclasses
 import glob
 import importlib.util
 import inspect
+import json
 import re
+import shutil
 import shlex
 import textwrap
 from pathlib import Path
@@ -205,6 +207,12 @@ TRAINING_CONFIGS = [b for b in all_blocks("yaml")
 RECIPE_CONFIGS = [b for b in all_blocks("yaml") if b.directive == "recipe"]
 
 
+GSM8K_CORRECTNESS = """
+def correctness(completions, answer, **kwargs):
+    return [float(a.split("####")[-1].strip() in c[-1]["content"]) for c, a in zip(completions, answer)]
+"""
+
+
 @pytest.mark.parametrize("block", TRAINING_CONFIGS, ids=str)
 def test_yaml_training_config_runs_with_the_cli(block, tmp_path, monkeypatch, tiny_model_dir):
     pytest.importorskip("trl")
@@ -215,11 +223,24 @@ def test_yaml_training_config_runs_with_the_cli(block, tmp_path, monkeypatch, ti
     config["model"] = tiny_model_dir
     config["args"].update(max_steps=1, max_completion_length=4, report_to="none")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_rewards.py").write_text(readme_reward_function())  # "my_rewards.py holding the function above"
+    # "my_rewards.py holding the function above"; and GSM8K's correctness, for a config that builds chat prompts
+    (tmp_path / "my_rewards.py").write_text(readme_reward_function() + GSM8K_CORRECTNESS)
     monkeypatch.syspath_prepend(str(tmp_path))
     data = Path(config["dataset"])
     data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join('{"prompt": "6*7="}\n' for _ in range(16)))
+    if "prompt" in config:  # a GSM8K-like data set (question, answer) and a model with a chat template
+        data.write_text("".join(json.dumps({"question": "what is 6*7?", "answer": "6*7=42\n#### 42"}) + "\n"
+                                for _ in range(16)))
+        config["model"] = str(tmp_path / "tiny-chat")
+        shutil.copytree(tiny_model_dir, config["model"])
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config["model"])
+        tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} ; {% endfor %}"
+                                   "{% if add_generation_prompt %}assistant: {% endif %}")
+        tokenizer.save_pretrained(config["model"])
+    else:
+        data.write_text("".join('{"prompt": "6*7="}\n' for _ in range(16)))
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--config", "run.yaml"]) == 0
     assert (tmp_path / config["args"]["output_dir"] / "config.json").exists()
@@ -246,13 +267,30 @@ def package_sources(module: str) -> str:
 
 
 def check_arguments(arguments: list[str], source: str, where: str) -> None:
-    """Every --flag is a string in the program's source; the first plain word is a subcommand of it there."""
+    """Every --flag is a string in the program's source; the first plain word is a subcommand of it there. `python -m
+    gfpo_trainer train --config F --field value ...`: the overrides after the config are applied by the CLI's own
+    apply_overrides, and each names a top-level key or a GFPOConfig field."""
+    if arguments[:2] == ["train", "--config"] and len(arguments) > 3:
+        check_train_overrides(arguments[3:], where)
+        arguments = arguments[:3]
     for word in arguments:
         if word.startswith("--"):
             assert f'"{word.split("=")[0]}"' in source, f"{where}: {word} is no option of it"
     positional = [w for w in arguments if not w.startswith("-")]
     if positional and not re.search(r"\.\w+$", positional[0]):  # a file argument (run.yaml) is left alone
         assert f'"{positional[0]}"' in source, f"{where}: {positional[0]!r} is no subcommand of it"
+
+
+def check_train_overrides(overrides: list[str], where: str) -> None:
+    pytest.importorskip("trl")
+    import dataclasses
+
+    from gfpo_trainer import GFPOConfig
+    from gfpo_trainer.cli import _TOP_LEVEL_KEYS, apply_overrides
+
+    config = apply_overrides({}, overrides, _TOP_LEVEL_KEYS)
+    fields = {field.name for field in dataclasses.fields(GFPOConfig)}
+    assert set(config.get("args", {})) <= fields, f"{where}: no GFPOConfig field {set(config['args']) - fields}"
 
 
 def check_pip(arguments: list[str], where: str) -> None:

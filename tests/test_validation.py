@@ -80,9 +80,14 @@ def test_misspelt_backend_in_the_environment_raises(monkeypatch):
     assert gfpo_kernels.group_topk_mask(torch.arange(8.0, device=DEVICE), 4, 2).tolist() == [False, False, True, True] * 2
 
 
-def test_closest_name_is_difflibs_closest_above_its_cutoff():
-    """The one rule of every did-you-mean hint (gfpo_kernels._validation): difflib's similarity ratio 2M/T >= 0.6."""
-    from gfpo_kernels._validation import closest_name, did_you_mean
+@pytest.mark.parametrize("module", ["gfpo_kernels._validation", "gfpo_trainer._names"])
+def test_closest_name_is_difflibs_closest_above_its_cutoff(module):
+    """The one rule of every did-you-mean hint (gfpo_kernels._validation, and gfpo_trainer._names for what is checked
+    before torch is imported): difflib's similarity ratio 2M/T >= 0.6."""
+    import importlib
+
+    closest_name, did_you_mean = (getattr(importlib.import_module(module), name)
+                                  for name in ("closest_name", "did_you_mean"))
 
     assert closest_name("lenght", ("length", "token_efficiency")) == "length"  # ratio 2*5/12 = 0.83
     assert closest_name("grpoo", ("group", "dr_grpo", "grpo")) == "grpo"  # 0.89, against 0.6 and 0.67

@@ -1,0 +1,118 @@
+"""GFPOConfig's field names and value types, known without importing TRL, transformers or torch.
+
+The command line checks a config's `args` (unknown names, values that do not convert, values outside a field's
+choices) before it imports the training stack, which takes seconds: a typo is reported at once. The names and types
+come from a table generated from the installed TRL and transformers (`python -m gfpo_trainer.config_fields` writes
+gfpo_trainer/_config_field_table.py). The table is used only where it describes this installation: the same TRL and
+transformers versions, and the same GFPOConfig field declarations (a digest of gfpo_trainer/config.py's class body,
+read with ast, not imported). Elsewhere (another TRL, an edited GFPOConfig) the specs are read from HfArgumentParser
+as the table was, so the checks are the same, only slower. tests/test_config_fields.py checks that the committed
+table equals what the installed versions give.
+
+A field's spec is (kind, choices, is_list), as HfArgumentParser parses `--field value`, the conversion `trl grpo`'s
+flags go through: kind "int", "float" or "bool" (its string_to_bool), "choice" (a fixed set of values; an Enum's
+values), or None (taken as it is: str, dict and config-object fields); choices: the allowed values or None; is_list:
+the field takes a list (nargs "+"), each item of that kind.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import sys
+from importlib import metadata
+
+FieldSpec = tuple  # (kind: str | None, choices: tuple | None, is_list: bool)
+
+_CONFIG_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config.py")
+_TABLE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_config_field_table.py")
+
+
+def installation_key() -> dict:
+    """What the table depends on: the TRL and transformers versions installed (read from their metadata, without
+    importing them) and the digest of GFPOConfig's field declarations."""
+    key = {}
+    for package in ("trl", "transformers"):
+        try:
+            key[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            key[package] = None
+    key["gfpo_config_fields"] = gfpo_fields_digest()
+    return key
+
+
+def gfpo_fields_digest(source_path: str = _CONFIG_SOURCE) -> str:
+    """sha256 (16 hex digits) of GFPOConfig's annotated field lines in config.py (name, annotation, default):
+    docstring and check edits leave it unchanged, a new or retyped field changes it."""
+    with open(source_path) as f:
+        tree = ast.parse(f.read())
+    config = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "GFPOConfig")
+    fields = [ast.dump(node) for node in config.body if isinstance(node, ast.AnnAssign)]
+    return hashlib.sha256("\n".join(fields).encode()).hexdigest()[:16]
+
+
+def specs_from_parser() -> dict[str, FieldSpec]:
+    """Every GFPOConfig field that the constructor takes -> its spec, from HfArgumentParser (imports TRL)."""
+    import dataclasses
+    from enum import Enum
+
+    from transformers import HfArgumentParser
+    from transformers.hf_argparser import string_to_bool
+
+    from .config import GFPOConfig
+
+    actions = HfArgumentParser(GFPOConfig)._option_string_actions  # "--name" -> its argparse action
+    specs = {}
+    for field in dataclasses.fields(GFPOConfig):
+        if not field.init:
+            continue
+        action = actions.get(f"--{field.name}")
+        kind, choices = getattr(action, "type", None), getattr(action, "choices", None)
+        if isinstance(kind, type) and issubclass(kind, Enum):  # parsed by the Enum: its values are the choices
+            choices = [member.value for member in kind]
+        name = ({int: "int", float: "float", string_to_bool: "bool"}.get(kind) if kind in (int, float, string_to_bool)
+                else "choice" if choices is not None else None)
+        specs[field.name] = (name, tuple(choices) if choices is not None else None,
+                             getattr(action, "nargs", None) == "+")
+    return specs
+
+
+def field_specs() -> dict[str, FieldSpec]:
+    """GFPOConfig's fields -> their specs: the committed table where it describes this installation, else read from
+    HfArgumentParser (importing TRL)."""
+    table = committed_table()
+    if table is not None and table["key"] == installation_key():
+        return table["fields"]
+    return specs_from_parser()
+
+
+def committed_table() -> dict | None:
+    """The generated table ({"key": installation_key() it was made for, "fields": specs}), None where missing."""
+    try:
+        from ._config_field_table import FIELDS, KEY
+    except ImportError:
+        return None
+    return {"key": KEY, "fields": FIELDS}
+
+
+def table_source() -> str:
+    """The text of gfpo_trainer/_config_field_table.py for this installation (imports TRL)."""
+    lines = ['"""GFPOConfig\'s fields and their specs (kind, choices, is_list), for the installation KEY describes.',
+             "",
+             "Generated by `python -m gfpo_trainer.config_fields`; do not edit (gfpo_trainer/config_fields.py says how",
+             'it is read)."""', "", f"KEY = {installation_key()!r}", "", "FIELDS = {"]
+    lines += [f"    {name!r}: {spec!r}," for name, spec in sorted(specs_from_parser().items())]
+    return "\n".join(lines + ["}", ""])
+
+
+def main(argv=None) -> int:
+    """`python -m gfpo_trainer.config_fields`: writes the table for the installed TRL and transformers."""
+    with open(_TABLE_FILE, "w") as f:
+        f.write(table_source())
+    print(f"wrote {_TABLE_FILE} for {installation_key()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
