@@ -6,6 +6,7 @@ A training config (YAML):
     model: Qwen/Qwen2.5-0.5B-Instruct      # a Hub model (namespace/name) or a local directory
     dataset: data/train.jsonl              # a local .json/.jsonl/.csv/.parquet file, or a datasets hub name
     dataset_split: train                   # optional, default train (a local file has only "train", or "train[:100]")
+    dataset_config: main                   # optional: a hub data set's configuration (openai/gsm8k has main, socratic)
     prompt: {user: "{question}"}           # optional: chat prompts from a data set without a "prompt" column
     reward_funcs:                          # "module.path:function" (or "module.path.function")
       - my_rewards:correctness
@@ -42,7 +43,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # GFPOConfig (TrainingArguments) fields that name files or folders: read from the config file's folder when relative
 # (the module docstring names them)
 PATH_ARGS = ("output_dir", "logging_dir", "resume_from_checkpoint", "deepspeed")
-_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "prompt", "reward_funcs", "args")
+_TOP_LEVEL_KEYS = ("model", "dataset", "dataset_split", "dataset_config", "prompt", "reward_funcs", "args")
 # the `prompt:` key's fields: the chat messages built from a data set's own columns
 PROMPT_KEYS = ("system", "user")
 # the column a data set without "prompt" most likely holds its prompts in (GSM8K's "question" first): the error's
@@ -207,10 +208,12 @@ def build_prompts(dataset, prompt: dict, name: str):
     return dataset.map(messages, desc="building the prompts")
 
 
-def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None, prompt: dict | None = None):
+def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None, prompt: dict | None = None,
+                       config_name: str | None = None):
     """The data set `name` names: a local file (read from `base_dir` when relative), a local folder, or a datasets
     hub name; `split` of it. `prompt`: the config's `prompt:` key, which builds the "prompt" column from the other
-    columns (build_prompts); without it the data set must have one."""
+    columns (build_prompts); without it the data set must have one. `config_name`: the config's `dataset_config`,
+    the configuration of a hub data set that has several (datasets.load_dataset's `name`)."""
     import datasets
 
     if not isinstance(name, str):
@@ -219,6 +222,7 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
         raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
     local = _in_folder(name, base_dir or os.getcwd())
     extension = os.path.splitext(name)[1].lower()
+    _check_dataset_config(name, config_name)
     if extension in _LOCAL_DATA:
         if not os.path.exists(local):
             raise ConfigError(f"dataset file {name!r} does not exist (looked for {local})")
@@ -230,9 +234,13 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
     else:
         name = local if os.path.isdir(local) else name
         try:
-            dataset = datasets.load_dataset(name, split=split)
+            dataset = datasets.load_dataset(name, config_name, split=split)
         except Exception as error:  # network, missing dataset, bad split: say which
-            raise ConfigError(f"cannot load dataset {name!r} (split {split!r}): {error}") from None
+            which = f"configuration {config_name!r}, " if config_name is not None else ""
+            hint = ("; a data set of several configurations needs one named: dataset_config: NAME"
+                    if config_name is None and "config" in str(error).lower() else "")
+            raise ConfigError(f"cannot load dataset {name!r} ({which}split {split!r}): {_one_line(error)}{hint}"
+                              ) from None
     if prompt is not None:
         return build_prompts(dataset, check_prompt_key(prompt), name)
     if "prompt" not in dataset.column_names:
@@ -242,6 +250,15 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
                           f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
                           "optionally system: \"...\"; docs/cli.md)")
     return dataset
+
+
+def _check_dataset_config(dataset: str, config_name) -> None:
+    """`dataset_config`: None, or the name of a configuration of a hub data set (a local file has none)."""
+    if config_name is not None and not isinstance(config_name, str):
+        raise ConfigError(f"dataset_config must be the name of a configuration of the data set, got {config_name!r}")
+    if config_name is not None and os.path.splitext(dataset)[1].lower() in _LOCAL_DATA:
+        raise ConfigError(f"dataset_config={config_name!r} names a configuration of a hub data set; the file "
+                          f"{dataset!r} has none: remove dataset_config")
 
 
 def check_config(config: dict, base_dir: str | None = None) -> dict:
@@ -288,6 +305,7 @@ def check_config(config: dict, base_dir: str | None = None) -> dict:
     local = _in_folder(dataset, base_dir)
     if os.path.splitext(dataset)[1].lower() in _LOCAL_DATA and not os.path.exists(local):
         raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local})")
+    _check_dataset_config(dataset, config.get("dataset_config"))
     return {"model": model, "args": args, "reward_specs": reward_specs}
 
 
@@ -312,7 +330,7 @@ def build_trainer(config: dict, base_dir: str | None = None):
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
         raise ConfigError(f"args: {_one_line(error)}") from None
     dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
-                                 prompt=config.get("prompt"))
+                                 prompt=config.get("prompt"), config_name=config.get("dataset_config"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except OSError as error:
@@ -570,7 +588,7 @@ def main(argv=None) -> int:
                                 usage="%(prog)s --config FILE.yaml [--field value ...]", allow_abbrev=False)
     train.add_argument("--config", required=True,
                        help="YAML file: model, dataset, reward_funcs, args (GFPOConfig fields), "
-                       "and optionally dataset_split (default train) and prompt. Any further --field value (or --field=value) "
+                       "and optionally dataset_split (default train), dataset_config and prompt. Any further --field value (or --field=value) "
                        "overrides the file: a GFPOConfig field (--max_steps 3, or --args.max_steps 3) or a top-level "
                        "key (--model DIR)")
     commands.add_parser("env", help="print the environment report for a bug report: versions, devices, the "

@@ -9,6 +9,14 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 CHARACTERS = string.digits + string.ascii_lowercase + " +-*=?.,:;()"
+# conversational prompts for the tiny tokenizer: "system: ... user: ... assistant: ", written in CHARACTERS alone (no
+# newline, which the default vocabulary lacks); an assistant turn ends with <eos>, as the model's completions do
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if not loop.first %}{{ ' ' }}{% endif %}"
+    "{{ message['role'] + ': ' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ ' assistant: ' }}{% endif %}"
+)
 
 
 def make_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
@@ -18,19 +26,23 @@ def make_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
         characters: the vocabulary besides the special tokens (default: digits, lower-case letters, " +-*=?.,:;()").
 
     Returns:
-        A PreTrainedTokenizerFast with one token per character, plus <pad>, <eos> and <bos>; pads on the left.
+        A PreTrainedTokenizerFast with one token per character, plus <pad>, <eos> and <bos>; pads on the left. Its
+        chat template (CHAT_TEMPLATE) renders [{"role": "system", ...}, {"role": "user", ...}] as
+        "system: ... user: ... assistant: ", so that data sets of conversational prompts run on the tiny model.
     """
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + sorted(set(characters)))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", padding_side="left"
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed: int | None = 0,
-                    num_heads: int = 4) -> Qwen2ForCausalLM:
+                    num_heads: int = 4, max_positions: int = 256) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2-style causal LM sized for CPU tests and examples.
 
     Args:
@@ -38,6 +50,8 @@ def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed:
         hidden_size, num_layers, num_heads: the model's sizes; head dimension hidden_size / num_heads (vLLM's CPU
             attention needs one it supports: 64 works, e.g. hidden_size=128, num_heads=2).
         seed: torch's seed for the initial weights (None: the current random state).
+        max_positions: the longest prompt + completion the model declares (its max_position_embeddings; the
+            weights do not depend on it).
 
     Returns:
         A float32 Qwen2ForCausalLM on the CPU, untied LM head.
@@ -53,7 +67,7 @@ def make_tiny_model(tokenizer, hidden_size: int = 32, num_layers: int = 2, seed:
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=min(2, num_heads),
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

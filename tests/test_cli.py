@@ -103,7 +103,7 @@ def test_apply_overrides_sets_fields_sections_and_top_level_keys():
      "true or false: --bf16 true)"),
     (["--max_steps="], "--max_steps: the value is empty; give one (null unsets an optional field: --max_steps null)"),
     (["--argz.max_steps", "3"], "--argz.max_steps: the config has no section 'argz' (did you mean 'args'?); its "
-     "keys: ['model', 'dataset', 'dataset_split', 'prompt', 'reward_funcs', 'args']"),
+     "keys: ['model', 'dataset', 'dataset_split', 'dataset_config', 'prompt', 'reward_funcs', 'args']"),
     (["--model.revision", "main"], "--model.revision: model is 'tiny', not a mapping of fields; set it whole with "
      "--model VALUE"),
     (["max_steps", "3"], "'max_steps': overrides are --name value (or --name=value), e.g. --max_steps 3 or "
@@ -421,11 +421,15 @@ def test_prompt_key_errors(chat_model_dir, question_file, tmp_path, prompt, mess
     assert str(error.value).startswith(message), str(error.value)
 
 
-def test_prompt_key_needs_a_chat_template_and_no_prompt_column(model_dir, chat_model_dir, dataset_file,
-                                                               question_file, tmp_path):
+def test_prompt_key_needs_a_chat_template_and_no_prompt_column(chat_model_dir, dataset_file, question_file, tmp_path):
+    no_template = tmp_path / "no-template"  # the tiny tokenizer has a chat template: this one has none
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = None
+    make_tiny_model(tokenizer).save_pretrained(no_template)
+    tokenizer.save_pretrained(no_template)
     with pytest.raises(ConfigError, match=r"^the prompt key builds chat messages, and the tokenizer of model .* has "
                                           r"no chat template: use an instruct \(chat\) model, or give"):
-        build_trainer(_config(model_dir, question_file, tmp_path, prompt={"user": "{question}"}))
+        build_trainer(_config(str(no_template), question_file, tmp_path, prompt={"user": "{question}"}))
     with pytest.raises(ConfigError, match=r"has a 'prompt' column already, and the config's prompt key would build "
                                           r"another: remove the prompt key"):
         build_trainer(_config(chat_model_dir, dataset_file, tmp_path, prompt={"user": "{prompt}"}))

@@ -3,10 +3,12 @@ build their GFPOConfig as written and train one step on a tiny model with the si
 colocate ones on vLLM's CPU engine where vLLM is installed: scripts/test_vllm_cpu.sh runs the tests named *vllm*),
 the accelerate configs load as accelerate loads them, the commands name the configs the page defines, the `trl
 vllm-serve` line becomes a `vllm serve` command vLLM's own parser reads, and the arithmetic the page states follows
-from the models' shapes. The shell commands' scripts, modules and flags: tests/test_readme_examples.py."""
+from the models' shapes, the reward module and data set the configs name are the ones the page defines, and its install
+has what its commands need. The shell commands' scripts, modules and flags: tests/test_readme_examples.py."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import sys
@@ -94,9 +96,10 @@ def test_recipe_builds_its_gfpo_config_as_written(name):
     pytest.importorskip("trl")
     from gfpo_trainer import GFPOConfig
     from gfpo_trainer.cli import _convert_args
+    from gfpo_trainer.config_fields import field_specs
 
     recipe = RECIPES[name]
-    args = GFPOConfig(**_convert_args(recipe["args"]), use_cpu=True)
+    args = GFPOConfig(**_convert_args(recipe["args"], field_specs()), use_cpu=True)
     G, k, batch = args.num_generations, args.num_remains_in_group, args.per_device_train_batch_size
     assert (G, k, args.group_filter, args.use_gfpo_kernels, args.use_vllm) == (16, 8, "length", True, True)
     assert args.gfpo_stop_dropped_generations and batch * k % G == 0
@@ -137,29 +140,57 @@ def test_the_pages_arithmetic_follows_from_the_models_shapes():
 # --------------------------------------------------------------------------- one step on a tiny model
 
 
-def _stand_in_rewards(recipe) -> str:
-    """my_rewards.py with a stand-in for every function the config names: the share of digits (the README's)."""
-    names = [spec.partition(":")[2] for spec in recipe["reward_funcs"]]
-    return "".join(f"def {name}(completions, **kwargs):\n"
-                   "    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in completions]\n\n"
-                   for name in names)
+# what a CPU run changes in the data: GSM8K from the Hub becomes a local file of its columns, its questions short
+# sums in the tiny tokenizer's characters, and the prompt the bare question (vLLM's CPU engine runs the tiny model
+# with a 128-token context, which the system message would fill)
+LOCAL_DATA = {"dataset": "data/train.jsonl", "dataset_config": None, "prompt": {"user": "{question}"}}
 
 
 def _write_run(tmp_path, monkeypatch, recipe, model_dir, **changes) -> Path:
-    """The config beside its data and reward module in tmp_path, the model and `changes` applied to a copy."""
+    """The config beside its data and the page's reward module (examples/gsm8k/rewards.py, copied as the page says)
+    in tmp_path, the model, LOCAL_DATA and `changes` applied to a copy."""
     config = yaml.safe_load(yaml.safe_dump(recipe))
     config["model"] = model_dir
+    config.update(LOCAL_DATA)
     config["args"].update(changes)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_rewards.py").write_text(_stand_in_rewards(recipe))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # another test's module of that name
+    (tmp_path / "rewards.py").write_text((ROOT / "examples" / "gsm8k" / "rewards.py").read_text())
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)  # another test's module of that name
     data = tmp_path / config["dataset"]
     data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(f'{{"prompt": "{a}+{b}="}}\n' for a in range(4) for b in range(4)))
+    data.write_text("".join(json.dumps({"question": f"{a}+{b}=", "answer": f"{a}+{b}=<<{a}+{b}={a + b}>>{a + b}\n"
+                                        f"#### {a + b}"}) + "\n" for a in range(4) for b in range(4)))
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def test_recipes_train_on_the_hub_gsm8k_with_the_examples_rewards():
+    """The page defines what its configs name: the reward module is examples/gsm8k/rewards.py (copied beside the
+    config, which is where the command line looks first), whose functions exist; the data set is GSM8K by its Hub
+    name and configuration, its `question` turned into chat messages."""
+    pytest.importorskip("trl")
+    from gfpo_trainer.cli import load_reward_func
+
+    assert "`rewards.py`, a copy of `examples/gsm8k/rewards.py`" in " ".join(prose(PAGE).split())
+    for recipe in RECIPES.values():
+        assert (recipe["dataset"], recipe["dataset_config"], recipe["prompt"]["user"]) == (
+            "openai/gsm8k", "main", "{question}")
+        assert recipe["reward_funcs"] == ["rewards:correctness", "rewards:format_reward"]
+        for spec in recipe["reward_funcs"]:
+            assert callable(load_reward_func(spec, str(ROOT / "examples" / "gsm8k")))
+
+
+def test_the_install_has_what_the_commands_need():
+    """DeepSpeed, which the ZeRO-3 commands need, installed as docs/multi-gpu.md installs it (without build
+    isolation, the same version floor), and the driver requirement of docs/install.md."""
+    (install,) = [block for block in code_blocks(PAGE, "bash") if "scripts/setup.sh" in block.code]
+    deepspeed = [words for words in shell_commands(install) if any("deepspeed" in w for w in words)]
+    assert deepspeed == [[".venv/bin/pip", "install", "--no-build-isolation", "deepspeed>=0.19"]]
+    assert '.venv/bin/pip install --no-build-isolation "deepspeed>=0.19"' in (ROOT / "docs" / "multi-gpu.md").read_text()
+    assert any("zero3" in " ".join(words) for words in COMMANDS)
+    driver = re.search(r"\((CUDA \d+: driver >= \d+)\)", (ROOT / "docs" / "install.md").read_text()).group(1)
+    assert driver in " ".join(prose(PAGE).split())
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +269,23 @@ def _vllm_serve_parser():
     except ImportError:
         from vllm.entrypoints.openai.cli_args import make_arg_parser
     return make_arg_parser(FlexibleArgumentParser())
+
+
+def test_the_vllm_quickstart_names_fields_that_exist_and_a_config_that_sets_them():
+    """docs/vllm-quickstart.md's settings are GFPOConfig fields (or its TRL server's client fields), and the config its
+    colocate commands run sets the colocate ones as the table says."""
+    pytest.importorskip("trl")
+    import dataclasses
+
+    from gfpo_trainer import GFPOConfig
+
+    page = ROOT / "docs" / "vllm-quickstart.md"
+    fields = {f.name for f in dataclasses.fields(GFPOConfig)}
+    named = set(re.findall(r"`((?:vllm|gfpo|use|group)_\w+)`", prose(page)))
+    assert len(named) >= 10 and named <= fields, named - fields
+    used = {words[words.index("--config") + 1] for block in code_blocks(page, "bash") for words in shell_commands(block)
+            if "--config" in words}
+    assert used == {"examples/gsm8k/qwen2.5-0.5b.yaml"}
+    args = yaml.safe_load((ROOT / "examples/gsm8k/qwen2.5-0.5b.yaml").read_text())["args"]
+    assert (args["use_vllm"], args["vllm_mode"], args["group_filter"]) == (True, "colocate", "length")
+    assert args["vllm_max_model_length"] >= args["max_completion_length"]
