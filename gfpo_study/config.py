@@ -38,7 +38,7 @@ __all__ = ["ARMS", "Arm", "ConfigError", "EvalSpec", "StudyConfig", "load_study_
 
 # the keys the study adds to `train`'s; `train`'s own are gfpo_trainer.cli's
 STUDY_KEYS = ("eval", "arms", "seeds", "steps", "eval_every", "prompts_per_step", "output_dir")
-EVAL_KEYS = ("dataset", "dataset_split", "correct", "threshold", "details", "samples", "temperature", "max_tokens",
+EVAL_KEYS = ("dataset", "dataset_split", "dataset_config", "correct", "threshold", "details", "samples", "temperature", "max_tokens",
              "curve_samples", "batch_size")
 # GFPOConfig fields the study sets itself, per run (what to set instead)
 OWNED_ARGS = {"max_steps": "steps", "seed": "seeds", "output_dir": "output_dir (top level)",
@@ -122,6 +122,7 @@ class EvalSpec:
     dataset: object  # a file or hub name (str) or a function spec
     correct: object  # a function spec
     dataset_split: str = "train"
+    dataset_config: str | None = None  # a hub data set's configuration (openai/gsm8k: main)
     threshold: float | None = None
     details: object = None  # a function spec or None
     samples: int = 8
@@ -299,6 +300,7 @@ def parse_eval(spec, base_dir: str) -> EvalSpec:
             raise ConfigError(f"eval.threshold={spec['threshold']!r}: a number")
         out.threshold = float(spec["threshold"])
     out.dataset_split = spec.get("dataset_split", "train")
+    out.dataset_config = spec.get("dataset_config")
     out.details = spec.get("details")
     # loaded now: a missing module or function is an error before anything trains
     function_spec("eval.correct", out.correct, base_dir)

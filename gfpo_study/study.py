@@ -201,18 +201,19 @@ def _start_model(config: StudyConfig, seed: int, seed_dir: str, state) -> str:
     return folder
 
 
-def _rows(spec, split: str, config: StudyConfig, **call) -> list:
-    """The rows (dicts with a "prompt") of a data spec: a file or hub name (read as `train` reads its data set), or a
-    function called with `call` as keyword arguments."""
+def _rows(spec, split: str, config: StudyConfig, dataset_config: str | None = None, **call) -> list:
+    """The rows (dicts with a "prompt") of a data spec: a file or hub name (read as `train` reads its data set, its
+    `prompt:` key building the prompts), or a function called with `call` as keyword arguments."""
     if is_function_spec(spec):
         rows = function_spec("dataset", spec, config.base_dir)(**call)
         rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
     else:
         from gfpo_trainer import cli as train_cli
 
-        loader = train_cli.load_train_dataset
-        kwargs = {"prompt": config.train["prompt"]} if "prompt" in config.train else {}
-        dataset = loader(spec, split, config.base_dir, **kwargs)
+        kwargs = {"prompt": config.train["prompt"]} if config.train.get("prompt") is not None else {}
+        if dataset_config is not None:
+            kwargs["config_name"] = dataset_config
+        dataset = train_cli.load_train_dataset(spec, split, config.base_dir, **kwargs)
         rows = dataset.to_list()
     if not rows or not all(isinstance(r, dict) and "prompt" in r for r in rows):
         raise ConfigError(f"dataset {spec!r}: no rows with a 'prompt' column")
@@ -230,7 +231,7 @@ def training_rows(config: StudyConfig, seed: int) -> list:
             raise ConfigError(f"dataset: the function returned {len(rows)} rows for seed {seed}; the study asked for "
                               f"{needed} (steps x prompts_per_step)")
         return rows
-    rows = _rows(spec, config.train.get("dataset_split", "train"), config)
+    rows = _rows(spec, config.train.get("dataset_split", "train"), config, config.train.get("dataset_config"))
     rng, order = random.Random(seed), []
     while len(order) < needed:
         one_pass = list(range(len(rows)))
@@ -240,7 +241,9 @@ def training_rows(config: StudyConfig, seed: int) -> list:
 
 
 def eval_rows(config: StudyConfig) -> list:
-    return _rows(config.eval.dataset, config.eval.dataset_split, config)
+    """The held-out rows (eval.dataset, its split and configuration; the config's `prompt:` key builds their
+    prompts as it builds the training prompts)."""
+    return _rows(config.eval.dataset, config.eval.dataset_split, config, config.eval.dataset_config)
 
 
 def warn_overlap(train: list, held_out: list) -> int:
@@ -384,26 +387,41 @@ class Progress:
         self.bar.close()
 
 
+def build_run_trainer(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list, output_dir: str,
+                      tokenizer=None, callbacks=(), verbose: bool = False, num_processes: int = 1):
+    """The GFPOTrainer of `arm`'s run on `seed`: the model in `start_dir`, the config's reward functions (as 2r - 1
+    for a signed arm), arm_args, `rows` in order; the torch generator seeded first, as for every arm of the seed."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from gfpo_trainer.trainer import GFPOTrainer
+
+    torch.manual_seed(seed)
+    args = arm_args(config, arm, seed, output_dir, verbose, num_processes)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(start_dir)
+    reward_funcs = config.reward_funcs if arm.reward == "correct" else [_signed(f) for f in config.reward_funcs]
+    try:
+        return GFPOTrainer(model=start_dir, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(rows),
+                           processing_class=tokenizer, callbacks=list(callbacks))
+    except (ValueError, TypeError) as error:  # e.g. a filter without num_remains_in_group
+        raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}") from None
+
+
 def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list, evaluate, output_dir: str,
             progress: Progress, verbose: bool = False, num_processes: int = 1) -> dict:
     """Trains `arm` on `seed` from `start_dir`, evaluates it on the held-out prompts, saves the final model (with the
     tokenizer) into `output_dir`. Returns the held-out figures ("final"), the held-out curve, per step the tokens
     generated and trained, the step's time and learning signal, and the run's time split ("seconds")."""
-    from datasets import Dataset
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from gfpo_trainer.trainer import GFPOTrainer
-
     start = time.perf_counter()
     eval_before = evaluate.seconds
-    torch.manual_seed(seed)
-    args = arm_args(config, arm, seed, output_dir, verbose, num_processes)
     tokenizer = AutoTokenizer.from_pretrained(start_dir)
-    reward_funcs = config.reward_funcs if arm.reward == "correct" else [_signed(f) for f in config.reward_funcs]
     callback = _callback(config, seed, evaluate, tokenizer, progress)
-    trainer = GFPOTrainer(model=start_dir, reward_funcs=reward_funcs, args=args,
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, callbacks=[callback])
+    trainer = build_run_trainer(config, arm, seed, start_dir, rows, output_dir, tokenizer, [callback], verbose,
+                                num_processes)
+    args = trainer.args
     callback.trainer = trainer
     if not verbose:
         trainer.remove_callback(PrinterCallback)

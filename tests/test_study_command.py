@@ -370,3 +370,42 @@ def test_overrides_need_the_cli_helper_or_apply(user_folder, capsys):
     else:
         assert err == ("error: command-line overrides need gfpo_trainer.cli.apply_overrides, which this install "
                        "lacks\n")
+
+
+def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model(tmp_path):
+    """examples/gsm8k/study.yaml, the real setup (Qwen2.5-0.5B-Instruct, not downloaded here): with the model and
+    sizes overridden on the command line's terms, every arm's trainer builds from it on the tiny model, the prompts
+    are the chat messages of the `prompt:` key, and the held-out answers are scored by the correctness function,
+    which receives the `answer` column."""
+    import importlib.util
+
+    from gfpo_study.config import load_study_config
+
+    spec = importlib.util.spec_from_file_location("save_tiny", REPO / "examples" / "gsm8k" / "save_tiny_model.py")
+    saver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(saver)
+    model = saver.save_tiny_model(tmp_path / "tiny-model")
+    shipped = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"))
+    assert shipped.train["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and list(shipped.arms) == [
+        "grpo", "shortest-8of16", "shortest-6of8", "token-efficiency-8of16"]
+    config = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"), [
+        "--model", model, "--max_completion_length", "8", "--bf16", "false", "--use_cpu", "true",
+        "--steps", "2", "--eval.max_tokens", "4", "--eval.samples", "1", "--output_dir", str(tmp_path / "out")])
+    rows = study.training_rows(config, 0)
+    assert len(rows) == 2 * 8 and rows[0]["prompt"][0]["role"] == "system" and rows[0]["prompt"][1]["content"] == (
+        rows[0]["question"])
+    held_out = study.eval_rows(config)
+    assert len(held_out) == 100 and study.warn_overlap(rows, held_out) == 0
+    for name, arm in config.arms.items():
+        trainer = study.build_run_trainer(config, arm, 0, model, rows, str(tmp_path / name))
+        generations = arm.num_generations
+        # 8 prompts a step, over gradient_accumulation_steps 4: 2 prompts' completions a micro-batch
+        assert trainer.args.per_device_train_batch_size == 8 * generations // 4
+        assert (trainer.args.max_steps, trainer.args.learning_rate, trainer.args.num_generations) == (
+            2, 1e-6, generations)
+        assert trainer.args.reward_weights == [1.0, 0.5]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    evaluate = study.Evaluator(config, held_out[:3], config.eval.max_tokens)
+    figures = evaluate(AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model), 0, 1)
+    assert figures["accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0) and 1 <= figures["mean_length"] <= 4
