@@ -409,3 +409,32 @@ def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model
     evaluate = study.Evaluator(config, held_out[:3], config.eval.max_tokens)
     figures = evaluate(AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model), 0, 1)
     assert figures["accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0) and 1 <= figures["mean_length"] <= 4
+
+
+def test_a_piece_under_accelerate_launch_is_written_by_the_main_process(finished_study, tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo): both train and evaluate, the main process alone writes the
+    run files and speaks; run again, both skip the finished runs."""
+    import socket
+
+    folder, _ = finished_study
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+               "--main_process_port", str(port), "-m", "gfpo_study", "run", "--config", "study.yaml", "--seeds", "0",
+               "--output-dir", str(tmp_path / "piece")]
+
+    def launch():
+        return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=600,
+                              env=subprocess_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
+
+    done = launch()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "piece" / "seed-0").glob("*.json*")) == [
+        "grpo.json", "shortest-4of8.json", "start.json"]  # whole files only, no process's leftovers
+    assert done.stdout.count("Run the other pieces, then") == 1
+    record = json.loads((tmp_path / "piece" / "seed-0" / "grpo.json").read_text())
+    assert len(record["run"]["step_time"]) == STEPS and record["run"]["curve"][-1][0] == STEPS
+    again = launch()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("gfpo study: 2 run(s) already finished") == 1
