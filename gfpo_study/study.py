@@ -189,15 +189,26 @@ def _start_model(config: StudyConfig, seed: int, seed_dir: str, state) -> str:
     if not is_function_spec(spec):
         return resolve_model(spec, config.base_dir)
     folder = os.path.join(seed_dir, "start_model")
+    done = os.path.join(folder, ".complete")
     with state.main_process_first():
-        done = os.path.join(folder, ".complete")
         if state.is_main_process and not os.path.exists(done):
-            shutil.rmtree(folder, ignore_errors=True)
-            built = function_spec("model", spec, config.base_dir)(seed=seed, output_dir=folder)
-            if os.path.abspath(built) != os.path.abspath(folder):
+            # built beside it, then renamed into place: a build killed part-way, or another piece building the same
+            # seed's start into a shared folder, never leaves a half model that a run would start from
+            building = f"{folder}.tmp-{os.getpid()}"
+            shutil.rmtree(building, ignore_errors=True)
+            built = function_spec("model", spec, config.base_dir)(seed=seed, output_dir=building)
+            if os.path.abspath(built) != os.path.abspath(building):
                 raise ConfigError(f"model: the start function returned {built!r}; it must save the model into the "
-                                  f"output_dir it is given ({folder}) and return it")
-            open(done, "w").close()
+                                  f"output_dir it is given ({building}) and return it")
+            open(os.path.join(building, ".complete"), "w").close()
+            if not os.path.exists(done):
+                shutil.rmtree(folder, ignore_errors=True)  # a build killed before its rename
+                try:
+                    os.rename(building, folder)
+                except OSError:  # another piece's build got there first: the same seed, the same model
+                    if not os.path.exists(done):
+                        raise
+            shutil.rmtree(building, ignore_errors=True)
     return folder
 
 
@@ -285,13 +296,22 @@ class Evaluator:
 
 
 def _load_for_eval(model_dir: str, args):
-    """The model as the trainer loads it (args.model_init_kwargs' dtype), on the device training uses."""
-    from transformers import AutoModelForCausalLM
-
+    """The model as the trainer loads it (TRL's own loader with args.model_init_kwargs: float32 unless a dtype is
+    given), on the device training uses."""
     from accelerate import PartialState
 
     kwargs = dict(args.model_init_kwargs or {})
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    kwargs["device_map"] = None  # placed below, as the trainer places its model
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    try:
+        from trl.trainer.utils import create_model_from_path
+    except ImportError:  # a TRL without it: transformers' loader at TRL's default dtype
+        from transformers import AutoModelForCausalLM
+
+        kwargs.setdefault("dtype", torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    else:
+        model = create_model_from_path(model_dir, **kwargs)
     device = torch.device("cpu") if args.use_cpu else PartialState().device
     return model.to(device)
 

@@ -107,6 +107,8 @@ def test_a_killed_study_keeps_its_finished_run_and_redoes_nothing_finished(finis
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert ("gfpo study: 1 run(s) already finished in " f"{folder / 'out'}, not run again: grpo seed 0") in rerun.stdout
     assert (folder / "out" / "seed-0" / "grpo.json").read_bytes() == state["first_run"]  # not trained again
+    # the progress bar: the run, the step of all steps left, the time left
+    assert re.search(r"seed 1, shortest-4of8: +\d+%\|.*\| \d+/\d+ \[\d\d:\d\d<\d\d:\d\d", rerun.stderr)
     third = state["third"]
     assert third.returncode == 0 and "4 run(s) already finished" in third.stdout
     assert "seed 0, grpo" not in third.stderr  # no progress bar: nothing trained
