@@ -337,19 +337,29 @@ def parse_study_config(config: dict, base_dir: str) -> StudyConfig:
         raise ConfigError("args.use_vllm=true: the study evaluates held-out answers with the model's own generate "
                           "(HF), and training would sample through vLLM: two generation paths in one study. Evaluation "
                           "through vLLM is not built; set use_vllm: false (docs/study.md)")
-    from gfpo_trainer.config import GFPOConfig
-
-    fields = {f.name for f in dataclasses.fields(GFPOConfig) if f.init}
-    bad = sorted((name for name in args if name not in fields), key=str)
-    if bad:
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{train_cli._unknown_hints(bad, sorted(fields))}")
-    converted = train_cli._convert_args(args)
-    if not is_function_spec(config["model"]):
-        train_cli.resolve_model(config["model"], base_dir)
-    else:
+    # `train`'s own checks (keys, model folder, args names, types and choices, filter, prompt key, data file), on the
+    # training part; a model or data set given by a function is checked as a function instead
+    train_part = {k: config[k] for k in train_keys if k in config}
+    if is_function_spec(config["model"]):
         function_spec("model", config["model"], base_dir)
+        train_part["model"] = base_dir  # a folder that exists: the function's model is checked when it is built
     if is_function_spec(config["dataset"]):
         function_spec("dataset", config["dataset"], base_dir)
+        train_part["dataset"] = "function/rows"  # no file to look for
+    check = getattr(train_cli, "check_config", None)
+    if check is not None:
+        converted = check(train_part, base_dir)["args"]
+    else:
+        from gfpo_trainer.config import GFPOConfig
+
+        fields = {f.name for f in dataclasses.fields(GFPOConfig) if f.init}
+        bad = sorted((name for name in args if name not in fields), key=str)
+        if bad:
+            raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'"
+                              f"{train_cli._unknown_hints(bad, sorted(fields))}")
+        converted = train_cli._convert_args(args)
+        if not is_function_spec(config["model"]):
+            train_cli.resolve_model(config["model"], base_dir)
     for spec in _as_list(config["reward_funcs"]):
         train_cli.load_reward_func(spec, base_dir)
     evaluation = parse_eval(config["eval"], base_dir)

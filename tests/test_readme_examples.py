@@ -260,6 +260,9 @@ def test_yaml_study_config_parses(block, tmp_path):
         module, _, name = spec.partition(":")
         with open(tmp_path / f"{module}.py", "a") as f:
             f.write(f"def {name}(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    for data in (config["dataset"], config["eval"]["dataset"]):  # the data files it names, one row each
+        (tmp_path / data).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / data).write_text('{"prompt": "1+1=", "answer": 2}\n')
     parsed = parse_study_config(config, str(tmp_path))
     assert parsed.seeds and parsed.arms and parsed.steps >= 1
 
