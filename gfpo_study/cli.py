@@ -18,7 +18,8 @@ import sys
 
 from gfpo_trainer.cli import _did_you_mean, _one_line, parse_seeds
 
-SUMS_TASKS = ("sums", "easy-hard-sums", "small-large-sums")  # gfpo_study.sums_task.TASKS, written out: --help imports no torch
+# gfpo_study.sums_task.TASKS, written out: --help imports no torch
+SUMS_TASKS = ("sums", "easy-hard-sums", "small-large-sums")
 
 
 def _selection(options):

@@ -38,16 +38,16 @@ __all__ = ["ARMS", "Arm", "ConfigError", "EvalSpec", "StudyConfig", "load_study_
 
 # the keys the study adds to `train`'s; `train`'s own are gfpo_trainer.cli's
 STUDY_KEYS = ("eval", "arms", "seeds", "steps", "eval_every", "prompts_per_step", "output_dir")
-EVAL_KEYS = ("dataset", "dataset_split", "dataset_config", "correct", "threshold", "details", "samples", "temperature", "max_tokens",
-             "curve_samples", "batch_size")
+EVAL_KEYS = ("dataset", "dataset_split", "dataset_config", "correct", "threshold", "details", "samples",
+             "temperature", "max_tokens", "curve_samples", "batch_size")
 # GFPOConfig fields the study sets itself, per run (what to set instead)
 OWNED_ARGS = {"max_steps": "steps", "seed": "seeds", "output_dir": "output_dir (top level)",
               "per_device_train_batch_size": "prompts_per_step (per_device_train_batch_size = prompts_per_step x "
               "num_generations / (processes x gradient_accumulation_steps))",
               "shuffle_dataset": "nothing: every arm of a seed sees the same prompts in the same order",
               "logging_steps": "nothing: the study logs every step"}
-ARM_KEYS = ("name", "reward", "paper")
-DEFAULT_OUTPUT_DIR = "gfpo_study_output"  # in the working folder, where the config names none  # an arm's own keys besides GFPOConfig fields
+ARM_KEYS = ("name", "reward", "paper")  # an arm's own keys besides GFPOConfig fields
+DEFAULT_OUTPUT_DIR = "gfpo_study_output"  # in the working folder, where the config names none
 
 
 @dataclasses.dataclass(frozen=True)

@@ -508,7 +508,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
     first_rows = training_rows(config, seeds[0]) if seeds else []
     if main:
         warn_overlap(first_rows, held_out)
-    max_tokens = config.eval.max_tokens or arm_args(config, config.arms[arms[0]], 0, config.output_dir).max_completion_length
+    max_tokens = (config.eval.max_tokens
+                  or arm_args(config, config.arms[arms[0]], 0, config.output_dir).max_completion_length)
     evaluate = Evaluator(config, held_out, max_tokens)
     todo, skipped = [], []
     for seed in seeds:
@@ -728,7 +729,8 @@ def reevaluate_final_models(output_dir: str) -> list[dict]:
             args = arm_args(config, next(iter(config.arms.values())), seed, seed_dir)
             figures = evaluate(_load_for_eval(model_dir, args), AutoTokenizer.from_pretrained(model_dir), seed,
                                config.eval.samples)
-            before = start["figures"] if name == "warm-up" else _read_json(_run_file(output_dir, seed, name))["run"]["final"]
+            before = (start["figures"] if name == "warm-up"
+                      else _read_json(_run_file(output_dir, seed, name))["run"]["final"])
             if (figures["accuracy"], figures["mean_length"]) != (before["accuracy"], before["mean_length"]):
                 raise ValueError(f"{model_dir}: accuracy {figures['accuracy']} and length {figures['mean_length']} "
                                  f"now, {before['accuracy']} and {before['mean_length']} when it ran: not the same "
@@ -818,22 +820,6 @@ def run_environment(device: torch.device) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": _git_commit(), "python": platform.python_version(),
             "versions": package_versions(), "machine": machine}
-
-
-def announce_overwrite(output_dir: str, results_file: str) -> None:
-    """Says, before anything is written, that an earlier run's results in `output_dir` (its `results_file`,
-    results.json or study.json) will be replaced."""
-    previous = os.path.join(output_dir, results_file)
-    if not os.path.exists(previous):
-        return
-    try:
-        with open(previous) as f:
-            environment = json.load(f).get("environment", {})
-        what = f"of {environment.get('date', 'an unknown date')}, commit {environment.get('commit')}"
-    except (OSError, ValueError):
-        what = "that could not be read"
-    print(f"gfpo demo: replacing the earlier run in {output_dir}/ (its {results_file} {what}); --output-dir keeps "
-          "both")
 
 
 @contextlib.contextmanager

@@ -143,7 +143,9 @@ def summarize(seed_results: list[dict], arms, kept_shares: dict | None = None) -
 
     # the answers' form and the figures per number of terms: where the study's eval.details records them (the sums
     # task's); a study of another task has accuracy and length
-    has = lambda key: all(key in s["warm-up"] and all(key in s[n]["final"] for n in arms) for s in per_seed)  # noqa: E731
+    def has(key):
+        return all(key in s["warm-up"] and all(key in s[n]["final"] for n in arms) for s in per_seed)
+
     summary = {"warm-up": {key: figure([s["warm-up"][key] for s in per_seed])
                            for key in ("accuracy", "mean_length", "stepwise_fraction", "filler_per_answer")
                            if has(key)},

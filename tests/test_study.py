@@ -98,7 +98,8 @@ def test_merge_refuses_pieces_that_do_not_make_one_study(tmp_path):
     with pytest.raises(ConfigError, match=rf"^shortest-8of16 seed 1 is in two pieces with different figures: "
                        rf"{tmp_path / 'a'}/seed-1/shortest-8of16.json and {tmp_path / 'c'}/seed-1/shortest-8of16.json"):
         study.merge_studies([tmp_path / "a", tmp_path / "c"], out)
-    with pytest.raises(ConfigError, match=r"^the pieces lack 1 run\(s\) of their seeds x arms: shortest-8of16 seed 7; "):
+    with pytest.raises(ConfigError,
+                       match=r"^the pieces lack 1 run\(s\) of their seeds x arms: shortest-8of16 seed 7; "):
         study.merge_studies([tmp_path / "a", tmp_path / "e"], out)
     with pytest.raises(ConfigError, match=r"nowhere: no study-config.json there"):
         study.merge_studies([tmp_path / "a", tmp_path / "nowhere"], out)

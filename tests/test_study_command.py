@@ -240,8 +240,9 @@ def test_a_good_config_parses(user_folder):
     assert args.learning_rate == 0.003 and args.num_remains_in_group == 4 and args.group_filter == "length"
     rows = study.training_rows(config, 0)
     assert len(rows) == STEPS * 2 and rows == study.training_rows(config, 0) != study.training_rows(config, 1)
-    assert set(json.dumps(r, sort_keys=True) for r in rows) <= {json.dumps(json.loads(line), sort_keys=True) for line in
-                                                                 (user_folder / "data/train.jsonl").read_text().splitlines()}
+    lines = (user_folder / "data/train.jsonl").read_text().splitlines()
+    trained = {json.dumps(json.loads(line), sort_keys=True) for line in lines}
+    assert {json.dumps(r, sort_keys=True) for r in rows} <= trained
 
 
 def test_eval_function_results_are_checked():
@@ -269,7 +270,8 @@ def test_eval_function_results_are_checked():
 def test_held_out_prompts_that_are_training_prompts_warn():
     with pytest.warns(UserWarning, match=r"^1 of the 2 held-out prompts are also training prompts \(the first: "
                       r"'1\+1='\)"):
-        assert study.warn_overlap([{"prompt": "1+1="}, {"prompt": "3+3="}], [{"prompt": "1+1="}, {"prompt": "2+2="}]) == 1
+        train, held_out = [{"prompt": "1+1="}, {"prompt": "3+3="}], [{"prompt": "1+1="}, {"prompt": "2+2="}]
+        assert study.warn_overlap(train, held_out) == 1
 
 
 def test_a_selection_outside_the_config_is_refused(user_folder):
@@ -335,7 +337,8 @@ def test_the_trainers_demo_command_points_to_the_study(capsys):
     from gfpo_trainer.cli import main
 
     assert main(["demo", "--quick"]) == 2
-    assert capsys.readouterr().err == "error: the demo is the length study's command: python -m gfpo_study demo --quick\n"
+    assert capsys.readouterr().err == (
+        "error: the demo is the length study's command: python -m gfpo_study demo --quick\n")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["merge", "--help"], ["demo", "--help"]])
