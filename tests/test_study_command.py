@@ -443,3 +443,20 @@ def test_a_piece_under_accelerate_launch_is_written_by_the_main_process(finished
     again = launch()
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("gfpo study: 2 run(s) already finished") == 1
+
+
+def test_pieces_by_arm_into_one_folder_make_the_study(finished_study, tmp_path):
+    """A job array by arm writing into one shared folder: the piece that completes the config writes the report, and
+    the runs are those of the study run at once."""
+    folder, _ = finished_study
+    first = study_command(folder, "run", "--config", "study.yaml", "--arms", "grpo", "--output-dir", str(tmp_path))
+    assert first.returncode == 0 and not (tmp_path / "study.json").exists()
+    second = study_command(folder, "run", "--config", "study.yaml", "--arms", "shortest-4of8", "--output-dir",
+                           str(tmp_path))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"written: {tmp_path / 'study.md'}" in second.stdout
+    pieces = json.loads((tmp_path / "study.json").read_text())["seed_results"]
+    whole = json.loads((folder / "out" / "study.json").read_text())["seed_results"]
+    assert [r["warm-up"] for r in pieces] == [r["warm-up"] for r in whole]
+    assert [{a: r["arms"][a]["final"] for a in r["arms"]} for r in pieces] == [
+        {a: r["arms"][a]["final"] for a in r["arms"]} for r in whole]
