@@ -530,23 +530,25 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
         for seed in seeds:
             pending = [a for s, a in todo if s == seed]
             start_path = os.path.join(config.output_dir, f"seed-{seed}", START_FILE)
-            if not pending and os.path.exists(start_path):
+            start_done = os.path.exists(start_path)
+            state.wait_for_everyone()  # every process has looked before the main one writes: they decide alike
+            if not pending and start_done:
                 continue
             seed_dir = os.path.join(config.output_dir, f"seed-{seed}")
             os.makedirs(seed_dir, exist_ok=True)
             start_build = time.perf_counter()
             start_dir = _start_model(config, seed, seed_dir, state)
             start_seconds = time.perf_counter() - start_build
-            if _read_json(start_path) is None:
-                progress.start(f"seed {seed}: the starting model", progress.bar.n)
-                from transformers import AutoTokenizer
+            if not start_done:
+                if main:  # no collective here: the main process alone evaluates the starting model
+                    progress.start(f"seed {seed}: the starting model", progress.bar.n)
+                    from transformers import AutoTokenizer
 
-                args = arm_args(config, config.arms[arms[0]], seed, seed_dir)
-                model = _load_for_eval(start_dir, args)
-                eval_start = evaluate.seconds
-                figures = evaluate(model, AutoTokenizer.from_pretrained(start_dir), seed, config.eval.samples)
-                del model
-                if main:
+                    args = arm_args(config, config.arms[arms[0]], seed, seed_dir)
+                    model = _load_for_eval(start_dir, args)
+                    eval_start = evaluate.seconds
+                    figures = evaluate(model, AutoTokenizer.from_pretrained(start_dir), seed, config.eval.samples)
+                    del model
                     write_json(start_path, {"seed": seed, "model": start_dir, "figures": figures,
                                             "seconds": {"build": start_seconds, "eval": evaluate.seconds - eval_start}})
                 state.wait_for_everyone()
