@@ -61,6 +61,7 @@ _SURFACES = {
     "_generate_single_turn": ["prompt_ids", "images", "multimodal_fields", "num_generations"],
     "_generate": ["prompts"],
     "_save_checkpoint": ["model", "trial"],  # transformers' (TRL overrides it too); GFPO adds its state file
+    "_get_train_sampler": ["dataset"],  # GFPO makes each epoch's order resumable (state.replay_epoch_order)
 }
 # keys of the dict `_generate_and_score_completions` returns that GFPO reads or rewrites
 OUTPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch")

@@ -23,10 +23,11 @@ class Selection:
     advantages: torch.Tensor  # (rows,) GFPO's advantages over the kept rows, 0 for dropped ones
     lengths: torch.Tensor  # (rows,) completion lengths in model tokens, as generated (a cut row as far as it ran)
     truncated: torch.Tensor  # (rows,) bool: TRL's clipped test (not ending in EOS or padding)
-    rewards: torch.Tensor  # (rows,) TRL's summed reward; NaN where unscorable (every function None, or infinite)
+    rewards: torch.Tensor  # (rows,) TRL's summed reward; NaN where unscorable (every function None, or non-finite)
     rewards_per_func: torch.Tensor  # (rows, reward functions) as TRL computed them
     k: int | torch.Tensor  # rows kept per group: one number, or one per group with Adaptive Difficulty
     quartile: torch.Tensor | None  # each group's difficulty quartile with Adaptive Difficulty, else None
+    nonfinite_groups: int = 0  # groups given advantage 0 for a non-finite reward (rewards.py)
 
 
 @dataclass(eq=False)

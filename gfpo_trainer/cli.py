@@ -385,6 +385,12 @@ def _checked(name: str, value, kind: str, choices):
         ok, what = (lambda v: isinstance(v, bool)), "a bool (true/false, 1/0)"
     if ok is not None and not ok(value):
         raise ConfigError(f"args: {name}={value!r} is not {what}")
+    if ok is None and choices is not None and isinstance(value, bool):
+        # YAML 1.1 reads an unquoted no/off/false as False: `save_strategy: no` means the choice "no"
+        if value is False and "no" in [str(choice) for choice in choices]:
+            return _convert_value(name, "no", kind, choices)
+        raise ConfigError(f"args: {name}={value!r} is not one of {list(choices)} (YAML reads an unquoted "
+                          "yes/no/on/off as a bool: quote the choice)")
     if ok is None and choices is not None and value not in choices:
         raise ConfigError(f"args: {name}={value!r} is not one of {list(choices)}{_did_you_mean(value, choices)}")
     return value

@@ -20,32 +20,23 @@ from gfpo_kernels import reference as gfpo_reference
 from ._compat import TRLSurfaceError, batch_metric_names
 from .batch import GenerationBatch, Selection
 from .filters import FilterInputs, group_filter_spec
+from .rewards import nonfinite_rows, summed_rewards, warn_nonfinite_rewards
 
 logger = logging.getLogger(__name__)
 
 
-def summed_rewards(trainer, rewards_per_func: torch.Tensor) -> torch.Tensor:
-    """TRL's summed reward of each row, (N,) from (N, reward functions): the weighted sum over the functions that
-    scored the row, NaN where none did."""
-    rewards = (rewards_per_func * trainer.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-    return rewards
-
-
-def select(trainer, batch: GenerationBatch, rewards_per_func, completions, completion_ids_list) -> Selection:
+def select(trainer, batch: GenerationBatch, rewards_per_func, completions, completion_ids_list,
+           prompts=None) -> Selection:
     """Kept mask and advantages of the global batch (every process computes the same), from this process's rows
     and what `batch` knows of them: their tool masks (the length filters count the model's tokens only) and the rows
-    the early-stop rule cut."""
+    the early-stop rule cut. `prompts` (this process's, one per row) name the prompt in the non-finite reward
+    warning (rewards.py)."""
     G = trainer.num_generations
     args = trainer.args
     device = rewards_per_func.device
     # an unscorable row (every reward function returned None) ranks last under the reward-based filters and gets
     # advantage 0
     rewards = summed_rewards(trainer, rewards_per_func)
-    # An infinite reward would make its group's statistics non-finite; TRL's advantages for such a group end up 0
-    # (nan_to_num). Here the row is unscorable like a NaN one, and its whole group gets advantage 0 below.
-    infinite = torch.isinf(rewards)
-    rewards[infinite] = torch.nan
     counts = batch.model_token_counts() or [len(ids) for ids in completion_ids_list]
     # TRL's test of a clipped completion: it does not end in EOS or padding
     ends = {*trainer.eos_token_ids, trainer._tokenizer.pad_token_id}
@@ -57,6 +48,14 @@ def select(trainer, batch: GenerationBatch, rewards_per_func, completions, compl
         raise TRLSurfaceError(
             f"GRPOTrainer._calculate_rewards returned {rewards.numel()} rows, the batch holds {lengths.numel()}"
         )
+    # A non-finite reward makes its row unscorable, and its whole group takes no part in the advantages, the batch
+    # statistics or the digest (rewards.py): the other groups get what they would without it
+    nonfinite = nonfinite_rows(rewards, rewards_per_func)
+    dropped_groups = nonfinite.view(-1, G).any(dim=1)
+    if dropped_groups.any():
+        warn_nonfinite_rewards(trainer, rewards_per_func, nonfinite, prompts)
+    rewards[nonfinite] = torch.nan
+    advantage_rewards = rewards.masked_fill(dropped_groups.repeat_interleave(G), torch.nan)
     spec = group_filter_spec(args.group_filter)
     if spec is not None:
         scores, largest = spec.score(FilterInputs(rewards, lengths, stopped, G)), spec.largest
@@ -65,18 +64,16 @@ def select(trainer, batch: GenerationBatch, rewards_per_func, completions, compl
 
     quartile = None
     if trainer.adaptive_difficulty is not None:
-        group_means = torch.nanmean(rewards.view(-1, G), dim=1)
+        group_means = torch.nanmean(advantage_rewards.view(-1, G), dim=1)
         quartile, k = trainer.adaptive_difficulty.update_and_assign(group_means)
     else:
         k = args.num_remains_in_group
     ops = gfpo_kernels if args.use_gfpo_kernels else gfpo_reference
-    keep, advantages = ops.gfpo_filter_advantages(rewards, scores, G, k, largest=largest, scale=trainer.scale_rewards)
-    if infinite.any():
-        trainer._warn_once("infinite reward", "gfpo: a reward was infinite; its group gets advantage 0 (as in TRL), "
-                           "so it trains nothing")
-        advantages = advantages.masked_fill(infinite.view(-1, G).any(dim=1).repeat_interleave(G), 0.0)
+    keep, advantages = ops.gfpo_filter_advantages(advantage_rewards, scores, G, k, largest=largest,
+                                                  scale=trainer.scale_rewards)
     return Selection(keep=keep, advantages=advantages, lengths=lengths, truncated=truncated.bool(), rewards=rewards,
-                     rewards_per_func=rewards_per_func, k=k, quartile=quartile)
+                     rewards_per_func=rewards_per_func, k=k, quartile=quartile,
+                     nonfinite_groups=int(dropped_groups.sum()))
 
 
 def _accepts_completion_ids(func) -> bool:
@@ -140,8 +137,8 @@ def _check_scores(scores, num_groups: int, G: int) -> torch.Tensor:
 
 def log_selection(trainer, selection: Selection, stopped: torch.Tensor | None) -> None:
     """GFPO's selection metrics: kept fraction, kept vs dropped lengths, the rewards of the kept rows (TRL's reward
-    metrics cover every completion, but with the length filter: log_trl_metrics_of_kept_rows), the per-quartile k
-    when adaptive."""
+    metrics cover every completion, but with the length filter: log_trl_metrics_of_kept_rows), the groups dropped for
+    a non-finite reward, the per-quartile k when adaptive."""
     metrics = trainer._metrics["train"]
     keep, lengths = selection.keep, selection.lengths
     metrics["gfpo/kept_fraction"].append(keep.float().mean().item())
@@ -168,6 +165,11 @@ def log_selection(trainer, selection: Selection, stopped: torch.Tensor | None) -
     metrics["gfpo/kept_frac_reward_zero_std"].append(
         ((zero_std * kept_per_group).sum() / kept_per_group.sum().clamp(min=1)).item()
     )
+    # groups that train nothing for a non-finite reward: this batch's, and the run's so far (saved with checkpoints;
+    # one value, so the log shows the total at that step however many batches it spans)
+    trainer.gfpo_nonfinite_reward_groups_total += selection.nonfinite_groups
+    metrics["gfpo/nonfinite_reward_groups"].append(float(selection.nonfinite_groups))
+    metrics["gfpo/nonfinite_reward_groups_total"] = [float(trainer.gfpo_nonfinite_reward_groups_total)]
     if selection.quartile is not None:
         quartile, k = selection.quartile, selection.k
         for q, k_q in enumerate(trainer.args.adaptive_num_remains):

@@ -10,7 +10,9 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 1. `_calculate_rewards` (wrapped): once the rewards of the global batch are known, score every completion
    (built-in filter on device, or the user's `group_filter_func`), choose k (fixed, or per group with Adaptive
    Difficulty), and compute the kept mask and the advantages over the kept rows in one call of
-   `gfpo_filter_advantages` (the fused kernel, or the reference with use_gfpo_kernels=False).
+   `gfpo_filter_advantages` (the fused kernel, or the reference with use_gfpo_kernels=False). A reward function that
+   raises or returns what is not a number is named in the error; a group with a non-finite reward trains nothing
+   (rewards.py).
 2. `_get_per_token_logps_and_entropies` (wrapped): during scoring, the no-grad passes of the old policy and the
    reference model are deferred and later run on the kept rows only.
 3. `_generate_and_score_completions` (post-processed): its dict keeps only the rows to train (the kept rows with
@@ -27,6 +29,8 @@ How it hooks into GRPO (see _compat.py for why these surfaces and no others):
 6. `_generate_single_turn` (wrapped, length filter only): generation draws from its own random stream, and
    completions the filter is certain to drop stop early, on one of three generation paths
    (gfpo_trainer/generation_paths.py: HF generate, vLLM colocate, vLLM server).
+7. `train`, `_save_checkpoint` and `_get_train_sampler` (wrapped): GFPO's state goes into every checkpoint and comes
+   back on resume, and each epoch's prompt order is replayed, so a resumed run is the run that did not stop (state.py).
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ from .rows import (
     crop_to_longest_completion, no_metrics_from_padding_only, plan_trained_rows, restore_shuffle_rng,
     shuffle_replay_after_skipping, take_trained_rows, weight_loss, zero_gradient_skip_applies
 )
+from .rewards import reward_errors_named
 from .selection import log_selection, log_trl_metrics_of_kept_rows, logged_metric_counts, select
-from .state import load_gfpo_state, save_gfpo_state
+from .state import load_gfpo_state, replay_epoch_order, save_gfpo_state
 from .vllm_server import ServerLimits
 
 logger = logging.getLogger(__name__)
@@ -148,6 +153,7 @@ class GFPOTrainer(GRPOTrainer):
         self._gfpo_aux_loss = None  # a micro-batch's router auxiliary loss, from TRL's log-prob pass of its loss
         self._gfpo_warned: set[str] = set()  # the one-time warnings given (_warn_once)
         self.gfpo_logp_rows_seen = 0  # rows the deferred no-grad log-prob passes ran on (tests read it)
+        self.gfpo_nonfinite_reward_groups_total = 0  # groups dropped for a non-finite reward so far (state.py saves it)
         spec = self._filter_spec
         if (args.loss_includes_rejected and args.num_remains_in_group is not None and spec is not None
                 and spec.early_stop and args.gfpo_stop_dropped_generations and not args.adaptive_difficulty):
@@ -162,6 +168,11 @@ class GFPOTrainer(GRPOTrainer):
         # GFPO's own state (the adaptive-difficulty digest) comes back with the checkpoint, before the first batch
         load_gfpo_state(self, resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _get_train_sampler(self, dataset=None):
+        # each epoch's prompt order as TRL draws it, from the seed and the epoch alone: a run resumed in a later epoch
+        # sees the order the run that did not stop saw (state.replay_epoch_order)
+        return replay_epoch_order(super()._get_train_sampler(dataset))
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -188,10 +199,11 @@ class GFPOTrainer(GRPOTrainer):
         return result
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        with reward_errors_named(self):  # a reward function that raises is named in the error
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         batch = self._gfpo_batch
         if batch.filtering:
-            batch.selection = select(self, batch, rewards_per_func, completions, completion_ids_list)
+            batch.selection = select(self, batch, rewards_per_func, completions, completion_ids_list, prompts)
         return rewards_per_func
 
     # ------------------------------------------------------------------ deferred log-prob passes

@@ -43,6 +43,7 @@ def trainer_like(adaptive, output_dir, step=60):
     """What save_gfpo_state and load_gfpo_state read of a GFPOTrainer."""
     return types.SimpleNamespace(args=types.SimpleNamespace(should_save=True, output_dir=str(output_dir)),
                                  state=types.SimpleNamespace(global_step=step), adaptive_difficulty=adaptive,
+                                 gfpo_nonfinite_reward_groups_total=0,
                                  _get_output_dir=lambda trial: str(output_dir))
 
 

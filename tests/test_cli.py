@@ -284,6 +284,21 @@ def test_yaml_strings_take_the_field_types(model_dir, dataset_file, tmp_path):
     assert main(["train", "--config", str(config_file)]) == 0  # trains: the optimizer got a float learning rate
 
 
+def test_an_unquoted_yaml_no_is_the_choice_no(model_dir, dataset_file, tmp_path):
+    """YAML 1.1 reads `save_strategy: no` as False: the CLI takes it as the choice "no", in the file and as a flag;
+    a bool where no choice "no" exists says to quote the value."""
+    config = _config(model_dir, dataset_file, tmp_path)
+    config["args"].pop("save_strategy", None)
+    text = yaml.safe_dump(config) + ""
+    config = yaml.safe_load(text.replace("args:\n", "args:\n  save_strategy: no\n", 1))
+    assert config["args"]["save_strategy"] is False  # what YAML gives
+    assert build_trainer(config).args.save_strategy == "no"
+    config["args"]["lr_scheduler_type"] = False
+    with pytest.raises(ConfigError, match=r"^args: lr_scheduler_type=False is not one of \['linear', .*\] \(YAML "
+                       r"reads an unquoted yes/no/on/off as a bool: quote the choice\)$"):
+        build_trainer(config)
+
+
 def test_a_reward_module_that_is_not_there_names_the_folder_and_its_modules(model_dir, dataset_file, tmp_path,
                                                                            monkeypatch, capsys):
     """A misspelt reward module: one line naming where it was looked for, the modules there and the close one."""

@@ -262,7 +262,14 @@ def test_an_untested_trl_generates_with_the_vllm_it_declares(monkeypatch, found,
     _untested_trl_with_vllm(monkeypatch, ['vllm<=0.33.0,>=0.23.0; extra == "vllm"'])
     monkeypatch.setattr(_compat, "vllm_version", lambda: found)
     if error is None:
-        _compat.check_vllm_version()
+        monkeypatch.setattr(_compat, "_warned_untested_vllm", set())  # the warning is once per process
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _compat.check_vllm_version()
+        untested = [str(w.message) for w in caught if "is untested" in str(w.message)]
+        # 0.33.0 is in TRL 1.17's range and above the vLLM releases gfpo ran on: one warning, which says so
+        assert [m.split(":")[0] for m in untested] == (["gfpo"] if found == "0.33.0" else [])
+        assert all(m.startswith(f"gfpo: vllm {found} is untested") for m in untested), untested
         return
     with pytest.raises(ImportError) as info:
         _compat.check_vllm_version()

@@ -282,14 +282,15 @@ def test_gfpo_state_is_written_where_the_trainer_saves(tmp_path):
     for should_save in (True, False):
         trainer = types.SimpleNamespace(
             args=types.SimpleNamespace(should_save=should_save, output_dir=str(tmp_path / "out")),
-            state=types.SimpleNamespace(global_step=7), adaptive_difficulty=adaptive,
+            state=types.SimpleNamespace(global_step=7), adaptive_difficulty=adaptive, gfpo_nonfinite_reward_groups_total=5,
             _get_output_dir=lambda trial: str(tmp_path / f"run-{trial}"),
         )
         save_gfpo_state(trainer, trial="t1")
         path = tmp_path / "run-t1" / "checkpoint-7" / STATE_FILE
         assert path.is_file() == should_save
         if should_save:
-            assert json.loads(path.read_text()) == json.loads(json.dumps({"adaptive_difficulty": adaptive.state_dict()}))
+            assert json.loads(path.read_text()) == json.loads(json.dumps({"nonfinite_reward_groups_total": 5,
+                                                                          "adaptive_difficulty": adaptive.state_dict()}))
             path.unlink()
     assert not (tmp_path / "out").exists()
 
