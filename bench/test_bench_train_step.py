@@ -14,7 +14,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
-from gfpo_trainer.demo import correctness_reward  # noqa: E402
+from gfpo_study.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tokenizer  # noqa: E402
 
 from bench_utils import ON_GPU, sync  # noqa: E402

@@ -1,5 +1,5 @@
-"""The command line: `python -m gfpo_trainer demo [--quick]`, `python -m gfpo_trainer train --config FILE.yaml` and
-`python -m gfpo_trainer env` (the environment report for a bug report).
+"""The command line: `python -m gfpo_trainer train --config FILE.yaml` and `python -m gfpo_trainer env` (the
+environment report for a bug report). The length study and its demo: `python -m gfpo_study`.
 
 A training config (YAML):
 
@@ -511,7 +511,7 @@ def _one_line(error: Exception) -> str:
 
 
 def parse_seeds(text: str) -> list[int]:
-    """`demo --seeds`: a range ("0-3": seeds 0, 1, 2, 3), a list ("0,2,5") or both ("0-3,8"). A bare number is
+    """The length study's seeds (gfpo_study: `seeds:`, `--seeds`): a range ("0-3": seeds 0, 1, 2, 3), a list ("0,2,5") or both ("0-3,8"). A bare number is
     refused: it read as a count of seeds once, and as one seed it would run a different study without a word."""
     if text.strip().isdigit():
         n = int(text)
@@ -531,60 +531,6 @@ def parse_seeds(text: str) -> list[int]:
     if repeated:
         raise ValueError(f"--seeds={text!r}: seeds {repeated} appear more than once")
     return seeds
-
-
-def _demo(options) -> int:
-    from .demo import run_demo
-    from .study import ARMS, DEMO_ARMS, STUDY_ARMS, DemoSettings, merge_studies, run_study
-
-    if options.merge is not None:
-        given = [flag for flag, value in (("--seeds", options.seeds), ("--arms", options.arms),
-                                          ("--task", options.task), ("--rl-steps", options.rl_steps),
-                                          ("--quick", options.quick), ("--smoke", options.smoke)) if value]
-        if given:
-            print(f"error: --merge joins pieces that ran already; {', '.join(given)} cannot go with it (each piece's "
-                  "settings are in its study.json)", file=sys.stderr)
-            return 2
-        try:
-            merge_studies(options.merge, output_dir=options.output_dir or "gfpo_study_output")
-        except ValueError as error:
-            print(f"error: --merge: {_one_line(error)}", file=sys.stderr)
-            return 2
-        return 0
-    if options.arms == "list":
-        for name, arm in ARMS.items():
-            print(f"{name}: {arm}")
-        return 0
-    arms = DEMO_ARMS if options.seeds is None else STUDY_ARMS
-    if options.arms is not None:
-        arms = tuple(a.strip() for a in options.arms.split(",") if a.strip())
-        unknown = [a for a in arms if a not in ARMS]
-        if unknown or not arms:
-            hint = _did_you_mean(unknown[0], ARMS) if unknown else ""
-            print(f"error: --arms={options.arms!r}: unknown arm {', '.join(map(repr, unknown)) or '(none given)'}"
-                  f"{hint}; choices: {', '.join(ARMS)}", file=sys.stderr)
-            return 2
-    try:
-        seeds = None if options.seeds is None else parse_seeds(options.seeds)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    settings = DemoSettings.smoke() if options.smoke else DemoSettings.quick() if options.quick else DemoSettings()
-    if options.task is not None:
-        from .sums_task import TASKS
-
-        settings = dataclasses.replace(settings, task=TASKS[options.task])
-    if options.rl_steps is not None:
-        if options.rl_steps < 1:
-            print(f"error: --rl-steps={options.rl_steps}: give at least 1 RL step", file=sys.stderr)
-            return 2
-        settings = dataclasses.replace(settings, rl_steps=options.rl_steps)
-    common = dict(use_kernels=not options.no_kernels, verbose=options.verbose, arms=arms)
-    if options.seeds is None:
-        run_demo(settings, output_dir=options.output_dir or "gfpo_demo_output", **common)
-    else:
-        run_study(settings, seeds, output_dir=options.output_dir or "gfpo_study_output", **common)
-    return 0
 
 
 # the packages of the trainer extra that `train` imports (pyproject.toml's `trainer` extra lists them with versions)
@@ -636,32 +582,13 @@ TRAIN_DESCRIPTION = (
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:  # the demo is the length study's (gfpo_study), which the trainer does not import
+        print(f"error: the demo is the length study's command: python -m gfpo_study {' '.join(argv)}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="python -m gfpo_trainer", description=" ".join(_doc_paragraphs()[0].split()),
                                      epilog="Each command's --help says what it does and what it takes.")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="GRPO vs GFPO on a task where RL lengthens answers, with a tiny model "
-                               "(no downloads)")
-    sizes = demo.add_mutually_exclusive_group()
-    sizes.add_argument("--quick", action="store_true", help="fewer warm-up and RL steps (docs/demo.md: times)")
-    sizes.add_argument("--smoke", action="store_true",
-                       help="every stage at toy sizes, in seconds; the figures mean nothing (for tests)")
-    demo.add_argument("--seeds", default=None, metavar="SEEDS",
-                      help="the study: every arm of --arms on these seeds, a range or a list (0-4, 0,2,5), at least "
-                      "2, with 95%% intervals over seeds")
-    demo.add_argument("--merge", nargs="+", default=None, metavar="PIECE_DIR",
-                      help="join the pieces of a study (the --output-dir of each `--seeds` run) into one study in "
-                      "--output-dir: study.json, study.md, study.png")
-    demo.add_argument("--task", default=None, choices=("sums", "easy-hard-sums", "small-large-sums"),
-                      help="the task (gfpo_trainer/sums_task.py, TASKS; default sums)")
-    demo.add_argument("--rl-steps", type=int, default=None, metavar="N",
-                      help="RL steps per arm (default: the preset's, 300, or 200 with --quick)")
-    demo.add_argument("--arms", default=None,
-                      help="comma-separated arms (default: grpo, shortest-8of16; with --seeds every arm); "
-                      "`--arms list` prints them")
-    demo.add_argument("--output-dir", default=None,
-                      help="where the plot, results and models go (default gfpo_demo_output, gfpo_study_output)")
-    demo.add_argument("--no-kernels", action="store_true", help="run with use_gfpo_kernels=False")
-    demo.add_argument("--verbose", action="store_true", help="print TRL's metrics at every step, not a progress bar")
     train = commands.add_parser("train", help="train with GFPO from a YAML config", description=TRAIN_DESCRIPTION,
                                 epilog="\n\n".join(_doc_paragraphs()[1:]), formatter_class=_HelpFormatter,
                                 usage="%(prog)s --config FILE.yaml [--field value ...]", allow_abbrev=False)
@@ -684,14 +611,6 @@ def main(argv=None) -> int:
 
         print(environment_report())
         return 0
-    if options.command == "demo":
-        try:  # the commands need the trainer extra, which `pip install --no-build-isolation .` alone does not bring
-            from . import demo  # noqa: F401 (TRL, transformers, datasets: the runs import them)
-            from .trainer import GFPOTrainer  # noqa: F401
-        except ModuleNotFoundError as error:
-            return _missing_dependency(error.name or str(error))
-        return _demo(options)
-
     # the training stack takes seconds to import: a missing package is found by name (find_spec imports nothing),
     # and the config is checked (check_config) before the stack is imported, so a mistake is reported at once
     missing = next((name for name in TRAIN_MODULES if _not_installed(name)), None)

@@ -128,7 +128,7 @@ def supervised_warm_up(model, tokenizer, draw_example, steps: int, device, batch
 def warm_up_on_pair_sums(model, tokenizer, pairs, steps: int, device, batch_size: int = 64, seed: int = 0) -> None:
     """Supervised warm-up of `model` on "a+b=" prompts over `pairs`, answered " 17" or with 1-3 filler words
     (" ok ok so 17"), half each: a model whose completions end at varied lengths, for tests and benchmarks of the
-    length filter and its early stop (the demo's task is gfpo_trainer/sums_task.py)."""
+    length filter and its early stop (the demo's task is gfpo_study/sums_task.py)."""
 
     def draw_example(rng):
         a, b = rng.choice(pairs)

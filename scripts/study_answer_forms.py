@@ -2,7 +2,7 @@
 
     python scripts/study_answer_forms.py PIECE_DIR [PIECE_DIR ...] --output docs/demo/STEM-forms
 
-Evaluates each piece's saved models again as its runs did (gfpo_trainer.study.reevaluate_final_models: the same
+Evaluates each piece's saved models again as its runs did (gfpo_study.study.reevaluate_final_models: the same
 answers, checked against the recorded accuracy and length) and writes STEM.json (the figures per seed) and STEM.md (per
 arm the mean over seeds with its 95% t-interval, and the paired difference to GRPO). Run with the thread count the
 study ran with (OMP_NUM_THREADS=1 for the convergence study), or the answers differ and it stops saying so.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gfpo_trainer.study import reevaluate_final_models  # noqa: E402
-from gfpo_trainer.study_report import fmt, markdown_table  # noqa: E402
-from gfpo_trainer.study_stats import figure  # noqa: E402
+from gfpo_study.study import reevaluate_final_models  # noqa: E402
+from gfpo_study.study_report import fmt, markdown_table  # noqa: E402
+from gfpo_study.study_stats import figure  # noqa: E402
 
 KEYS = {  # figure -> its column
     "stepwise_fraction": "stepwise share",

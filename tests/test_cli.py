@@ -1,5 +1,5 @@
-"""The command line: `train --config` with its errors, the commands' help and missing dependencies (the demo:
-tests/test_demo.py)."""
+"""The command line: `train --config` with its errors, the commands' help and missing dependencies (the study's
+command line: tests/test_study_command.py)."""
 
 import json
 import os
@@ -18,7 +18,7 @@ yaml = pytest.importorskip("yaml")
 from gfpo_trainer import GROUP_FILTERS  # noqa: E402
 from gfpo_trainer.cli import (  # noqa: E402
     _TOP_LEVEL_KEYS, ConfigError, apply_overrides, build_trainer, load_reward_func, main, saved_line)
-from gfpo_trainer.demo import correctness_reward  # noqa: E402
+from gfpo_study.sums_task import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402
 
 REPO = Path(__file__).parents[1]
@@ -48,7 +48,7 @@ def _config(model_dir, dataset_file, tmp_path, **changes):
     config = {
         "model": model_dir,
         "dataset": dataset_file,
-        "reward_funcs": ["gfpo_trainer.demo:correctness_reward"],
+        "reward_funcs": ["gfpo_study.demo:correctness_reward"],
         "args": dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=8,
                      num_remains_in_group=4, group_filter="length", max_completion_length=6, max_steps=1,
                      use_cpu=True, bf16=False, report_to="none", save_strategy="no"),
@@ -208,10 +208,10 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
          r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
         (dict(dataset="/nonexistent/train.jsonl"),
          r"dataset file '/nonexistent/train.jsonl' does not exist \(looked for /nonexistent/train.jsonl\)"),
-        (dict(reward_funcs=["gfpo_trainer.demo:nope"]), r"module 'gfpo_trainer.demo' has no function 'nope'; its "
+        (dict(reward_funcs=["gfpo_study.demo:nope"]), r"module 'gfpo_study.demo' has no function 'nope'; its "
          r"functions: \[.*'correctness_reward', .*\]$"),
-        (dict(reward_funcs=["gfpo_trainer.demo:correctnes_reward"]),
-         r"^reward function 'gfpo_trainer.demo:correctnes_reward': module 'gfpo_trainer.demo' has no function "
+        (dict(reward_funcs=["gfpo_study.demo:correctnes_reward"]),
+         r"^reward function 'gfpo_study.demo:correctnes_reward': module 'gfpo_study.demo' has no function "
          r"'correctnes_reward' \(did you mean 'correctness_reward'\?\); its functions: \[.*'correctness_reward'"),
         (dict(reward_funcs=["gfpo_trainer.filters:GROUP_FILTERS"]),
          r"module 'gfpo_trainer.filters' has 'GROUP_FILTERS' of type tuple, not a function; its functions: \[.*"
@@ -458,8 +458,8 @@ def test_train_command_reports_errors(tmp_path, capsys):
 
 
 def test_load_reward_func_forms():
-    assert load_reward_func("gfpo_trainer.demo.correctness_reward") is correctness_reward
-    assert load_reward_func("gfpo_trainer.demo:correctness_reward") is correctness_reward
+    assert load_reward_func("gfpo_study.demo.correctness_reward") is correctness_reward
+    assert load_reward_func("gfpo_study.demo:correctness_reward") is correctness_reward
     with pytest.raises(ConfigError, match="must look like 'package.module:function'"):
         load_reward_func("correctness_reward")
 
@@ -744,7 +744,7 @@ def _prose(block: str) -> str:
     return " ".join(block.split())
 
 
-@pytest.mark.parametrize("argv", [[], ["demo"], ["train"], ["env"]])
+@pytest.mark.parametrize("argv", [[], ["train"], ["env"]])
 def test_help_prints_whole_sentences(argv, capsys, monkeypatch):
     """Every paragraph of prose that --help prints ends its sentence (a ':' only before an indented example), and a
     command's help opens with the summary the command list gives it, as a sentence."""
@@ -759,7 +759,7 @@ def test_help_prints_whole_sentences(argv, capsys, monkeypatch):
         assert text.endswith(".") or (text.endswith(":") and next_kind == "example"), text
     if argv:
         listing = _prose(next(b for b in _help([], capsys, monkeypatch) if b.startswith("positional arguments:")))
-        others = "|".join(name for name in ("demo", "train", "env") if name != argv[0])
+        others = "|".join(name for name in ("train", "env") if name != argv[0])
         summary = re.search(rf" {argv[0]} (.+?)(?= (?:{others}) |$| options:)", listing)[1]
         assert prose[0][0].lower().startswith(summary.lower().rstrip("."))
 
@@ -769,7 +769,7 @@ def test_top_level_help_prints_the_whole_description(capsys, monkeypatch):
     import gfpo_trainer.cli as cli
 
     first_paragraph = _prose(cli.__doc__.split("\n\n")[0])
-    assert first_paragraph.endswith(".") and first_paragraph.count("python -m gfpo_trainer") == 3
+    assert first_paragraph.endswith(".") and first_paragraph.count("python -m gfpo_trainer") == 2
     assert _prose(_help([], capsys, monkeypatch)[1]) == first_paragraph
 
 
@@ -789,7 +789,7 @@ def test_train_help_shows_a_config_that_is_valid(capsys, monkeypatch):
     assert all(name in rule for name in PATH_ARGS)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["train", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
 def test_help_imports_no_training_stack(argv):
     """--help answers at once: TRL, transformers and datasets are imported only when a command runs."""
     probe = ("import sys, runpy; sys.argv = ['gfpo_trainer'] + sys.argv[1:]\n"
@@ -800,7 +800,7 @@ def test_help_imports_no_training_stack(argv):
     assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
 
 
-@pytest.mark.parametrize("command, missing", [(["demo", "--smoke"], "tqdm"), (["train", "--config", "run.yaml"], "trl")])
+@pytest.mark.parametrize("command, missing", [(["train", "--config", "run.yaml"], "trl")])
 def test_commands_without_the_trainer_extra_say_what_to_install(command, missing):
     """`pip install --no-build-isolation .` installs the kernels' dependencies only: a command then names the missing
     module and the install command in one line, exit status 2, instead of a ModuleNotFoundError traceback."""

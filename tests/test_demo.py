@@ -1,4 +1,4 @@
-"""The one-seed demo (gfpo_trainer/demo.py): its table, verdict, plot and files, and its command line."""
+"""The one-seed demo (gfpo_study/demo.py): its table, verdict, plot and files, and its command line."""
 
 import json
 import re
@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from gfpo_trainer import demo, study  # noqa: E402
+from gfpo_study import demo, study  # noqa: E402
 
 REPO = Path(__file__).parents[1]
 
@@ -44,8 +44,8 @@ def test_the_demos_study_figures_are_the_study_files():
                                          abs=6e-5)
     assert demo.STUDY_FINDINGS == (
         "The study (8 seeds, 1500 RL steps, docs/demo.md; means and 95% t-intervals over seeds, against GRPO): "
-        "shortest-8of16 ELR 22% [-0%, 45%], accuracy -0.022 [-0.045, +0.000]; shortest-6of8 ELR 21% [1%, 42%], "
-        "accuracy -0.013 [-0.026, -0.000].")
+        "shortest-8of16 ELR 22% [-0.4%, 45%], accuracy -0.022 [-0.045, +0.0003]; shortest-6of8 ELR 21% [1%, 42%], "
+        "accuracy -0.013 [-0.026, -0.0001].")
 
 
 def test_demo_table_counts_tokens_generated_and_trained():
@@ -54,16 +54,6 @@ def test_demo_table_counts_tokens_generated_and_trained():
     lines = demo.demo_table(result).splitlines()
     assert lines[0].endswith("| tokens generated / step | tokens trained / step")
     assert lines[4] == "shortest-8of16 | 0.880 | 12.0 | +20% | 60% | 180 | 90"
-
-
-@pytest.mark.parametrize("results_file", ["results.json", "study.json"])
-def test_announces_that_it_replaces_an_earlier_run(tmp_path, capsys, results_file):
-    study.announce_overwrite(str(tmp_path), results_file)
-    assert capsys.readouterr().out == ""
-    (tmp_path / results_file).write_text(json.dumps({"environment": {"date": "2026-11-27", "commit": "abc"}}))
-    study.announce_overwrite(str(tmp_path), results_file)
-    assert capsys.readouterr().out == (f"gfpo demo: replacing the earlier run in {tmp_path}/ (its {results_file} of "
-                                       "2026-11-27, commit abc); --output-dir keeps both\n")
 
 
 def test_future_warnings_hidden_only_inside_the_run():
@@ -85,15 +75,18 @@ def test_future_warnings_hidden_only_inside_the_run():
 
 
 def test_demo_smoke(tmp_path):
-    """Every stage of `python -m gfpo_trainer demo` at toy sizes: warm-up, the demo's arms, table, verdict, plot,
-    models."""
+    """Every stage of `python -m gfpo_study demo` at toy sizes: warm-up, the demo's arms, table, verdict, plot,
+    models; run again into the same folder, its finished runs are kept; another preset there is refused."""
     import platform
 
     import trl
 
     out = tmp_path / "demo"
-    done = subprocess.run([sys.executable, "-m", "gfpo_trainer", "demo", "--smoke", "--output-dir", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    def run_demo(*options):
+        return subprocess.run([sys.executable, "-m", "gfpo_study", "demo", *options, "--output-dir", str(out)],
+                              capture_output=True, text=True, timeout=600, cwd=REPO)
+
+    done = run_demo("--smoke")
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("run | held-out accuracy | held-out length (tokens) | length vs warm-up | ELR | tokens generated / step | "
             "tokens trained / step") in done.stdout
@@ -114,8 +107,17 @@ def test_demo_smoke(tmp_path):
     assert environment["machine"]["cpu_cores"] >= 1 and environment["python"] == platform.python_version()
     assert environment["wall_time_seconds"] > 0
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for model in ("warmup_model", *demo.DEMO_ARMS):  # what docs/demo.md says is written
-        assert (out / model / "model.safetensors").exists() and (out / model / "tokenizer_config.json").exists()
+    for model in ("start_model", *demo.DEMO_ARMS):  # what docs/demo.md says is written
+        folder = out / "seed-0" / model
+        assert (folder / "model.safetensors").exists() and (folder / "tokenizer_config.json").exists()
+    again = run_demo("--smoke")
+    assert again.returncode == 0 and "gfpo study: 2 run(s) already finished in " in again.stdout
+    assert json.loads((out / "results.json").read_text())["result"] == results["result"]
+    other = run_demo("--quick")
+    assert other.returncode == 2
+    assert other.stderr.splitlines() == [f"error: output_dir {out} holds the runs of another study config: "
+                                         "model.warmup_steps is 5 there and 800 here; give another output_dir (its "
+                                         "runs stay as they are)"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -129,11 +131,9 @@ def test_demo_smoke(tmp_path):
     (["--arms", "grpo,shortest-8of61"], "error: --arms='grpo,shortest-8of61': unknown arm 'shortest-8of61' (did you "
                                         "mean 'shortest-8of16'?); choices: " + ", ".join(demo.ARMS)),
     (["--rl-steps", "0"], "error: --rl-steps=0: give at least 1 RL step"),
-    (["--merge", "a", "--seeds", "0-1"], "error: --merge joins pieces that ran already; --seeds, --smoke cannot go "
-                                         "with it (each piece's settings are in its study.json)"),
 ])
 def test_demo_refuses_bad_options_in_one_line(argv, message, capsys):
-    from gfpo_trainer.cli import main
+    from gfpo_study.cli import main
 
     assert main(["demo", "--smoke", *argv]) == 2
     assert capsys.readouterr().err == message + "\n"
@@ -149,8 +149,8 @@ def test_parse_seeds(text, seeds):
 
 def test_task_choices_are_the_tasks(capsys):
     """The CLI's --task choices (written out, so that building the parser imports no torch) are sums_task.TASKS."""
-    from gfpo_trainer.cli import main
-    from gfpo_trainer.sums_task import TASKS
+    from gfpo_study.cli import main
+    from gfpo_study.sums_task import TASKS
 
     with pytest.raises(SystemExit):
         main(["demo", "--task", "nope"])

@@ -10,7 +10,7 @@ from datasets import Dataset  # noqa: E402
 
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import batch_metric_names  # noqa: E402
-from gfpo_trainer.demo import correctness_reward  # noqa: E402
+from gfpo_study.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import warm_up_on_pair_sums  # noqa: E402
 from gfpo_trainer.early_stop import StopDroppedCompletions  # noqa: E402
 from gfpo_trainer.tiny import make_tiny_model, make_tokenizer  # noqa: E402

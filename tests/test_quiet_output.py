@@ -57,7 +57,7 @@ def test_a_train_run_logged_to_a_file_is_quiet(tmp_path):
 
     model = save_tiny_model(tmp_path / "model")
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{a}="}) + "\n" for a in range(8)))
-    config = {"model": str(model), "dataset": "train.jsonl", "reward_funcs": ["gfpo_trainer.demo:correctness_reward"],
+    config = {"model": str(model), "dataset": "train.jsonl", "reward_funcs": ["gfpo_study.sums_task:correctness_reward"],
               "args": dict(output_dir="out", per_device_train_batch_size=4, num_generations=4, num_remains_in_group=2,
                            group_filter="length", max_completion_length=6, max_steps=12, logging_steps=1,
                            report_to="none", save_strategy="no")}  # no use_cpu: the data loader's own choice

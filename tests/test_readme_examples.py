@@ -10,7 +10,8 @@ Markers, an HTML comment on the line before a code block (invisible on GitHub):
 - `<!-- docs-test: vllm -->`: the Python block runs where vLLM is installed (scripts/test_vllm_cpu.sh runs it in
   .venv-vllm), and is compiled only elsewhere;
 - `<!-- docs-test: recipe -->`: a YAML training config of docs/gpu-recipe.md, which names Hub models and GPU settings:
-  tests/test_gpu_recipe.py builds and runs it shrunk, not the generic config test here.
+  tests/test_gpu_recipe.py builds and runs it shrunk, not the generic config test here;
+- `<!-- docs-test: study -->`: a YAML study config (python -m gfpo_study run): parsed and checked here.
 Shell blocks never run here (they install, train for minutes or need GPUs): their commands are checked statically.
 The Hub model of a YAML config is replaced by a tiny local model (no downloads) and training gets a one-step limit.
 """
@@ -203,7 +204,8 @@ def readme_reward_function() -> str:
 
 
 TRAINING_CONFIGS = [b for b in all_blocks("yaml")
-                    if "model" in (yaml.safe_load(b.code) or {}) and b.directive != "recipe"]
+                    if "model" in (yaml.safe_load(b.code) or {}) and b.directive not in ("recipe", "study")]
+STUDY_CONFIGS = [b for b in all_blocks("yaml") if b.directive == "study"]
 RECIPE_CONFIGS = [b for b in all_blocks("yaml") if b.directive == "recipe"]
 
 
@@ -244,6 +246,25 @@ def test_yaml_training_config_runs_with_the_cli(block, tmp_path, monkeypatch, ti
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert main(["train", "--config", "run.yaml"]) == 0
     assert (tmp_path / config["args"]["output_dir"] / "config.json").exists()
+
+
+@pytest.mark.parametrize("block", STUDY_CONFIGS, ids=str)
+def test_yaml_study_config_parses(block, tmp_path):
+    """A study config of the docs (`<!-- docs-test: study -->`) is one `python -m gfpo_study run` takes: every key,
+    arm and seed checked (tests/test_study_command.py runs such configs)."""
+    pytest.importorskip("trl")
+    from gfpo_study.config import parse_study_config
+
+    config = yaml.safe_load(block.code)
+    for spec in config["reward_funcs"] + [config["eval"]["correct"]]:
+        module, _, name = spec.partition(":")
+        with open(tmp_path / f"{module}.py", "a") as f:
+            f.write(f"def {name}(completions, **kwargs):\n    return [0.0] * len(completions)\n")
+    for data in (config["dataset"], config["eval"]["dataset"]):  # the data files it names, one row each
+        (tmp_path / data).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / data).write_text('{"prompt": "1+1=", "answer": 2}\n')
+    parsed = parse_study_config(config, str(tmp_path))
+    assert parsed.seeds and parsed.arms and parsed.steps >= 1
 
 
 # --- shell commands --------------------------------------------------------------------------------------------
@@ -422,8 +443,8 @@ def test_every_code_block_is_checked():
     unchecked = [str(b) for b in all_blocks() if b.lang not in ("python", "bash", "yaml", "json", "text")]
     assert not unchecked, f"code blocks in no checked language: {unchecked}"
     for block in all_blocks("yaml"):
-        assert block in TRAINING_CONFIGS or (block in RECIPE_CONFIGS and block.page.name == "gpu-recipe.md"), (
-            f"{block}: a YAML block that is not a training config")
+        assert block in TRAINING_CONFIGS or (block in RECIPE_CONFIGS and block.page.name == "gpu-recipe.md") or (
+            block in STUDY_CONFIGS), f"{block}: a YAML block that is not a training config"
 
 
 # --- the API contract (docs/design.md) --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The length study (gfpo_trainer/study.py, study_report.py): arms, runs in pieces and their merge, the report."""
+"""The length study (gfpo_study/study.py, study_report.py): arms, runs in pieces and their merge, the report."""
 
 import json
 from pathlib import Path
@@ -8,9 +8,10 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("scipy")
 
-from gfpo_trainer import study  # noqa: E402
-from gfpo_trainer.study_report import ELR_IN_WORDS, paper_comparison_table, study_verdict  # noqa: E402
-from gfpo_trainer.study_stats import figure  # noqa: E402
+from gfpo_study import study  # noqa: E402
+from gfpo_study.study_report import ELR_IN_WORDS, paper_comparison_table, study_verdict  # noqa: E402
+from gfpo_study.study_stats import figure  # noqa: E402
+from gfpo_trainer.cli import ConfigError  # noqa: E402
 
 REPO = Path(__file__).parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -32,32 +33,43 @@ def _seed_result(seed, grpo_length, arm_length):
             "arms": {"grpo": run(0.9, grpo_length), "shortest-8of16": run(0.9, arm_length)}}
 
 
-def _write_piece(directory: Path, seeds, settings=None, arms=("grpo", "shortest-8of16"), done=None):
+IDENTITY = {"model": "m", "dataset": "d.jsonl", "steps": 100}
+
+
+def _write_piece(directory: Path, seeds, identity=None, arms=("grpo", "shortest-8of16"), lengths=None):
+    """An output folder as `python -m gfpo_study run` leaves it: its config, each seed's starting model figures and
+    one file per finished (arm, seed) run."""
     directory.mkdir(parents=True)
-    piece = {"environment": {"date": "2026-11-28", "commit": "abc"},
-             "settings": settings or {"rl_steps": 100, "task": {"max_terms": 4}}, "task": "sums", "seeds": seeds,
-             "arms": list(arms), "seed_results": [_seed_result(s, 20.0, 15.0 + s) for s in (done or seeds)]}
-    (directory / "study.json").write_text(json.dumps(piece))
-    return piece
+    (directory / "study-config.json").write_text(json.dumps({"config": identity or IDENTITY, "base_dir": None}))
+    for seed in seeds:
+        result = _seed_result(seed, 20.0, (lengths or {}).get(seed, 15.0 + seed))
+        (directory / f"seed-{seed}").mkdir()
+        (directory / f"seed-{seed}" / "start.json").write_text(json.dumps(
+            {"seed": seed, "model": "m", "figures": result["warm-up"], "seconds": {"build": 1.0, "eval": 0.1}}))
+        for name in arms:
+            (directory / f"seed-{seed}" / f"{name}.json").write_text(json.dumps(
+                {"seed": seed, "arm": name, "definition": study.ARMS[name].definition(), "run": result["arms"][name]}))
+    return directory
 
 
 def test_merge_joins_pieces_in_seed_order(tmp_path, capsys):
-    """Pieces of one study, run apart, make one study file: every run kept, in seed order, each piece's environment
+    """Pieces of one study, run apart, make one study file: every run kept, in seed order, each piece's seeds
     recorded, then the summary, the report with its verdict and the plot."""
-    first = _write_piece(tmp_path / "piece-2-3", [2, 3])
-    second = _write_piece(tmp_path / "piece-0-1", [0, 1])
+    _write_piece(tmp_path / "piece-2-3", [2, 3])
+    _write_piece(tmp_path / "piece-0-1", [0, 1])
     out = tmp_path / "merged"
     result = study.merge_studies([str(tmp_path / "piece-2-3"), str(tmp_path / "piece-0-1")], str(out))
     merged = json.loads((out / "study.json").read_text())
-    assert merged["seeds"] == [0, 1, 2, 3]
-    assert merged["seed_results"] == json.loads(json.dumps(second["seed_results"] + first["seed_results"]))
+    assert merged["seeds"] == [0, 1, 2, 3] and merged["arms"] == ["grpo", "shortest-8of16"]
+    assert merged["seed_results"] == json.loads(json.dumps([_seed_result(s, 20.0, 15.0 + s) for s in range(4)]))
     assert [p["seeds"] for p in merged["environment"]["pieces"]] == [[2, 3], [0, 1]]
-    assert merged["environment"]["pieces"][0]["commit"] == "abc" and merged["task"] == "sums"
+    assert merged["settings"] == IDENTITY
     # ELR per seed: (20 - (15 + s)) / (20 - 10) for s = 0..3
     assert merged["summary"]["arms"]["shortest-8of16"]["elr_per_seed"]["per_seed"] == pytest.approx(
         [0.5, 0.4, 0.3, 0.2])
     assert (out / "study.md").read_text() == result["report"] + "\n" and "## Verdict" in result["report"]
     assert (out / "study.png").read_bytes()[:8] == PNG
+    assert json.loads((out / "seed-3" / "shortest-8of16.json").read_text())["run"]["final"]["mean_length"] == 18.0
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(f"written: {out / 'study.md'} (the tables and the verdict), {out / 'study.json'} "
                                      f"(every run per seed, and the summary), {out / 'study.png'} (the plot); the "
@@ -65,47 +77,66 @@ def test_merge_joins_pieces_in_seed_order(tmp_path, capsys):
     assert ELR_IN_WORDS in printed
 
 
+def test_pieces_by_arms_merge_too(tmp_path):
+    """A piece may hold some arms of every seed (a job array by arm): the merge joins them into the whole grid."""
+    _write_piece(tmp_path / "grpo", [0, 1], arms=("grpo",))
+    _write_piece(tmp_path / "short", [0, 1], arms=("shortest-8of16",))
+    merged = study.merge_studies([tmp_path / "short", tmp_path / "grpo"], str(tmp_path / "out"))["study"]
+    assert merged["arms"] == ["grpo", "shortest-8of16"] and merged["seeds"] == [0, 1]
+
+
 def test_merge_refuses_pieces_that_do_not_make_one_study(tmp_path):
     _write_piece(tmp_path / "a", [0, 1])
-    _write_piece(tmp_path / "b", [2, 3], settings={"rl_steps": 200, "task": {"max_terms": 4}})
-    _write_piece(tmp_path / "c", [1, 4])
-    _write_piece(tmp_path / "d", [5, 6], done=[5])
+    _write_piece(tmp_path / "b", [2, 3], identity={**IDENTITY, "steps": 200})
+    _write_piece(tmp_path / "c", [1, 4], lengths={1: 14.0})
     _write_piece(tmp_path / "e", [7], arms=("grpo",))
     _write_piece(tmp_path / "f", [8])
     out = str(tmp_path / "out")
-    with pytest.raises(ValueError, match=rf"^{tmp_path / 'b'} and {tmp_path / 'a'} differ in settings: "):
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'b'} and {tmp_path / 'a'} are pieces of different configs: "
+                       rf"steps is 200 in {tmp_path / 'b'} and 100 in {tmp_path / 'a'}$"):
         study.merge_studies([tmp_path / "a", tmp_path / "b"], out)
-    with pytest.raises(ValueError, match=rf"^seed 1 is in two pieces: {tmp_path / 'a'} and {tmp_path / 'c'}$"):
+    with pytest.raises(ConfigError, match=rf"^shortest-8of16 seed 1 is in two pieces with different figures: "
+                       rf"{tmp_path / 'a'}/seed-1/shortest-8of16.json and {tmp_path / 'c'}/seed-1/shortest-8of16.json"):
         study.merge_studies([tmp_path / "a", tmp_path / "c"], out)
-    with pytest.raises(ValueError, match=r"seeds \[6\] of \[5, 6\] have no results \(the run stopped early\)"):
-        study.merge_studies([tmp_path / "a", tmp_path / "d"], out)
-    with pytest.raises(ValueError, match=r"differ in arms: \['grpo'\] against \['grpo', 'shortest-8of16'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"^the pieces lack 1 run\(s\) of their seeds x arms: shortest-8of16 seed 7; "):
         study.merge_studies([tmp_path / "a", tmp_path / "e"], out)
-    with pytest.raises(ValueError, match=r"no study.json there"):
+    with pytest.raises(ConfigError, match=r"nowhere: no study-config.json there"):
         study.merge_studies([tmp_path / "a", tmp_path / "nowhere"], out)
-    with pytest.raises(ValueError, match=r"the pieces hold 1 seed; the study needs at least 2"):
+    with pytest.raises(ConfigError, match=r"the pieces hold 1 seed; the study needs at least 2"):
         study.merge_studies([tmp_path / "f"], out)
     assert not (tmp_path / "out").exists()  # nothing written by a refused merge
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "study-config.json").write_text(json.dumps({"config": {**IDENTITY, "model": "x"}}))
+    with pytest.raises(ConfigError, match=rf"^output_dir {tmp_path / 'other'} holds the runs of another study "
+                       r"config: model is 'x' there and 'm' here"):
+        study.merge_studies([tmp_path / "a"], str(tmp_path / "other"))
 
 
 def test_merge_on_the_command_line(tmp_path, capsys):
-    from gfpo_trainer.cli import main
+    from gfpo_study.cli import main
 
     _write_piece(tmp_path / "a", [0, 1])
-    _write_piece(tmp_path / "b", [1, 2])
-    assert main(["demo", "--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--output-dir",
-                 str(tmp_path / "out")]) == 2
-    expected = f"error: --merge: seed 1 is in two pieces: {tmp_path / 'a'} and {tmp_path / 'b'}\n"
+    _write_piece(tmp_path / "b", [2, 3], identity={**IDENTITY, "steps": 200})
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--output-dir", str(tmp_path / "out")]) == 2
+    expected = (f"error: merge: {tmp_path / 'b'} and {tmp_path / 'a'} are pieces of different configs: steps is 200 "
+                f"in {tmp_path / 'b'} and 100 in {tmp_path / 'a'}\n")
     assert capsys.readouterr().err == expected
 
 
 def test_pieces_merged_are_the_study_run_at_once(tmp_path):
-    """Two one-seed pieces merged hold the same runs as the two seeds run in one study (times apart)."""
+    """One-seed pieces merged hold the same runs as the two seeds run in one study (times apart)."""
     settings, arms = study.DemoSettings.smoke(), ("grpo", "shortest-8of16")
-    whole = study.run_study(settings, [0, 1], output_dir=str(tmp_path / "whole"), arms=arms)
+
+    def run(seeds, folder, only=None):
+        config = study.study_config(study.sums_config(settings, seeds=seeds, arms=arms,
+                                                      output_dir=str(tmp_path / folder)))
+        return study.run_study(config, seeds=only)
+
+    whole = run("0-1", "whole")["study"]
     for seed in (0, 1):
-        piece = study.run_study(settings, [seed], output_dir=str(tmp_path / f"piece-{seed}"), arms=arms)
-        assert piece["summary"] is None and json.loads((tmp_path / f"piece-{seed}" / "study.json").read_text())
+        piece = run("0-1", f"piece-{seed}", only=[seed])
+        assert piece["study"] is None and piece["missing"] == [(1 - seed, a) for a in arms]
     merged = study.merge_studies([str(tmp_path / "piece-1"), str(tmp_path / "piece-0")], str(tmp_path / "merged"))
 
     def without_times(results):
@@ -113,17 +144,16 @@ def test_pieces_merged_are_the_study_run_at_once(tmp_path):
         for r in results:
             r.pop("warmup_time")
             for run in r["arms"].values():
-                run.pop("step_time"), run.pop("load_average_1min_at_start")
+                run.pop("step_time"), run.pop("load_average_1min_at_start"), run.pop("seconds")
         return results
 
     assert without_times(merged["study"]["seed_results"]) == without_times(whole["study"]["seed_results"])
-    assert merged["study"]["settings"] == json.loads(json.dumps(whole["study"]["settings"]))
-    assert merged["study"]["task"] is None  # the smoke task is none of TASKS
+    assert merged["study"]["settings"] == whole["study"]["settings"]
     for name in ("study.json", "study.md", "study.png"):
         assert (tmp_path / "whole" / name).exists()
     # the saved final models, evaluated again, give the answers the runs recorded, and the figures they did not
     again = study.reevaluate_final_models(str(tmp_path / "piece-1"))
-    recorded = json.loads((tmp_path / "piece-1" / "study.json").read_text())["seed_results"][0]
+    recorded = json.loads((tmp_path / "merged" / "study.json").read_text())["seed_results"][1]
     for name in arms:
         for key in ("accuracy", "mean_length", "stepwise_fraction", "filler_per_answer"):
             assert again[0]["arms"][name]["final"][key] == recorded["arms"][name]["final"][key]
@@ -138,18 +168,6 @@ def test_pieces_merged_are_the_study_run_at_once(tmp_path):
     assert forms.main([str(tmp_path / "piece-0"), str(tmp_path / "piece-1"), "--output", str(tmp_path / "f")]) == 0
     written = json.loads((tmp_path / "f.json").read_text())
     assert [r["seed"] for r in written["seed_results"]] == [0, 1]
-    assert written["summary"]["shortest-8of16"]["stepwise_fraction"]["per_seed"] == [
-        r["arms"]["shortest-8of16"]["final"]["stepwise_fraction"] for r in merged["study"]["seed_results"]]
-    assert (tmp_path / "f.md").read_text().startswith("Seeds [0, 1]; means over seeds")
-    piece = json.loads((tmp_path / "piece-1" / "study.json").read_text())
-    piece["seed_results"][0]["arms"]["grpo"]["final"]["mean_length"] += 1
-    (tmp_path / "piece-1" / "study.json").write_text(json.dumps(piece))
-    with pytest.raises(ValueError, match=r"seed-1/grpo: accuracy .* when it ran: not the same answers"):
-        study.reevaluate_final_models(str(tmp_path / "piece-1"))
-    with pytest.raises(ValueError, match=r"arms=\('grpo', 'nope'\): unknown arms \['nope'\]; choices: "):
-        study.run_study(settings, [0, 1], output_dir=str(tmp_path), arms=("grpo", "nope"))
-    with pytest.raises(ValueError, match=r"seeds=\[\]: the study needs at least 1 seed"):
-        study.run_study(settings, [], output_dir=str(tmp_path))
 
 
 def test_paper_objective_arm():
@@ -175,8 +193,23 @@ def test_study_verdict_follows_the_intervals():
     assert lines[2] == ("- token-efficiency-8of16: ELR 10% [-244%, 264%]: not shown shorter than GRPO; accuracy "
                         "-0.055 [-0.119, +0.009] against GRPO: not resolved (the interval contains 0 but is wider "
                         "than +-0.03).")
-    assert lines[-1] == "Only 2 seeds: the t-intervals are wide (t = 12.71 standard errors on each side); the " \
-                        "protocols run 8."
+    assert lines[-1] == ("Only 2 seeds (fewer than 5): the t-intervals are wide (t = 12.71 standard errors on each "
+                         "side) and the verdicts above weak; the protocols run 8.")
+    assert "(the mean's condition was added after the first study's results were seen: stricter" in lines[-2]
+
+
+def test_bounds_that_print_as_zero_get_a_digit_and_fewer_seeds_are_said():
+    """Which side of zero a bound lies on decides the verdicts: a bound that is not 0 is never printed as 0."""
+    from gfpo_study.study_report import fmt
+
+    elr = {"mean": 0.221, "t95": (-0.004, 0.446), "per_seed": [0.2] * 8, "n": 8}
+    assert fmt(elr, "{:.0%}") == "22% [-0.4%, 45%]"
+    accuracy = {"mean": -0.0223, "t95": (-0.0448, 0.0003), "per_seed": [0.0] * 8, "n": 8}
+    assert fmt(accuracy, "{:+.3f}") == "-0.022 [-0.045, +0.0003]"
+    assert fmt({"mean": 0.0, "t95": (-0.00004, 0.0), "per_seed": [0.0] * 2, "n": 2}, "{:+.3f}") == (
+        "+0.000 [-0.00004, +0.000]")
+    # ELR is undefined on a seed where GRPO did not lengthen answers: the figure says over how many seeds it is
+    assert fmt(figure([0.5, None, 0.3]), "{:.0%}").endswith(" (2 of 3 seeds)")
 
 
 def test_paper_comparison_reads_the_papers_average_row():
@@ -187,14 +220,3 @@ def test_paper_comparison_reads_the_papers_average_row():
     # the paper's average: GRPO 72.1%, Shortest 8/16 73.4% and ELR 29.7%
     assert table.splitlines()[2] == "shortest-8of16 | +0.013 | 30% | -0.020 [-0.147, +0.107] | 40% [-87%, 167%]"
     assert all(arm.paper in paper["benchmarks"]["Average"] for arm in study.ARMS.values())
-
-
-def test_a_study_names_its_task():
-    """study.json names its task (sums_task.TASKS) from its fields: the tasks' field sets tell them apart."""
-    import dataclasses
-
-    from gfpo_trainer.sums_task import TASKS, SumsTask
-
-    for name, task in TASKS.items():
-        assert study._task_name(json.loads(json.dumps(dataclasses.asdict(task)))) == name
-    assert study._task_name(dataclasses.asdict(SumsTask(max_terms=3))) is None

@@ -1,4 +1,4 @@
-"""The study's statistics (gfpo_trainer/study_stats.py) on synthetic data, against known values."""
+"""The study's statistics (gfpo_study/study_stats.py) on synthetic data, against known values."""
 
 import math
 import statistics
@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("scipy")
 
-from gfpo_trainer import study_stats  # noqa: E402
-from gfpo_trainer.study_stats import (  # noqa: E402
+from gfpo_study import study_stats  # noqa: E402
+from gfpo_study.study_stats import (  # noqa: E402
     accuracy_verdict, bootstrap_interval, excess_length_reduction, figure, summarize, t_interval
 )
 

@@ -1,4 +1,4 @@
-"""The demo's and the study's tasks (gfpo_trainer/sums_task.py): prompts, warm-up answers, reward, evaluation."""
+"""The demo's and the study's tasks (gfpo_study/sums_task.py): prompts, warm-up answers, reward, evaluation."""
 
 import random
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from gfpo_trainer.sums_task import (
+from gfpo_study.sums_task import (
     TASKS, EasyHardSumsTask, SumsTask, answer_form, correctness_reward, evaluate, signed_correctness_reward
 )
 from gfpo_trainer.tiny import make_tokenizer
@@ -175,7 +175,7 @@ def test_evaluate_reports_by_kind():
     ((3, 5), " 17", False),
 ])
 def test_writes_every_step(terms, completion, every):
-    from gfpo_trainer.sums_task import writes_every_step
+    from gfpo_study.sums_task import writes_every_step
 
     assert writes_every_step(terms, completion) is every
 

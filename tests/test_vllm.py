@@ -32,7 +32,7 @@ from gfpo_kernels import reference as ref  # noqa: E402
 from gfpo_trainer import GFPOConfig, GFPOTrainer  # noqa: E402
 from gfpo_trainer._compat import TRLSurfaceError  # noqa: E402
 from gfpo_trainer.adaptive import AdaptiveDifficulty  # noqa: E402
-from gfpo_trainer.demo import correctness_reward  # noqa: E402
+from gfpo_study.demo import correctness_reward  # noqa: E402
 from gfpo_trainer.tiny import make_tokenizer  # noqa: E402
 from gfpo_trainer.vllm_cpu import keep_linear_weights  # noqa: E402
 from gfpo_test_utils import kept_rows, run_vllm_engines_eagerly  # noqa: E402
@@ -40,7 +40,7 @@ from gfpo_trainer.vllm_stop import VLLMGroupGeneration, VLLMSurfaceError, check_
 
 G, K = 16, 4
 PROMPTS = ("3+4=", "2+5=")
-# the warm-up's completion format (gfpo_trainer/demo.py): optional filler words, then the sum
+# the warm-up's completion format (gfpo_study/demo.py): optional filler words, then the sum
 FORMAT = r"( ok){0,3}( so)? [0-9]{1,2}"
 
 

@@ -1,13 +1,14 @@
-"""`python -m gfpo_trainer demo`: GRPO against GFPO on one seed, from scratch, on CPU, no downloads.
+"""`python -m gfpo_study demo`: GRPO against GFPO on one seed, from scratch, on CPU, no downloads.
 
-A tiny Qwen2-style model is warmed up (supervised) on a task of gfpo_trainer/sums_task.py whose answers come at once
+A tiny Qwen2-style model is warmed up (supervised) on a task of gfpo_study/sums_task.py whose answers come at once
 (" 17") or step by step with filler words (" 3+5=8, hmm 8+9=17, so 17"); RL rewarding correct answers lengthens
 them. GRPO and GFPO Shortest 8/16 (other arms with `--arms`) then train from the same warm-up weights with the same
 prompts, steps and seed, and are evaluated on held-out prompts; the demo prints a table and a verdict that sets the
 seed's figures beside what the study over 8 seeds found (STUDY_FINDINGS), and writes a plot.
 
-The study itself (many seeds, every arm, intervals) is gfpo_trainer/study.py (`demo --seeds`), its statistics
-gfpo_trainer/study_stats.py and its report gfpo_trainer/study_report.py.
+The demo is the sums study (configs/sums.yaml) on one seed, through the study's own path (gfpo_study/study.py);
+the study itself (many seeds, every arm, intervals) is `python -m gfpo_study run --config` or `demo --seeds`, its
+statistics gfpo_study/study_stats.py and its report gfpo_study/study_report.py.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import time
 import torch
 
 from .study import (  # noqa: F401 (ARMS, Arm, STUDY_ARMS, DemoSettings, run_study: the demo's names, kept here)
-    ARMS, DEMO_ARMS, STUDY_ARMS, Arm, DemoSettings, announce_overwrite, future_warnings_hidden, run_environment,
-    run_seed, run_study, write_json,
+    ARMS, DEMO_ARMS, STUDY_ARMS, Arm, DemoSettings, assemble_study, run_environment, run_study, study_config,
+    sums_config, write_json,
 )
-from .study_report import ELR_IN_WORDS
+from .study_report import ELR_IN_WORDS, fmt
 from .study_stats import excess_length_reduction
 from .sums_task import correctness_reward  # noqa: F401 (the demo's reward, imported from here by tests and configs)
 
@@ -41,12 +42,16 @@ STUDY_FIGURES: dict[str, tuple[tuple[float, float, float], tuple[float, float, f
 }
 
 
+def _figure(triple) -> dict:
+    return {"mean": triple[0], "t95": triple[1:]}
+
+
 def study_findings() -> str:
     """STUDY_FIGURES in words, "" where there are none."""
     if not STUDY_FIGURES:
         return ""
-    parts = [f"{name} ELR {elr[0]:.0%} [{elr[1]:.0%}, {elr[2]:.0%}], accuracy {acc[0]:+.3f} [{acc[1]:+.3f}, "
-             f"{acc[2]:+.3f}]" for name, (elr, acc) in STUDY_FIGURES.items()]
+    parts = [f"{name} ELR {fmt(_figure(elr), '{:.0%}')}, accuracy {fmt(_figure(acc), '{:+.3f}')}"
+             for name, (elr, acc) in STUDY_FIGURES.items()]
     return (f"The study ({STUDY_RUN}, docs/demo.md; means and 95% t-intervals over seeds, against GRPO): "
             + "; ".join(parts) + ".")
 
@@ -129,26 +134,27 @@ def _plot_demo(result: dict, path: str) -> None:
 
 def run_demo(settings: DemoSettings, output_dir: str = "gfpo_demo_output", use_kernels: bool = True,
              verbose: bool = False, seed: int = 0, arms=DEMO_ARMS) -> dict:
-    """One seed: warm-up, then `arms` from its weights; prints the table and a verdict, writes demo.png,
-    results.json, the warm-up model (`warmup_model/`) and each arm's final model (`<arm>/`)."""
-    announce_overwrite(output_dir, "results.json")
-    os.makedirs(output_dir, exist_ok=True)
+    """One seed of the sums study at `settings` (sums_config, through run_study: a rerun into the same folder keeps
+    its finished runs): the warm-up, then `arms` from its weights; prints the table and a verdict, writes demo.png,
+    results.json, the warm-up model (`seed-<seed>/start_model/`) and each arm's final model (`seed-<seed>/<arm>/`)."""
+    config = study_config(sums_config(settings, seeds=[seed], arms=arms, output_dir=os.path.abspath(output_dir),
+                                      use_kernels=use_kernels))
     environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     start = time.perf_counter()
-    with future_warnings_hidden(not verbose):
-        result = run_seed(settings, seed, arms, output_dir, use_kernels, verbose)
+    run_study(config, verbose=verbose)
     environment["wall_time_seconds"] = round(time.perf_counter() - start, 1)  # warm-up, arms, evaluations
     if hasattr(os, "getloadavg"):
         environment["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
+    result = assemble_study(config.output_dir, config, environment=environment)["seed_results"][0]
     table, verdict = demo_table(result), demo_verdict(result) if "grpo" in arms else ""
     print("\n" + table + "\n\n" + verdict)
     plot_path = os.path.join(output_dir, "demo.png")
     _plot_demo(result, plot_path)
     write_json(os.path.join(output_dir, "results.json"),
-                {"environment": environment, "settings": dataclasses.asdict(settings), "result": result})
+               {"environment": environment, "settings": dataclasses.asdict(settings), "result": result})
     versions, machine = environment["versions"], environment["machine"]
     print(f"\nwritten: {plot_path} (the plot), {os.path.join(output_dir, 'results.json')} (every figure; commit "
           f"{environment['commit']}, torch {versions['torch']}, trl {versions['trl']}, {machine['device']}"
           f" on {machine['cpu_cores']} cores of {machine['cpu']}; tokens and times "
-          f"depend on the machine and its load), the models under {output_dir}/")
+          f"depend on the machine and its load), the models under {output_dir}/seed-{seed}/")
     return {"result": result, "table": table, "verdict": verdict, "plot": plot_path}

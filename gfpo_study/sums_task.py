@@ -17,9 +17,8 @@ import random
 import re
 
 import torch
-from tqdm.auto import tqdm
 
-from .tiny import supervised_warm_up
+from gfpo_trainer.tiny import supervised_warm_up
 
 _NUMBER = re.compile(r"\d+")
 
@@ -181,24 +180,50 @@ def writes_every_step(terms: tuple[int, ...], completion: str) -> bool:
     return len(steps) == len(terms) - 1 and all(int(b) == term for (_, b), term in zip(steps, terms[1:]))
 
 
-@torch.no_grad()
-def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, device, *, samples: int = 4,
+def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, device=None, *, samples: int = 4,
              temperature: float = 0.8, seed: int = 0, desc: str = "evaluate") -> dict:
     """Held-out figures of `model`: `samples` sampled answers per prompt at `temperature` (the paper's pass@1: the
-    mean accuracy of sampled answers), seeded with `seed`.
+    mean accuracy of sampled answers), seeded with `seed` (gfpo_study.evaluation.sample_answers, the study's path;
+    the model answers on its own device).
 
     Returns accuracy, mean length (tokens, <eos> included), the share of answers written step by step and the filler
     words per answer, overall, per number of terms ("by_terms") and per kind of prompt ("by_kind": task.kind)."""
-    model.eval()
-    device = torch.device(device)
-    # sampled from `seed` on this device's generator, and every generator left as it was: evaluating during training
-    # changes none of the training's draws
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.random.default_generator.manual_seed(seed)
-        for cuda_device in devices:
-            torch.cuda.default_generators[cuda_device.index or 0].manual_seed(seed)
-        rows = _sample_answers(model, tokenizer, task, prompts, max_new_tokens, device, samples, temperature, desc)
+    from .evaluation import sample_answers
+
+    texts = [task.prompt(p) for p in prompts]
+    answers, lengths = sample_answers(model, tokenizer, texts, samples=samples, temperature=temperature,
+                                      max_tokens=max_new_tokens, seed=seed)
+    repeated = [t for t in texts for _ in range(samples)]
+    return answer_figures(repeated, answers, lengths, correctness_reward(repeated, answers), task=task)
+
+
+def _task(task) -> SumsTask:
+    """A task given by its name in TASKS, by a SumsTask's fields (a mapping, as a config holds a task of its own) or
+    as itself."""
+    if isinstance(task, str):
+        if task not in TASKS:
+            raise ValueError(f"task={task!r}: one of {list(TASKS)}, or a mapping of SumsTask's fields")
+        return TASKS[task]
+    if isinstance(task, dict):
+        return SumsTask(**{k: tuple(v) if isinstance(v, list) else v for k, v in task.items()})
+    return task
+
+
+def answer_figures(prompts, completions, lengths, correct, task="sums") -> dict:
+    """The sums study's figures of sampled answers (the study's `eval.details` function): accuracy and mean length,
+    the stepwise share, filler words, accuracy per form; overall, per number of terms ("by_terms") and per kind.
+
+    Args:
+        prompts, completions, lengths, correct: one per answer (prompt text, answer text, tokens, 0/1).
+        task: a SumsTask or its name in TASKS.
+    """
+    task = _task(task)
+    rows = []
+    for prompt, text, length, ok in zip(prompts, completions, lengths, correct, strict=True):
+        terms = tuple(int(n) for n in _NUMBER.findall(prompt))
+        stepwise, filler = answer_form(text)
+        rows.append((len(terms), ok, length, stepwise, filler, task.kind(terms),
+                     stepwise and writes_every_step(terms, text)))
 
     def accuracy(rows):
         return sum(r[1] for r in rows) / len(rows) if rows else None
@@ -224,25 +249,35 @@ def evaluate(model, tokenizer, task: SumsTask, prompts, max_new_tokens: int, dev
     return result
 
 
-def _sample_answers(model, tokenizer, task: SumsTask, prompts, max_new_tokens, device, samples, temperature, desc):
-    """(number of terms, correct, length, stepwise, filler words, kind, every step written) of `samples` sampled
-    answers per prompt."""
-    rows = []
-    terms_of = {task.prompt(p): p for p in prompts}
-    texts = [task.prompt(p) for p in prompts for _ in range(samples)]
-    for start in tqdm(range(0, len(texts), 64), desc=desc, leave=False):
-        chunk = texts[start : start + 64]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
-                             top_p=1.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        for prompt, ids in zip(chunk, out[:, enc.input_ids.shape[1] :].tolist(), strict=True):
-            if tokenizer.eos_token_id in ids:
-                ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
-            else:
-                ids = [i for i in ids if i != tokenizer.pad_token_id]
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            stepwise, filler = answer_form(text)
-            terms = terms_of[prompt]
-            rows.append((len(terms), correctness_reward([prompt], [text])[0], len(ids), stepwise, filler,
-                         task.kind(terms), stepwise and writes_every_step(terms, text)))
-    return rows
+# ------------------------------------------------------------------ the study config's functions (configs/sums.yaml)
+def start_model(seed: int, output_dir: str, task="sums", warmup_steps: int = 800, warmup_batch: int = 64,
+                hidden_size: int = 64, num_layers: int = 2, eval_prompts: int = 40, held_out_seed: int = 1234) -> str:
+    """The study's starting model for `seed` (its `model: {function: ...}`): the tiny model initialised with `seed`
+    and warmed up (supervised, `warmup_steps` batches of `warmup_batch`) on the task's training prompts, saved with
+    its tokenizer into `output_dir`, which it returns."""
+    from gfpo_trainer.tiny import make_tiny_model, make_tokenizer
+
+    task = _task(task)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = make_tokenizer()
+    train, _ = task.split(eval_prompts, held_out_seed)
+    model = make_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed).to(device)
+    warm_up(model, tokenizer, task, train, warmup_steps, warmup_batch, seed, device, desc=f"warm-up, seed {seed}")
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+def training_prompts(seed: int, rows: int, task="sums", eval_prompts: int = 40, held_out_seed: int = 1234) -> list:
+    """`rows` training prompts for `seed` (the study's `dataset: {function: ...}`): a number of terms uniformly, then
+    a prompt of that many terms, drawn with `seed` from the prompts not held out."""
+    task = _task(task)
+    train, _ = task.split(eval_prompts, held_out_seed)
+    rng = random.Random(seed)
+    return [{"prompt": task.prompt(task.draw(train, rng))} for _ in range(rows)]
+
+
+def held_out_prompts(task="sums", eval_prompts: int = 40, held_out_seed: int = 1234) -> list:
+    """The held-out prompts (the study's `eval.dataset: {function: ...}`), `eval_prompts` per number of terms."""
+    task = _task(task)
+    return [{"prompt": task.prompt(p)} for p in task.split(eval_prompts, held_out_seed)[1]]

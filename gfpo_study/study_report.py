@@ -7,6 +7,7 @@ Every figure is a mean over seeds with its Student-t 95% interval ("t95"); the w
 from __future__ import annotations
 
 import math
+import re
 
 from .study_stats import (
     CHECKPOINT_STEPS, NO_LOSS_HALF_WIDTH, NO_LOSS_MEAN, PLATEAU_ACCURACY, PLATEAU_LENGTH_TOKENS, accuracy_verdict,
@@ -20,13 +21,28 @@ ELR_IN_WORDS = ("ELR, the paper's excess length reduction (its Eq. 4): (L_GRPO -
 
 
 def fmt(figure: dict | None, spec: str, interval: str = "t95") -> str:
-    """`mean [low, high]` of a study_stats.figure, "-" where it is undefined."""
+    """`mean [low, high]` of a study_stats.figure, "-" where it is undefined. A bound that is not 0 but prints as 0
+    at `spec`'s precision gets one more digit (two if that still prints 0): which side of zero it lies on decides
+    verdicts. A figure defined on fewer seeds than the study's says so: "(7 of 8 seeds)"."""
     if figure is None or figure.get("mean") is None:
         return "-"
+    per_seed = figure.get("per_seed")
+    fewer = (f" ({figure['n']} of {len(per_seed)} seeds)" if per_seed is not None and "n" in figure
+             and figure["n"] < len(per_seed) else "")
     low, high = figure[interval]
     if math.isnan(low):
-        return spec.format(figure["mean"])
-    return f"{spec.format(figure['mean'])} [{spec.format(low)}, {spec.format(high)}]"
+        return spec.format(figure["mean"]) + fewer
+    return f"{spec.format(figure['mean'])} [{_bound(spec, low)}, {_bound(spec, high)}]{fewer}"
+
+
+def _bound(spec: str, value: float) -> str:
+    text = spec.format(value)
+    for _ in range(2):
+        if value == 0 or re.search(r"[1-9]", text):
+            break
+        spec = re.sub(r"\.(\d+)", lambda m: f".{int(m.group(1)) + 1}", spec, count=1)
+        text = spec.format(value)
+    return text
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -60,17 +76,18 @@ def signal_table(summary: dict) -> str:
     whose trained rewards are all equal) and the trained rows' reward spread; the final answers' form and accuracy
     within each form."""
     phases = next((list(f["signal"]) for f in summary["arms"].values() if "signal" in f), [])
+    forms = all("stepwise_fraction" in f for f in summary["arms"].values())
     rows = []
     for name, f in summary["arms"].items():
         signal = f.get("signal", {})
         rows.append([name]
                     + [fmt(signal[p]["train_frac_reward_zero_std"], "{:.2f}") if p in signal else "-" for p in phases]
                     + [fmt(signal[p]["train_reward_std"], "{:.2f}") if p in signal else "-" for p in phases]
-                    + [fmt(f["stepwise_fraction"], "{:.2f}"), fmt(f["accuracy_stepwise"], "{:.3f}"),
-                       fmt(f["accuracy_at_once"], "{:.3f}")])
+                    + ([fmt(f["stepwise_fraction"], "{:.2f}"), fmt(f["accuracy_stepwise"], "{:.3f}"),
+                        fmt(f["accuracy_at_once"], "{:.3f}")] if forms else []))
+    forms_header = ["stepwise share (end)", "accuracy stepwise (end)", "accuracy at once (end)"] if forms else []
     return markdown_table(["arm"] + [f"advantage-0 share, steps {p}" for p in phases]
-                  + [f"reward spread, steps {p}" for p in phases]
-                  + ["stepwise share (end)", "accuracy stepwise (end)", "accuracy at once (end)"], rows)
+                  + [f"reward spread, steps {p}" for p in phases] + forms_header, rows)
 
 
 def checkpoint_table(summary: dict) -> str:
@@ -173,10 +190,12 @@ def study_verdict(summary: dict, seeds: int) -> str:
         lines.append(f"- {name}: {shorter}{length}; accuracy {fmt(difference, '{:+.3f}')} against GRPO: "
                      f"{accuracy_verdict(difference)}.")
     lines.append(f"{ELR_IN_WORDS}. \"No accuracy loss\" is said only where the accuracy difference's interval "
-                 f"contains 0 and is at most +-{NO_LOSS_HALF_WIDTH} wide, and its mean is {NO_LOSS_MEAN:+} or better.")
+                 f"contains 0 and is at most +-{NO_LOSS_HALF_WIDTH} wide, and its mean is {NO_LOSS_MEAN:+} or better "
+                 "(the mean's condition was added after the first study's results were seen: stricter, it only takes "
+                 "claims away). Shorter than GRPO is said only where the ELR's interval lies above 0.")
     if seeds < 5:
-        lines.append(f"Only {seeds} seeds: the t-intervals are wide (t = {_t_quantile(seeds):.2f} standard errors "
-                     "on each side); the protocols run 8.")
+        lines.append(f"Only {seeds} seeds (fewer than 5): the t-intervals are wide (t = {_t_quantile(seeds):.2f} "
+                     "standard errors on each side) and the verdicts above weak; the protocols run 8.")
     return "\n".join(lines)
 
 
@@ -188,15 +207,18 @@ def _t_quantile(seeds: int) -> float:
 
 def study_report(summary: dict, seeds: int, paper_tables: dict | None, arms: dict) -> str:
     """study.md: the tables and the verdict."""
-    parts = ["## Held-out figures at the end\n\n" + study_table(summary),
-             "## Per number of terms\n\n" + by_terms_table(summary)]
+    parts = ["## Held-out figures at the end\n\n" + study_table(summary)]
+    if summary["warm-up"].get("by_terms"):
+        parts.append("## Per number of terms\n\n" + by_terms_table(summary))
     if any(f.get("checkpoints") for f in summary["arms"].values()):
         parts.append("## Over training (curves: 2 samples a prompt)\n\n" + checkpoint_table(summary))
     if any("stepwise_fraction" in p for f in summary["arms"].values() for p in f.get("checkpoints", {}).values()):
         parts.append("## The answers' form over training (curves: 2 samples a prompt)\n\n" + form_table(summary))
     if any("signal" in f for f in summary["arms"].values()):
         parts.append("## Learning signal and form\n\n" + signal_table(summary))
-    if paper_tables is not None and "grpo" in summary["arms"]:
+    if paper_tables is not None and "grpo" in summary["arms"] and any(
+            getattr(arms.get(name), "paper", None) in paper_tables["benchmarks"]["Average"]
+            for name in summary["arms"] if name != "grpo"):
         parts.append("## Beside the paper (Tables 1-2, average)\n\n" + paper_comparison_table(summary, paper_tables,
                                                                                                arms))
     parts.append("## Verdict\n\n" + study_verdict(summary, seeds))

@@ -1,6 +1,6 @@
 """The study's statistics over seeds: Student-t intervals, the paper's excess length reduction, the summary.
 
-Everything here is pure (lists of numbers and the per-seed results of gfpo_trainer/study.py in, numbers out), so it
+Everything here is pure (lists of numbers and the per-seed results of gfpo_study/study.py in, numbers out), so it
 is tested on synthetic data (tests/test_study_stats.py). The words of the reports follow the t-interval; the
 percentile bootstrap (the 200-step study's interval) is kept beside it as "ci95".
 """
@@ -141,16 +141,23 @@ def summarize(seed_results: list[dict], arms, kept_shares: dict | None = None) -
         per_seed.append(row)
     final = lambda s, name, key: s[name]["final"][key]  # noqa: E731
 
+    # the answers' form and the figures per number of terms: where the study's eval.details records them (the sums
+    # task's); a study of another task has accuracy and length
+    def has(key):
+        return all(key in s["warm-up"] and all(key in s[n]["final"] for n in arms) for s in per_seed)
+
     summary = {"warm-up": {key: figure([s["warm-up"][key] for s in per_seed])
-                           for key in ("accuracy", "mean_length", "stepwise_fraction", "filler_per_answer")},
+                           for key in ("accuracy", "mean_length", "stepwise_fraction", "filler_per_answer")
+                           if has(key)},
                "arms": {}}
+    by_terms = has("by_terms")
     summary["warm-up"]["by_terms"] = {
         n: {key: figure([s["warm-up"]["by_terms"][n][key] for s in per_seed]) for key in ("accuracy", "mean_length")}
-        for n in per_seed[0]["warm-up"]["by_terms"]}
+        for n in per_seed[0]["warm-up"]["by_terms"]} if by_terms else {}
     for name in arms:
         f = {key: figure([final(s, name, key) for s in per_seed])
              for key in ("accuracy", "mean_length", "stepwise_fraction", "filler_per_answer", "accuracy_stepwise",
-                         "accuracy_at_once")}
+                         "accuracy_at_once") if has(key)}
         f["tokens_per_step"] = figure([_mean(s[name]["generated_tokens"]) for s in per_seed])
         f["seconds_per_step"] = figure([_mean(s[name]["step_time"]) for s in per_seed])
         if all("trained_tokens" in s[name] for s in per_seed):
@@ -161,7 +168,7 @@ def summarize(seed_results: list[dict], arms, kept_shares: dict | None = None) -
                 for low, high in PHASES if len(per_seed[0][name]["trained_tokens"]) >= low}
         f["by_terms"] = {n: {key: figure([s[name]["final"]["by_terms"][n][key] for s in per_seed])
                              for key in ("accuracy", "mean_length", "stepwise_fraction")}
-                         for n in per_seed[0][name]["final"]["by_terms"]}
+                         for n in per_seed[0][name]["final"]["by_terms"]} if by_terms else {}
         changes = [(_window_change(s[name], 2), _window_change(s[name], 1)) for s in per_seed]
         if all(c[0] is not None for c in changes):
             length, accuracy = figure([c[0] for c in changes], False), figure([c[1] for c in changes], False)
@@ -204,7 +211,7 @@ def _against_grpo(per_seed: list[dict], name: str) -> dict:
     if all("trained_tokens" in s[name] for s in per_seed):
         out["trained_tokens_per_step_over_grpo"] = figure(
             [_mean(s[name]["trained_tokens"]) / _mean(s["grpo"]["trained_tokens"]) for s in per_seed])
-    for n in per_seed[0]["warm-up"]["by_terms"]:
+    for n in per_seed[0]["warm-up"].get("by_terms", {}):
         terms = lambda s, who: s[who]["final"]["by_terms"][n] if who != "warm-up" else s["warm-up"]["by_terms"][n]  # noqa: E731
         out["by_terms_against_grpo"][n] = {
             "elr_per_seed": figure([elr(terms(s, "grpo")["mean_length"], terms(s, name)["mean_length"],
@@ -224,7 +231,7 @@ def _against_grpo(per_seed: list[dict], name: str) -> dict:
             "accuracy_minus_grpo": figure([arm[0] - grpo[0] for arm, grpo, _ in points], False),
         }
         forms = [_curve_figures_at(s[name], step) for s in per_seed]
-        if all(f is not None for f in forms):  # the answers' form on the curve (runs that recorded it)
+        if all(f is not None and all(key in f for key in FORM_KEYS) for f in forms):  # the form, where recorded
             out["checkpoints"][str(step)].update({key: figure([f[key] for f in forms], False) for key in FORM_KEYS})
     return out
 

@@ -1,0 +1,112 @@
+"""The held-out evaluation: sampled answers to held-out prompts, scored by the config's correctness function.
+
+Every answer is sampled from a seeded generator (the same prompts, order, batches and seed for every arm of a seed),
+and every random generator is left as it was, so evaluating during training changes none of the training's draws.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["is_conversational", "sample_answers", "score_answers"]
+
+
+def is_conversational(prompt) -> bool:
+    """Whether a prompt is a list of chat messages (TRL's conversational form) rather than text."""
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def _prompt_text(tokenizer, prompt) -> str:
+    if is_conversational(prompt):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def _eos_ids(model, tokenizer) -> list:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+@torch.no_grad()
+def sample_answers(model, tokenizer, prompts, *, samples: int, temperature: float, max_tokens: int, seed: int,
+                   batch_size: int = 64, progress=None) -> tuple[list[str], list[int]]:
+    """`samples` answers to each prompt (text or chat messages), sampled at `temperature` from `seed` with the
+    model's own generate, in batches of `batch_size` (prompt i's answers are at i * samples ...).
+
+    Returns:
+        (texts without special tokens, lengths in tokens: up to and including the first end-of-sequence token, or
+        every generated token where none came).
+    """
+    model.eval()
+    device = torch.device(getattr(model, "device", None) or next(model.parameters()).device)
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    texts = [_prompt_text(tokenizer, p) for p in prompts for _ in range(samples)]
+    devices = [device] if device.type == "cuda" else []
+    answers, lengths = [], []
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # answers follow their prompts in the batch
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.random.default_generator.manual_seed(seed)
+            for cuda_device in devices:
+                torch.cuda.default_generators[cuda_device.index or 0].manual_seed(seed)
+            for start in range(0, len(texts), batch_size):
+                chunk = texts[start : start + batch_size]
+                enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+                out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=True, temperature=temperature,
+                                     top_k=0, top_p=1.0, pad_token_id=pad,
+                                     eos_token_id=eos if len(eos) > 1 else eos[0])
+                for ids in out[:, enc.input_ids.shape[1] :].tolist():
+                    end = next((i for i, t in enumerate(ids) if t in eos), None)
+                    ids = ids[: end + 1] if end is not None else [i for i in ids if i != pad]
+                    answers.append(tokenizer.decode(ids, skip_special_tokens=True))
+                    lengths.append(len(ids))
+                if progress is not None:
+                    progress(len(chunk))
+    finally:
+        tokenizer.padding_side = side
+    return answers, lengths
+
+
+def score_answers(correct, rows: list, answers: list, samples: int, threshold: float | None = None) -> list:
+    """The correctness of each answer: `correct(prompts=..., completions=..., **the rows' other columns)`, called as
+    TRL calls a reward function (chat prompts get chat completions), one value per answer; with `threshold`, 1.0
+    where the value is >= threshold, else 0.0.
+
+    Raises:
+        ValueError: a function that returns another number of values, or values that are not bools or finite numbers
+            (naming the function, the first bad value and its position).
+    """
+    name = getattr(correct, "__name__", None) or getattr(getattr(correct, "func", None), "__name__", repr(correct))
+    prompts = [r["prompt"] for r in rows for _ in range(samples)]
+    completions = [[{"role": "assistant", "content": a}] if is_conversational(p) else a
+                   for p, a in zip(prompts, answers, strict=True)]
+    columns = {key: [r.get(key) for r in rows for _ in range(samples)] for key in rows[0] if key != "prompt"}
+    values = correct(prompts=prompts, completions=completions, **columns)
+    try:
+        values = list(values)
+    except TypeError:
+        raise ValueError(f"eval.correct {name}: returned {type(values).__name__}, not a list of one bool or number "
+                         f"per completion") from None
+    if len(values) != len(answers):
+        raise ValueError(f"eval.correct {name}: returned {len(values)} values for {len(answers)} completions; it "
+                         "must return one bool or number per completion")
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, (bool, int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"eval.correct {name}: value {value!r} for completion {i} is not a bool or a finite "
+                             "number")
+        value = float(value)
+        out.append(value if threshold is None else float(value >= threshold))
+    return out
+
+
+def figures(correct: list, lengths: list) -> dict:
+    """Accuracy (the mean correctness: the paper's pass@1 over sampled answers) and mean length in tokens."""
+    n = max(len(correct), 1)
+    return {"accuracy": sum(correct) / n, "mean_length": sum(lengths) / n}

@@ -1,0 +1,870 @@
+"""The length study's runs: one (arm, seed) run, the study over arms x seeds, its pieces and their merge.
+
+Every arm of a seed trains from the same start weights (the config's model, or what its start function builds for
+the seed), on the same prompts in the same order for the same steps, with the seed's generator, and is evaluated on
+the same held-out prompts with the same sampling seed; the starting model is evaluated once per seed (the length
+ELR measures from). Each run is written when it finishes, `<output_dir>/seed-<s>/<arm>.json` (the starting model's
+figures: `start.json`), so a rerun skips finished runs and trains again those killed part-way; pieces (a selection
+of seeds and arms) run on different machines and `merge_studies` joins their folders. With every run of the config
+done and 2 seeds or more: study.json (the runs and the summary), study.md and study.png. The statistics are
+gfpo_study/study_stats.py's, the tables, verdict and plot gfpo_study/study_report.py's; the config
+gfpo_study/config.py's; the one-seed demo is gfpo_study/demo.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import time
+import warnings
+
+import torch
+
+from .config import ARMS, Arm, ConfigError, StudyConfig, function_spec, is_function_spec, parse_study_config
+from .sums_task import SumsTask, TASKS
+
+__all__ = ["ARMS", "DEMO_ARMS", "STUDY_ARMS", "Arm", "DemoSettings", "StudyConfig", "finish_study", "merge_studies",
+           "run_study", "study_config", "sums_config"]
+
+DEMO_ARMS = ("grpo", "shortest-8of16")
+STUDY_ARMS = tuple(a for a in ARMS if a != "shortest-8of16-paper-objective")
+CONFIG_FILE = "study-config.json"  # the config an output folder's runs belong to
+START_FILE = "start.json"
+
+
+@dataclasses.dataclass
+class DemoSettings:
+    """Sizes of the sums study (configs/sums.yaml is `quick()`): the default, `quick()` (fewer warm-up and RL steps:
+    the study's sizes) and `smoke()` (seconds: every stage runs, the figures mean nothing; for tests). `sums_config`
+    turns them into a study config. Times by machine and load: docs/demo.md."""
+
+    task: SumsTask = SumsTask()
+    warmup_steps: int = 1200
+    warmup_batch: int = 64
+    rl_steps: int = 300
+    prompts_per_step: int = 4
+    max_completion_length: int = 48
+    eval_prompts: int = 40  # held-out prompts per number of terms
+    eval_samples: int = 8  # sampled answers per held-out prompt at the end of a run
+    eval_temperature: float = 0.8  # the paper's evaluation temperature (training samples at 1.0)
+    eval_every: int = 50  # held-out length and accuracy during training, every this many steps (2 samples a prompt)
+    hidden_size: int = 64
+    num_layers: int = 2
+    learning_rate: float = 1e-4
+    held_out_seed: int = 1234  # which prompts are held out: the same for every seed and arm
+
+    @classmethod
+    def quick(cls) -> DemoSettings:
+        return cls(warmup_steps=800, rl_steps=200)
+
+    @classmethod
+    def smoke(cls) -> DemoSettings:
+        return cls(task=SumsTask(max_terms=3, max_term=5), warmup_steps=5, rl_steps=2, prompts_per_step=1,
+                   max_completion_length=8, eval_prompts=2, eval_samples=1, eval_every=1, hidden_size=32)
+
+
+def _task_spec(task: SumsTask):
+    """A task's name in TASKS, or its fields where it is none of them (the smoke sizes)."""
+    if type(task) is not SumsTask and task not in TASKS.values():
+        raise ValueError(f"task={task!r}: a task of its own must be a SumsTask (its fields go into the config)")
+    return next((name for name, t in TASKS.items() if t == task), None) or dataclasses.asdict(task)
+
+
+def sums_config(settings: DemoSettings, seeds="0-4", arms=STUDY_ARMS, output_dir: str | None = None,
+                use_kernels: bool = True) -> dict:
+    """The sums study at `settings` as a study config (a dict as the YAML file holds it): the tiny model warmed up
+    per seed, the sums task's prompts, its correctness reward. configs/sums.yaml is sums_config(quick()) with the
+    seeds 0-4 and every arm but the paper's objective."""
+    task = _task_spec(settings.task)
+    split = dict(task=task, eval_prompts=settings.eval_prompts, held_out_seed=settings.held_out_seed)
+    return {
+        "model": {"function": "gfpo_study.sums_task:start_model", "warmup_steps": settings.warmup_steps,
+                  "warmup_batch": settings.warmup_batch, "hidden_size": settings.hidden_size,
+                  "num_layers": settings.num_layers, **split},
+        "dataset": {"function": "gfpo_study.sums_task:training_prompts", **split},
+        "reward_funcs": ["gfpo_study.sums_task:correctness_reward"],
+        "args": {"max_completion_length": settings.max_completion_length, "learning_rate": settings.learning_rate,
+                 "lr_scheduler_type": "constant", "save_strategy": "no", "report_to": "none",
+                 "bf16": False, "loss_type": "dapo", "beta": 0.0,
+                 "temperature": 1.0, "use_gfpo_kernels": use_kernels},
+        "eval": {"dataset": {"function": "gfpo_study.sums_task:held_out_prompts", **split},
+                 "correct": "gfpo_study.sums_task:correctness_reward",
+                 "details": {"function": "gfpo_study.sums_task:answer_figures", "task": task},
+                 "samples": settings.eval_samples, "temperature": settings.eval_temperature,
+                 "max_tokens": settings.max_completion_length, "curve_samples": 2},
+        "arms": list(arms), "seeds": seeds, "steps": settings.rl_steps, "eval_every": settings.eval_every,
+        "prompts_per_step": settings.prompts_per_step, **({} if output_dir is None else {"output_dir": output_dir}),
+    }
+
+
+def study_config(config: dict, base_dir: str | None = None) -> StudyConfig:
+    """gfpo_study.config.parse_study_config, relative paths read from `base_dir` (default: the working folder)."""
+    return parse_study_config(config, base_dir or os.getcwd())
+
+
+# ------------------------------------------------------------------ files
+def write_json(path: str, data: dict) -> None:
+    """`data` as JSON into `path`, whole or not at all (written beside it, then renamed): a run killed while writing
+    leaves no half file that a rerun would take for a finished run."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _first_difference(a, b, path: str = "") -> tuple[str, object, object] | None:
+    """The first (dotted key, value in a, value in b) where two JSON values differ, None where they are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            found = _first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+        return None
+    return None if a == b else (path or "(the whole config)", a, b)
+
+
+def claim_output_dir(output_dir: str, identity: dict, main_process: bool = True, base_dir: str | None = None) -> None:
+    """Makes `output_dir` this config's, or checks that it is: a folder holding another config's runs is a
+    ConfigError naming the first differing field and both values; nothing there is touched. The file also records
+    the config file's folder (`base_dir`), from which its relative paths are read."""
+    path = os.path.join(output_dir, CONFIG_FILE)
+    held = _read_json(path)
+    if held is None:
+        if main_process:
+            os.makedirs(output_dir, exist_ok=True)
+            write_json(path, {"config": identity, "base_dir": base_dir})
+        return
+    found = _first_difference(identity, held.get("config"))
+    if found:
+        key, ours, theirs = found
+        raise ConfigError(f"output_dir {output_dir} holds the runs of another study config: {key} is {theirs!r} "
+                          f"there and {ours!r} here; give another output_dir (its runs stay as they are)")
+
+
+def read_output_dir(output_dir: str) -> dict:
+    """An output folder's study-config.json: {"config": the identity, "base_dir"}; a ConfigError where there is
+    none."""
+    held = _read_json(os.path.join(output_dir, CONFIG_FILE))
+    if held is None:
+        raise ConfigError(f"{output_dir}: no {CONFIG_FILE} there; a piece is the output folder of a `python -m "
+                          "gfpo_study run` (its --output-dir)")
+    return held
+
+
+def _run_file(output_dir: str, seed: int, arm: str) -> str:
+    return os.path.join(output_dir, f"seed-{seed}", f"{arm}.json")
+
+
+def _check_run_definition(path: str, record: dict, arm: Arm) -> None:
+    found = _first_difference(arm.definition(), record.get("definition"))
+    if found:
+        key, ours, theirs = found
+        raise ConfigError(f"{path}: arm {arm.name!r} ran with {key}={theirs!r}, the config now says {ours!r}; give "
+                          "the changed arm another name (the finished run stays)")
+
+
+# ------------------------------------------------------------------ one seed's data
+def _start_model(config: StudyConfig, seed: int, seed_dir: str, state) -> str:
+    """The model folder every arm of `seed` starts from: the config's model, or the start function's folder for the
+    seed (built once, by the main process, while the others wait)."""
+    from gfpo_trainer.cli import resolve_model
+
+    spec = config.train["model"]
+    if not is_function_spec(spec):
+        return resolve_model(spec, config.base_dir)
+    folder = os.path.join(seed_dir, "start_model")
+    done = os.path.join(folder, ".complete")
+    with state.main_process_first():
+        if state.is_main_process and not os.path.exists(done):
+            # built beside it, then renamed into place: a build killed part-way, or another piece building the same
+            # seed's start into a shared folder, never leaves a half model that a run would start from
+            building = f"{folder}.tmp-{os.getpid()}"
+            shutil.rmtree(building, ignore_errors=True)
+            built = function_spec("model", spec, config.base_dir)(seed=seed, output_dir=building)
+            if os.path.abspath(built) != os.path.abspath(building):
+                raise ConfigError(f"model: the start function returned {built!r}; it must save the model into the "
+                                  f"output_dir it is given ({building}) and return it")
+            open(os.path.join(building, ".complete"), "w").close()
+            if not os.path.exists(done):
+                shutil.rmtree(folder, ignore_errors=True)  # a build killed before its rename
+                try:
+                    os.rename(building, folder)
+                except OSError:  # another piece's build got there first: the same seed, the same model
+                    if not os.path.exists(done):
+                        raise
+            shutil.rmtree(building, ignore_errors=True)
+    return folder
+
+
+def _rows(spec, split: str, config: StudyConfig, dataset_config: str | None = None, **call) -> list:
+    """The rows (dicts with a "prompt") of a data spec: a file or hub name (read as `train` reads its data set, its
+    `prompt:` key building the prompts), or a function called with `call` as keyword arguments."""
+    if is_function_spec(spec):
+        rows = function_spec("dataset", spec, config.base_dir)(**call)
+        rows = rows.to_list() if hasattr(rows, "to_list") else list(rows)
+    else:
+        from gfpo_trainer import cli as train_cli
+
+        kwargs = {"prompt": config.train["prompt"]} if config.train.get("prompt") is not None else {}
+        if dataset_config is not None:
+            kwargs["config_name"] = dataset_config
+        dataset = train_cli.load_train_dataset(spec, split, config.base_dir, **kwargs)
+        rows = dataset.to_list()
+    if not rows or not all(isinstance(r, dict) and "prompt" in r for r in rows):
+        raise ConfigError(f"dataset {spec!r}: no rows with a 'prompt' column")
+    return rows
+
+
+def training_rows(config: StudyConfig, seed: int) -> list:
+    """The prompts of `seed`'s runs, steps x prompts_per_step rows in training order: the start function's rows, or
+    the data set's rows in an order drawn with `seed` (one pass after another, each shuffled, as many as needed)."""
+    needed = config.steps * config.prompts_per_step
+    spec = config.train["dataset"]
+    if is_function_spec(spec):
+        rows = _rows(spec, "train", config, seed=seed, rows=needed)
+        if len(rows) != needed:
+            raise ConfigError(f"dataset: the function returned {len(rows)} rows for seed {seed}; the study asked for "
+                              f"{needed} (steps x prompts_per_step)")
+        return rows
+    rows = _rows(spec, config.train.get("dataset_split", "train"), config, config.train.get("dataset_config"))
+    rng, order = random.Random(seed), []
+    while len(order) < needed:
+        one_pass = list(range(len(rows)))
+        rng.shuffle(one_pass)
+        order.extend(one_pass)
+    return [rows[i] for i in order[:needed]]
+
+
+def eval_rows(config: StudyConfig) -> list:
+    """The held-out rows (eval.dataset, its split and configuration; the config's `prompt:` key builds their
+    prompts as it builds the training prompts)."""
+    return _rows(config.eval.dataset, config.eval.dataset_split, config, config.eval.dataset_config)
+
+
+def warn_overlap(train: list, held_out: list) -> int:
+    """Warns where held-out prompts are also training prompts (the held-out figures would then measure recall);
+    returns how many held-out prompts are."""
+    seen = {json.dumps(r["prompt"], sort_keys=True) for r in train}
+    shared = [r for r in held_out if json.dumps(r["prompt"], sort_keys=True) in seen]
+    if shared:
+        warnings.warn(f"{len(shared)} of the {len(held_out)} held-out prompts are also training prompts (the first: "
+                      f"{shared[0]['prompt']!r}): held-out accuracy there measures what training saw", stacklevel=2)
+    return len(shared)
+
+
+# ------------------------------------------------------------------ evaluation
+class Evaluator:
+    """The held-out evaluation of the config: sampled answers, the correctness function, the details function."""
+
+    def __init__(self, config: StudyConfig, rows: list, max_tokens: int):
+        self.config, self.rows, self.max_tokens = config, rows, max_tokens
+        spec = config.eval
+        self.correct = function_spec("eval.correct", spec.correct, config.base_dir)
+        self.details = None if spec.details is None else function_spec("eval.details", spec.details, config.base_dir)
+        self.seconds = 0.0
+
+    def __call__(self, model, tokenizer, seed: int, samples: int) -> dict:
+        from .evaluation import figures, sample_answers, score_answers
+
+        start = time.perf_counter()
+        answers, lengths = sample_answers(model, tokenizer, [r["prompt"] for r in self.rows], samples=samples,
+                                          temperature=self.config.eval.temperature, max_tokens=self.max_tokens,
+                                          seed=seed, batch_size=self.config.eval.batch_size)
+        correct = score_answers(self.correct, self.rows, answers, samples, self.config.eval.threshold)
+        result = figures(correct, lengths)
+        if self.details is not None:
+            prompts = [r["prompt"] for r in self.rows for _ in range(samples)]
+            result = {**result, **self.details(prompts, answers, lengths, correct)}
+        self.seconds += time.perf_counter() - start
+        return result
+
+
+def _load_for_eval(model_dir: str, args):
+    """The model as the trainer loads it (TRL's own loader with args.model_init_kwargs: float32 unless a dtype is
+    given), on the device training uses."""
+    from accelerate import PartialState
+
+    kwargs = dict(args.model_init_kwargs or {})
+    kwargs["device_map"] = None  # placed below, as the trainer places its model
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    try:
+        from trl.trainer.utils import create_model_from_path
+    except ImportError:  # a TRL without it: transformers' loader at TRL's default dtype
+        from transformers import AutoModelForCausalLM
+
+        kwargs.setdefault("dtype", torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    else:
+        model = create_model_from_path(model_dir, **kwargs)
+    device = torch.device("cpu") if args.use_cpu else PartialState().device
+    return model.to(device)
+
+
+# ------------------------------------------------------------------ one run
+def arm_args(config: StudyConfig, arm: Arm, seed: int, output_dir: str, verbose: bool = False,
+             num_processes: int = 1):
+    """The GFPOConfig of `arm`'s run on `seed`: the config's args, the arm's fields over them, and what the study
+    sets: the steps, the seed, prompts_per_step prompts per optimizer step, no shuffling, a log every step."""
+    from gfpo_trainer import cli as train_cli
+    from gfpo_trainer.config import GFPOConfig
+
+    args = train_cli._convert_args(dict(config.train.get("args") or {}))
+    for name in train_cli.PATH_ARGS:
+        if isinstance(args.get(name), str) and not (name == "deepspeed" and args[name].lstrip().startswith("{")):
+            args[name] = train_cli._in_folder(args[name], config.base_dir)
+    fields = {"save_strategy": "no", "report_to": "none", **args, **arm.config_fields()}
+    accumulation = fields.get("gradient_accumulation_steps", 1)
+    rows = config.prompts_per_step * fields["num_generations"]
+    per_device, left = divmod(rows, num_processes * accumulation)
+    if left:
+        raise ConfigError(f"prompts_per_step={config.prompts_per_step}: arm {arm.name!r} trains {rows} completions a "
+                          f"step (x num_generations={fields['num_generations']}), which {num_processes} processes x "
+                          f"gradient_accumulation_steps={accumulation} do not divide; choose a prompts_per_step "
+                          "they do")
+    try:
+        return GFPOConfig(**fields, output_dir=output_dir, per_device_train_batch_size=per_device,
+                          max_steps=config.steps, seed=seed, shuffle_dataset=False, logging_steps=1,
+                          disable_tqdm=not verbose)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}") from None
+
+
+def _signed(func):
+    """A reward function giving 2r - 1 for its r: 0/1 rewards in the paper's -1/1 range."""
+
+    def signed(*args, **kwargs):
+        return [None if r is None else 2.0 * r - 1.0 for r in func(*args, **kwargs)]
+
+    signed.__name__ = f"signed_{getattr(func, '__name__', 'reward')}"
+    return signed
+
+
+def _callback(config: StudyConfig, seed: int, evaluate, tokenizer, progress):
+    """The held-out curve (every eval_every steps and at the last) and the progress bar's steps."""
+    from transformers import TrainerCallback
+
+    class StudyProgress(TrainerCallback):
+        def __init__(self):
+            self.trainer = None
+            self.curve = []  # (step, held-out accuracy, held-out length)
+            self.curve_figures = []  # the whole held-out figures at the same steps
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step = state.global_step
+            if step % config.eval_every == 0 or step == config.steps:
+                from trl.models.utils import unwrap_model_for_generation
+
+                trainer = self.trainer
+                with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
+                    figures = evaluate(unwrapped, tokenizer, seed, config.eval.curve_samples)
+                model.train()
+                self.curve.append((step, figures["accuracy"], figures["mean_length"]))
+                self.curve_figures.append({"step": step, **figures})
+                progress.postfix(figures)
+            progress.step(step)
+
+    return StudyProgress()
+
+
+class Progress:
+    """One bar over the steps of every run left to do: the run, the step, the time left (tqdm's estimate from the
+    steps done, evaluations included). Only the main process shows it."""
+
+    def __init__(self, total_steps: int, show: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, disable=not show, desc="study")
+        self.base = 0
+
+    def start(self, label: str, base: int):
+        self.base = base
+        self.bar.set_description(label, refresh=True)
+
+    def step(self, step: int):
+        self.bar.update(self.base + step - self.bar.n)
+
+    def postfix(self, figures: dict):
+        self.bar.set_postfix({"held-out acc": f"{figures['accuracy']:.2f}", "len": f"{figures['mean_length']:.1f}"},
+                             refresh=False)
+
+    def close(self):
+        self.bar.close()
+
+
+def build_run_trainer(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list, output_dir: str,
+                      tokenizer=None, callbacks=(), verbose: bool = False, num_processes: int = 1):
+    """The GFPOTrainer of `arm`'s run on `seed`: the model in `start_dir`, the config's reward functions (as 2r - 1
+    for a signed arm), arm_args, `rows` in order; the torch generator seeded first, as for every arm of the seed."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from gfpo_trainer.trainer import GFPOTrainer
+
+    torch.manual_seed(seed)
+    args = arm_args(config, arm, seed, output_dir, verbose, num_processes)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(start_dir)
+    reward_funcs = config.reward_funcs if arm.reward == "correct" else [_signed(f) for f in config.reward_funcs]
+    try:
+        return GFPOTrainer(model=start_dir, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(rows),
+                           processing_class=tokenizer, callbacks=list(callbacks))
+    except (ValueError, TypeError) as error:  # e.g. a filter without num_remains_in_group
+        raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}") from None
+
+
+def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list, evaluate, output_dir: str,
+            progress: Progress, verbose: bool = False, num_processes: int = 1) -> dict:
+    """Trains `arm` on `seed` from `start_dir`, evaluates it on the held-out prompts, saves the final model (with the
+    tokenizer) into `output_dir`. Returns the held-out figures ("final"), the held-out curve, per step the tokens
+    generated and trained, the step's time and learning signal, and the run's time split ("seconds")."""
+    from transformers import AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    start = time.perf_counter()
+    eval_before = evaluate.seconds
+    tokenizer = AutoTokenizer.from_pretrained(start_dir)
+    callback = _callback(config, seed, evaluate, tokenizer, progress)
+    trainer = build_run_trainer(config, arm, seed, start_dir, rows, output_dir, tokenizer, [callback], verbose,
+                                num_processes)
+    args = trainer.args
+    callback.trainer = trainer
+    if not verbose:
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+    setup = time.perf_counter() - start
+    train_start = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - train_start
+    save_start = time.perf_counter()
+    trainer.save_model()  # the run's one model on disk (save_strategy "no" unless the config says otherwise)
+    save = time.perf_counter() - save_start
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    curve_seconds = evaluate.seconds - eval_before
+    from trl.models.utils import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
+        final = evaluate(unwrapped, tokenizer, seed, config.eval.samples)
+    rows_per_step = config.prompts_per_step * args.num_generations
+    signal = [_step_signal(h) for h in history]
+    return {"final": final, "curve": callback.curve, "curve_figures": callback.curve_figures,
+            "generated_tokens": [_generated_tokens(h, rows_per_step) for h in history],
+            "trained_tokens": [_trained_tokens(h, rows_per_step) for h in history],
+            "step_time": [h["step_time"] for h in history],
+            "train_reward": [s["reward"] for s in signal],
+            "train_reward_std": [s["reward_std"] for s in signal],
+            "train_frac_reward_zero_std": [s["frac_reward_zero_std"] for s in signal],
+            # where the run's time went: building the trainer, training (the curve's evaluations inside it), the
+            # curve's and the final evaluations, saving the model
+            "seconds": {"setup": setup, "train": train_seconds - curve_seconds, "curve_eval": curve_seconds,
+                        "final_eval": evaluate.seconds - eval_before - curve_seconds, "save": save}}
+
+
+# ------------------------------------------------------------------ the study
+def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False) -> dict:
+    """The runs of `seeds` x `arms` (default: the config's) not finished yet in config.output_dir, seed after seed,
+    the arms of a seed in turn (so they share the machine's load); each run written when it finishes. Then, where
+    every run of the config is done and there are 2 seeds or more, the study (finish_study).
+
+    Returns:
+        {"ran": [(seed, arm) trained now], "skipped": [(seed, arm) found finished], "study": finish_study's result
+        or None while runs are missing, "missing": [(seed, arm) not done yet]}.
+    Raises:
+        ConfigError: an output folder of another config, an arm that ran with another definition, a selection
+            outside the config, bad data or functions.
+    """
+    from accelerate import PartialState
+
+    seeds = list(config.seeds if seeds is None else seeds)
+    arms = list(config.arms if arms is None else arms)
+    outside = [s for s in seeds if s not in config.seeds]
+    if outside:
+        raise ConfigError(f"--seeds: {outside} are not among the config's seeds {config.seeds}")
+    unknown = [a for a in arms if a not in config.arms]
+    if unknown:
+        from gfpo_trainer.cli import _did_you_mean
+
+        raise ConfigError(f"--arms: {unknown[0]!r} is not an arm of the config{_did_you_mean(unknown[0], config.arms)}"
+                          f"; its arms: {', '.join(config.arms)}")
+    state = PartialState()
+    main = state.is_main_process
+    claim_output_dir(config.output_dir, config.identity, main, config.base_dir)
+    state.wait_for_everyone()
+    held_out = eval_rows(config)
+    first_rows = training_rows(config, seeds[0]) if seeds else []
+    if main:
+        warn_overlap(first_rows, held_out)
+    max_tokens = (config.eval.max_tokens
+                  or arm_args(config, config.arms[arms[0]], 0, config.output_dir).max_completion_length)
+    evaluate = Evaluator(config, held_out, max_tokens)
+    todo, skipped = [], []
+    for seed in seeds:
+        for name in arms:
+            path = _run_file(config.output_dir, seed, name)
+            record = _read_json(path)
+            if record is None:
+                todo.append((seed, name))
+            else:
+                _check_run_definition(path, record, config.arms[name])
+                skipped.append((seed, name))
+    if main and skipped:
+        print(f"gfpo study: {len(skipped)} run(s) already finished in {config.output_dir}, not run again: "
+              + ", ".join(f"{a} seed {s}" for s, a in skipped))
+    progress = Progress(len(todo) * config.steps, show=main and not verbose and bool(todo))
+    ran = []
+    with future_warnings_hidden(not verbose):
+        for seed in seeds:
+            pending = [a for s, a in todo if s == seed]
+            start_path = os.path.join(config.output_dir, f"seed-{seed}", START_FILE)
+            start_done = os.path.exists(start_path)
+            state.wait_for_everyone()  # every process has looked before the main one writes: they decide alike
+            if not pending and start_done:
+                continue
+            seed_dir = os.path.join(config.output_dir, f"seed-{seed}")
+            os.makedirs(seed_dir, exist_ok=True)
+            start_build = time.perf_counter()
+            start_dir = _start_model(config, seed, seed_dir, state)
+            start_seconds = time.perf_counter() - start_build
+            if not start_done:
+                if main:  # no collective here: the main process alone evaluates the starting model
+                    progress.start(f"seed {seed}: the starting model", progress.bar.n)
+                    from transformers import AutoTokenizer
+
+                    args = arm_args(config, config.arms[arms[0]], seed, seed_dir)
+                    model = _load_for_eval(start_dir, args)
+                    eval_start = evaluate.seconds
+                    figures = evaluate(model, AutoTokenizer.from_pretrained(start_dir), seed, config.eval.samples)
+                    del model
+                    write_json(start_path, {"seed": seed, "model": start_dir, "figures": figures,
+                                            "seconds": {"build": start_seconds, "eval": evaluate.seconds - eval_start}})
+                state.wait_for_everyone()
+            rows = first_rows if seed == seeds[0] else training_rows(config, seed)
+            for name in pending:
+                progress.start(f"seed {seed}, {name}", progress.bar.n)
+                load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+                run = run_one(config, config.arms[name], seed, start_dir, rows, evaluate,
+                              os.path.join(seed_dir, name), progress, verbose, state.num_processes)
+                run["load_average_1min_at_start"] = load
+                if main:
+                    write_json(_run_file(config.output_dir, seed, name),
+                               {"seed": seed, "arm": name, "definition": config.arms[name].definition(),
+                                "environment": run_environment(torch.device("cuda" if torch.cuda.is_available()
+                                                                            else "cpu")), "run": run})
+                state.wait_for_everyone()
+                ran.append((seed, name))
+    progress.close()
+    missing = missing_runs(config.output_dir, config.seeds, list(config.arms))
+    result = {"ran": ran, "skipped": skipped, "missing": missing, "study": None}
+    if missing:
+        if main:
+            print(f"\ngfpo study: {len(ran)} run(s) done now; {len(missing)} of the config's "
+                  f"{len(config.seeds) * len(config.arms)} runs are not in {config.output_dir} yet "
+                  f"({', '.join(f'{a} seed {s}' for s, a in missing[:6])}{', ...' if len(missing) > 6 else ''}). "
+                  "Run the other pieces, then  python -m gfpo_study merge PIECE_DIR ... --output-dir DIR  (or run "
+                  "them into this folder: the report comes when every run is there)")
+        return result
+    if len(config.seeds) < 2:
+        if main:
+            print(f"\n1 seed: no intervals. Its runs: {config.output_dir}/seed-{config.seeds[0]}/")
+        return result
+    if main:
+        result["study"] = finish_study(assemble_study(config.output_dir, config), config.output_dir, config.arms)
+    return result
+
+
+def missing_runs(output_dir: str, seeds, arms) -> list:
+    """The (seed, arm) of `seeds` x `arms` without a finished run (or without its starting model's figures) in
+    `output_dir`."""
+    return [(s, a) for s in seeds for a in arms if not os.path.exists(_run_file(output_dir, s, a))
+            or not os.path.exists(os.path.join(output_dir, f"seed-{s}", START_FILE))]
+
+
+def assemble_study(output_dir: str, config: StudyConfig | None = None, identity: dict | None = None,
+                   seeds=None, arms=None, environment: dict | None = None) -> dict:
+    """study.json's runs part (environment, settings, task, arms, seeds, seed_results) from an output folder's
+    run files."""
+    identity = identity if identity is not None else config.identity
+    seeds = list(config.seeds if seeds is None else seeds)
+    arms = list(config.arms if arms is None else arms)
+    seed_results = []
+    for seed in seeds:
+        start = _read_json(os.path.join(output_dir, f"seed-{seed}", START_FILE))
+        result = {"seed": seed, "warm-up": start["figures"], "warmup_time": start["seconds"]["build"], "arms": {}}
+        for name in arms:
+            result["arms"][name] = _read_json(_run_file(output_dir, seed, name))["run"]
+        seed_results.append(result)
+    if environment is None:
+        environment = run_environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    model = identity.get("model")
+    task = model.get("task") if isinstance(model, dict) and isinstance(model.get("task"), str) else None
+    return {"environment": environment, "settings": identity, "task": task, "arms": arms, "seeds": seeds,
+            "seed_results": seed_results}
+
+
+def merge_studies(piece_dirs, output_dir: str) -> dict:
+    """Joins pieces of one study (the output folders of `run` with --seeds / --arms, on other machines) into
+    `output_dir`: their run files copied there (the models stay in the pieces), then the study (finish_study).
+
+    Raises:
+        ConfigError: a folder that is no study's output, pieces of different configs (naming the piece, the field and
+            both values), an arm that ran with two definitions, one run found with different figures in two pieces,
+            runs missing for the study's seeds x arms (naming them), an output folder of another config.
+    """
+    pieces = [(str(piece_dir), read_output_dir(piece_dir)["config"]) for piece_dir in piece_dirs]
+    if not pieces:
+        raise ConfigError("no pieces given")
+    first_dir, first = pieces[0]
+    for piece_dir, identity in pieces[1:]:
+        found = _first_difference(identity, first)
+        if found:
+            key, theirs, ours = found
+            raise ConfigError(f"{piece_dir} and {first_dir} are pieces of different configs: {key} is {theirs!r} in "
+                              f"{piece_dir} and {ours!r} in {first_dir}")
+    runs, starts = {}, {}
+    for piece_dir, _ in pieces:
+        for entry in sorted(os.listdir(piece_dir)):
+            if not entry.startswith("seed-") or not os.path.isdir(os.path.join(piece_dir, entry)):
+                continue
+            seed = int(entry[5:])
+            for name in sorted(os.listdir(os.path.join(piece_dir, entry))):
+                path = os.path.join(piece_dir, entry, name)
+                if not name.endswith(".json") or ".tmp-" in name:
+                    continue
+                record = _read_json(path)
+                if name == START_FILE:
+                    starts.setdefault(seed, (path, record))
+                    continue
+                arm = name[: -len(".json")]
+                if (seed, arm) in runs:
+                    other_path, other = runs[(seed, arm)]
+                    if other["definition"] != record["definition"]:
+                        raise ConfigError(f"arm {arm!r} ran with two definitions: {other_path} and {path}")
+                    if other["run"]["final"] != record["run"]["final"]:
+                        raise ConfigError(f"{arm} seed {seed} is in two pieces with different figures: {other_path} "
+                                          f"and {path}; keep one (remove the other piece's file)")
+                    continue
+                runs[(seed, arm)] = (path, record)
+    seeds = sorted({s for s, _ in runs})
+    arms = list(dict.fromkeys(a for _, a in sorted(runs, key=lambda k: (k[0], _arm_order(k[1])))))
+    missing = [(s, a) for s in seeds for a in arms if (s, a) not in runs or s not in starts]
+    if missing:
+        raise ConfigError(f"the pieces lack {len(missing)} run(s) of their seeds x arms: "
+                          + ", ".join(f"{a} seed {s}" for s, a in missing) + "; run them (python -m gfpo_study run "
+                          "--config ... --seeds S --arms A) and merge again")
+    if len(seeds) < 2:
+        raise ConfigError(f"the pieces hold {len(seeds)} seed; the study needs at least 2 for its intervals")
+    claim_output_dir(output_dir, first, base_dir=read_output_dir(first_dir).get("base_dir"))
+    for (seed, arm), (path, record) in runs.items():
+        target = _run_file(output_dir, seed, arm)
+        if os.path.abspath(target) != os.path.abspath(path):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            write_json(target, record)
+    for seed, (path, record) in starts.items():
+        target = os.path.join(output_dir, f"seed-{seed}", START_FILE)
+        if os.path.abspath(target) != os.path.abspath(path):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            write_json(target, record)
+    environment = run_environment(torch.device("cpu"))
+    environment["pieces"] = [{"dir": d, "seeds": sorted({s for (s, _), (p, _) in runs.items()
+                                                         if p.startswith(os.path.join(d, ""))})} for d, _ in pieces]
+    study = assemble_study(output_dir, identity=first, seeds=seeds, arms=arms, environment=environment)
+    definitions = {a: runs[(seeds[0], a)][1]["definition"] for a in arms}
+    return finish_study(study, output_dir, {a: _arm_from_definition(a, d) for a, d in definitions.items()})
+
+
+def config_of_output_dir(output_dir: str) -> StudyConfig:
+    """The StudyConfig an output folder's runs belong to: its config, with the seeds and arms of its run files."""
+    held = read_output_dir(output_dir)
+    runs = {}
+    for entry in os.listdir(output_dir):
+        if entry.startswith("seed-") and os.path.isdir(os.path.join(output_dir, entry)):
+            for name in os.listdir(os.path.join(output_dir, entry)):
+                if name.endswith(".json") and name != START_FILE and ".tmp-" not in name:
+                    runs[(int(entry[5:]), name[:-5])] = _read_json(os.path.join(output_dir, entry, name))
+    arms = {}
+    for (_, name), record in sorted(runs.items(), key=lambda k: (k[0][0], _arm_order(k[0][1]))):
+        arm = _arm_from_definition(name, record["definition"])
+        arms.setdefault(name, arm.name if ARMS.get(name) == arm else {
+            "name": name, "reward": arm.reward, **{k: v for k, v in arm.config_fields().items() if v is not None
+                                                   and k != "adaptive_difficulty"}})
+    config = {**held["config"], "seeds": sorted({s for s, _ in runs}), "arms": list(arms.values()),
+              "output_dir": os.path.abspath(output_dir)}
+    return parse_study_config(config, held.get("base_dir") or os.getcwd())
+
+
+def reevaluate_final_models(output_dir: str) -> list[dict]:
+    """The held-out evaluation of an output folder's saved models (each seed's starting model and each arm's final
+    model) again, as the runs evaluated them (same prompts, samples, temperature and seed): the figures the runs did
+    not record, from the config's eval.details function as it is now.
+
+    Returns:
+        one {"seed", "warm-up": figures, "arms": {name: {"final": figures}}} per seed.
+    Raises:
+        ValueError: where a model's accuracy or length differs from what the run recorded (not the same answers).
+    """
+    from transformers import AutoTokenizer
+
+    config = config_of_output_dir(output_dir)
+    evaluate = Evaluator(config, eval_rows(config), config.eval.max_tokens or arm_args(
+        config, next(iter(config.arms.values())), 0, output_dir).max_completion_length)
+    results = []
+    for seed in config.seeds:
+        seed_dir = os.path.join(output_dir, f"seed-{seed}")
+        start = _read_json(os.path.join(seed_dir, START_FILE))
+        result = {"seed": seed, "arms": {}}
+        for name in ["warm-up", *config.arms]:
+            model_dir = start["model"] if name == "warm-up" else os.path.join(seed_dir, name)
+            args = arm_args(config, next(iter(config.arms.values())), seed, seed_dir)
+            figures = evaluate(_load_for_eval(model_dir, args), AutoTokenizer.from_pretrained(model_dir), seed,
+                               config.eval.samples)
+            before = (start["figures"] if name == "warm-up"
+                      else _read_json(_run_file(output_dir, seed, name))["run"]["final"])
+            if (figures["accuracy"], figures["mean_length"]) != (before["accuracy"], before["mean_length"]):
+                raise ValueError(f"{model_dir}: accuracy {figures['accuracy']} and length {figures['mean_length']} "
+                                 f"now, {before['accuracy']} and {before['mean_length']} when it ran: not the same "
+                                 "answers (another torch, thread count or device?)")
+            if name == "warm-up":
+                result["warm-up"] = figures
+            else:
+                result["arms"][name] = {"final": figures}
+        results.append(result)
+    return results
+
+
+def _arm_order(name: str) -> int:
+    return list(ARMS).index(name) if name in ARMS else len(ARMS)
+
+
+def _arm_from_definition(name: str, definition: dict) -> Arm:
+    """The Arm a run file records (its GFPOConfig fields and reward); a built-in arm keeps its paper key."""
+    if name in ARMS and ARMS[name].definition() == definition:
+        return ARMS[name]
+    fields = dict(definition["fields"])
+    adaptive = fields.pop("adaptive_num_remains", None)
+    fields.pop("adaptive_difficulty", None)
+    return Arm(name, fields.pop("num_generations"), fields.pop("num_remains_in_group", None),
+               fields.pop("group_filter", None), tuple(adaptive) if adaptive else None, definition["reward"], None,
+               bool(fields.pop("loss_includes_rejected", False)), tuple(sorted(fields.items())))
+
+
+# ------------------------------------------------------------------ records
+def _generated_tokens(log: dict, rows: int) -> float:
+    """The completion tokens a step generated, every sampled completion as far as it ran (GFPO logs it; GRPO's
+    completions/mean_length covers every completion)."""
+    return log["gfpo/generated_tokens"] if "gfpo/generated_tokens" in log else log["completions/mean_length"] * rows
+
+
+def _trained_tokens(log: dict, rows: int) -> float:
+    """The completion tokens a step trained on: the kept rows' (GFPO), every row's (GRPO)."""
+    if "gfpo/kept_completion_length" in log:
+        return log["gfpo/kept_completion_length"] * log["gfpo/kept_fraction"] * rows
+    return log["completions/mean_length"] * rows
+
+
+def _step_signal(log: dict) -> dict:
+    """The learning signal of a step's trained rows: their mean reward, their reward spread (std over the batch's
+    trained rows) and the share of trained rows in groups whose trained rewards are all equal (advantage 0)."""
+    kept = "gfpo/kept_reward_mean" in log  # GFPO: over the kept rows; GRPO: TRL's, over every row
+    return {"reward": log["gfpo/kept_reward_mean" if kept else "reward"],
+            "reward_std": log["gfpo/kept_reward_std" if kept else "reward_std"],
+            "frac_reward_zero_std": log["gfpo/kept_frac_reward_zero_std" if kept else "frac_reward_zero_std"]}
+
+
+def _git_commit() -> str | None:
+    """The commit of the checkout this package runs from, "+dirty" when tracked files differ; None outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_environment(device: torch.device) -> dict:
+    """What a demo run's figures depend on, recorded beside them in results.json: the package versions, the commit,
+    the machine (CPU model, cores this process may use, the device trained on) and the load when the run started
+    (wall times on a machine shared with other jobs are longer)."""
+    from gfpo_kernels.env_report import package_versions  # the versions the env report prints, read alike
+
+    machine = {"cpu": _cpu_model(), "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if hasattr(os, "getloadavg"):
+        machine["load_average_1min_at_start"] = round(os.getloadavg()[0], 2)
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": _git_commit(), "python": platform.python_version(),
+            "versions": package_versions(), "machine": machine}
+
+
+@contextlib.contextmanager
+def future_warnings_hidden(hidden: bool):
+    """FutureWarnings ignored inside the block where `hidden` (transformers' deprecation notices about TRL's calls
+    would bury the progress bars); the caller's warning filters are restored after it."""
+    with warnings.catch_warnings():
+        if hidden:
+            warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def _paper_tables() -> dict | None:
+    """docs/demo/gfpo-paper-tables.json where this runs from a checkout, else None."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "demo",
+                        "gfpo-paper-tables.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def finish_study(study: dict, output_dir: str, arms: dict | None = None) -> dict:
+    """The summary over seeds (study_stats.summarize), the report and verdict (study_report), the plot; writes
+    study.json (the runs and the summary), study.md and study.png into `output_dir` and says so. `arms`: {name: Arm}
+    of the study's arms (default: the built-in ARMS)."""
+    from .study_report import plot_study, study_report, study_verdict
+    from .study_stats import summarize
+
+    definitions = ARMS if arms is None else arms
+    arms, seeds = study["arms"], study["seeds"]
+    summary = summarize(study["seed_results"], arms, kept_shares={
+        name: definitions[name].kept_share() for name in arms if definitions[name].kept_share() is not None})
+    study = {**study, "summary": summary}
+    report = study_report(summary, len(seeds), _paper_tables(), definitions)
+    verdict = study_verdict(summary, len(seeds))
+    paths = {name: os.path.join(output_dir, name) for name in ("study.json", "study.md", "study.png")}
+    write_json(paths["study.json"], study)
+    with open(paths["study.md"], "w") as f:
+        f.write(report + "\n")
+    plot_study(study["seed_results"], summary, paths["study.png"])
+    print("\n" + report)
+    models = "each piece's seed-*/" if "pieces" in study["environment"] else f"{output_dir}/seed-*/"
+    print(f"\nwritten: {paths['study.md']} (the tables and the verdict), {paths['study.json']} (every run per seed, "
+          f"and the summary), {paths['study.png']} (the plot); the models under {models}")
+    return {"study": study, "summary": summary, "report": report, "verdict": verdict}

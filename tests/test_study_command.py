@@ -1,0 +1,462 @@
+"""The study as a command for any model, data and reward (`python -m gfpo_study`): the config and its errors, a
+user's own study end to end on CPU, a killed run started again, pieces and their merge, the trainer kept apart."""
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("trl")
+pytest.importorskip("scipy")
+
+from gfpo_test_utils import save_tiny_model, subprocess_env  # noqa: E402
+
+from gfpo_study import study  # noqa: E402
+from gfpo_study.config import ConfigError, parse_study_config  # noqa: E402
+from gfpo_study.evaluation import score_answers  # noqa: E402
+
+REPO = Path(__file__).parents[1]
+
+REWARDS = textwrap.dedent('''
+    import os
+    import re
+    import signal
+
+    CALLS = [0]
+
+
+    def correct(prompts, completions, answer, **kwargs):
+        """The training reward: 1.0 where the completion's last number is the answer. The test's kill switch: the
+        process ends itself (SIGKILL, as a cluster's scheduler ends a job) at the reward call KILL_AT_CALL."""
+        CALLS[0] += 1
+        if CALLS[0] == int(os.environ.get("KILL_AT_CALL", "0")):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return score(prompts, completions, answer)
+
+
+    def score(prompts, completions, answer, **kwargs):
+        """The held-out correctness: the same test."""
+        out = []
+        for completion, expected in zip(completions, answer):
+            numbers = re.findall(r"\\d+", completion)
+            out.append(1.0 if numbers and int(numbers[-1]) == expected else 0.0)
+        return out
+''')
+
+STEPS = 3
+CONFIG = {
+    "model": "tiny_model",
+    "dataset": "data/train.jsonl",
+    "reward_funcs": ["my_rewards:correct"],
+    "args": {"max_completion_length": 6, "learning_rate": 0.003, "use_cpu": True},
+    "eval": {"dataset": "data/test.jsonl", "correct": "my_rewards:score", "samples": 2, "temperature": 0.8},
+    "arms": ["grpo", {"name": "shortest-4of8", "num_generations": 8, "num_remains_in_group": 4,
+                      "group_filter": "length"}],
+    "seeds": "0-1",
+    "steps": STEPS,
+    "eval_every": 2,
+    "prompts_per_step": 2,
+    "output_dir": "out",
+}
+
+
+def make_user_folder(folder: Path, config: dict = CONFIG) -> Path:
+    """A user's study: an own reward file, own .jsonl data (held-out sums apart from the trained ones), a local model
+    folder saved from the tiny model, and the config."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "my_rewards.py").write_text(REWARDS)
+    (folder / "data").mkdir(exist_ok=True)
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(10) for b in range(10)]
+    (folder / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if (r["answer"] % 7)))
+    (folder / "data" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if not r["answer"] % 7))
+    if not (folder / "tiny_model").exists():
+        save_tiny_model(folder / "tiny_model")
+    (folder / "study.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return folder
+
+
+def study_command(folder: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gfpo_study", *args], cwd=folder, capture_output=True, text=True,
+                          timeout=600, env=subprocess_env(OMP_NUM_THREADS="1", **env))
+
+
+@pytest.fixture(scope="module")
+def finished_study(tmp_path_factory):
+    """The user's study, killed during its second run, then run again to the end (the README's command)."""
+    folder = make_user_folder(tmp_path_factory.mktemp("user"))
+    killed = study_command(folder, "run", "--config", "study.yaml", KILL_AT_CALL=str(STEPS + 1))
+    first_run = folder / "out" / "seed-0" / "grpo.json"
+    state = {"killed": killed, "first_run": first_run.read_bytes() if first_run.exists() else None,
+             "after_kill": sorted(p.name for p in (folder / "out" / "seed-0").glob("*.json"))}
+    state["rerun"] = study_command(folder, "run", "--config", "study.yaml")
+    state["third"] = study_command(folder, "run", "--config", "study.yaml")
+    return folder, state
+
+
+def test_a_killed_study_keeps_its_finished_run_and_redoes_nothing_finished(finished_study):
+    folder, state = finished_study
+    assert state["killed"].returncode == -9, state["killed"].stderr[-2000:]
+    # killed in the second run (the first step of shortest-4of8 on seed 0): the first run's file is there, whole
+    assert state["after_kill"] == ["grpo.json", "start.json"]
+    rerun = state["rerun"]
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert ("gfpo study: 1 run(s) already finished in " f"{folder / 'out'}, not run again: grpo seed 0") in rerun.stdout
+    assert (folder / "out" / "seed-0" / "grpo.json").read_bytes() == state["first_run"]  # not trained again
+    # the progress bar: the run, the step of all steps left, the time left
+    assert re.search(r"seed 1, shortest-4of8: +\d+%\|.*\| \d+/\d+ \[\d\d:\d\d<\d\d:\d\d", rerun.stderr)
+    third = state["third"]
+    assert third.returncode == 0 and "4 run(s) already finished" in third.stdout
+    assert "seed 0, grpo" not in third.stderr  # no progress bar: nothing trained
+
+
+def test_a_users_study_runs_end_to_end(finished_study):
+    """Own reward file, own .jsonl, a local model folder, 2 arms x 2 seeds: the runs, study.json (the runs and the
+    summary), study.md (tables, verdict with its few-seeds warning) and study.png."""
+    folder, state = finished_study
+    out = folder / "out"
+    written = json.loads((out / "study.json").read_text())
+    assert written["seeds"] == [0, 1] and written["arms"] == ["grpo", "shortest-4of8"]
+    assert set(written) == {"environment", "settings", "task", "arms", "seeds", "seed_results", "summary"}
+    for result in written["seed_results"]:
+        start = json.loads((out / f"seed-{result['seed']}" / "start.json").read_text())
+        assert result["warm-up"] == start["figures"]
+        for name in ("grpo", "shortest-4of8"):
+            run = result["arms"][name]
+            assert len(run["generated_tokens"]) == len(run["step_time"]) == STEPS
+            assert [c[0] for c in run["curve"]] == [2, 3]  # eval_every 2, and the last step
+            # the held-out set: 14 prompts (sums 0, 7, 14), 2 samples each; accuracy a multiple of 1/28
+            assert round(run["final"]["accuracy"] * 28, 6) == round(run["final"]["accuracy"] * 28)
+            assert (out / f"seed-{result['seed']}" / name / "model.safetensors").exists()
+    summary = written["summary"]["arms"]["shortest-4of8"]
+    # the paired accuracy difference is the per-seed difference of the recorded figures
+    assert summary["accuracy_minus_grpo"]["per_seed"] == pytest.approx(
+        [r["arms"]["shortest-4of8"]["final"]["accuracy"] - r["arms"]["grpo"]["final"]["accuracy"]
+         for r in written["seed_results"]])
+    report = (out / "study.md").read_text()
+    assert "## Verdict" in report and "Only 2 seeds (fewer than 5): the t-intervals are wide" in report
+    assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pieces_on_other_machines_merge_into_the_study(finished_study, tmp_path):
+    """--seeds pieces into their own folders, then merge: the runs of the study run at once (times apart)."""
+    folder, _ = finished_study
+    for seed in (0, 1):
+        done = study_command(folder, "run", "--config", "study.yaml", "--seeds", str(seed), "--output-dir",
+                             str(tmp_path / f"piece-{seed}"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "Run the other pieces, then  python -m gfpo_study merge" in done.stdout
+    done = study_command(folder, "merge", str(tmp_path / "piece-1"), str(tmp_path / "piece-0"), "--output-dir",
+                         str(tmp_path / "merged"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = json.loads((tmp_path / "merged" / "study.json").read_text())
+    whole = json.loads((folder / "out" / "study.json").read_text())
+    for a, b in zip(merged["seed_results"], whole["seed_results"], strict=True):
+        assert a["warm-up"] == b["warm-up"]
+        for name in ("grpo", "shortest-4of8"):
+            assert a["arms"][name]["final"] == b["arms"][name]["final"]
+            assert a["arms"][name]["curve"] == b["arms"][name]["curve"]
+    # a folder of another config: one line naming the value, nothing there changed
+    other = dict(CONFIG, steps=STEPS + 1)
+    (folder / "other.yaml").write_text(yaml.safe_dump(other))
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (folder / "out").rglob("*.json"))
+    done = study_command(folder, "run", "--config", "other.yaml")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"error: output_dir {folder / 'out'} holds the runs of another study config: "
+                                        f"steps is {STEPS} there and {STEPS + 1} here; give another output_dir (its "
+                                        "runs stay as they are)"]
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (folder / "out").rglob("*.json")) == before
+
+
+# ------------------------------------------------------------------ the config's errors, before anything trains
+@pytest.fixture(scope="module")
+def user_folder(tmp_path_factory):
+    return make_user_folder(tmp_path_factory.mktemp("config"))
+
+
+def parse(folder: Path, **changes):
+    config = json.loads(json.dumps(CONFIG))
+    for key, value in changes.items():
+        if "__" in key:
+            section, field = key.split("__")
+            config[section][field] = value
+        elif value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    return parse_study_config(config, str(folder))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(eval__correct="my_rewards:scor"), r"^eval.correct: function 'my_rewards:scor': module 'my_rewards' has "
+     r"no function 'scor' \(did you mean 'score'\?\)"),
+    (dict(eval__correct="nowhere:correct"), r"^eval.correct: function 'nowhere:correct': no module 'nowhere'"),
+    (dict(eval__samles=4), r"^eval: unknown keys \['samles'\] \(did you mean 'samples'\?\)"),
+    (dict(eval__temperature=0), r"^eval.temperature=0: a number > 0"),
+    (dict(arms=["grpo", "shortest-8of61"]), r"^arms: unknown arm 'shortest-8of61' \(did you mean 'shortest-8of16'\?\)"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remain_in_group": 4, "group_filter": "length"}]),
+     r"^arms: arm 'mine' has unknown GFPOConfig fields \['num_remain_in_group'\] \(did you mean "
+     r"'num_remains_in_group'\?\)"),
+    (dict(arms=["grpo", {"name": "grpo-too", "num_generations": 8}]),
+     r"^arms: 'grpo' and 'grpo-too' are the same config \(.*\); drop one or change a field$"),
+    (dict(arms=[{"name": "a", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length"},
+                {"name": "b", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length",
+                 "beta": 0.0}]), r"^arms: 'a' and 'b' are the same config"),
+    (dict(arms=["grpo", "grpo"]), r"^arms: 'grpo' is listed twice"),
+    (dict(arms=[{"name": "grpo", "num_generations": 4}]), r"^arms: 'grpo' is a built-in arm's name"),
+    (dict(arms=[{"name": "mine", "max_steps": 4}]), r"^arms: arm 'mine' sets 'max_steps', which the study sets for "
+     r"every run; set steps"),
+    (dict(args__max_steps=10), r"^args.max_steps: the study sets it for every run; set steps$"),
+    (dict(args__per_device_train_batch_size=8), r"^args.per_device_train_batch_size: the study sets it for every run; "
+     r"set prompts_per_step"),
+    (dict(args__use_vllm=True), r"^args.use_vllm=true: the study evaluates held-out answers with the model's own "
+     r"generate \(HF\)"),
+    (dict(args__learning_rat=1e-3), r"^unknown GFPOConfig fields \['learning_rat'\] under 'args' \(did you mean "
+     r"'learning_rate'\?\)"),
+    (dict(seeds=5), r"^seeds='5': a bare number is ambiguous"),
+    (dict(seeds=[0, 0]), r"^seeds=\[0, 0\]: a seed appears more than once"),
+    (dict(steps=0), r"^steps=0: give a whole number of at least 1"),
+    (dict(stpes=3), r"^unknown config keys \['stpes'\] \(did you mean 'steps'\?\)"),
+    (dict(eval=None), r"^the study config needs 'eval'"),
+    (dict(model="tiny_modle"), r"^model 'tiny_modle': no directory .*tiny_modle \(did you mean 'tiny_model'\?\)"),
+])
+def test_config_errors_name_the_key_and_the_fix(user_folder, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(user_folder, **changes)
+
+
+def test_a_good_config_parses(user_folder):
+    config = parse(user_folder)
+    assert list(config.arms) == ["grpo", "shortest-4of8"] and config.seeds == [0, 1]
+    assert config.arms["shortest-4of8"].kept_share() == 0.5 and config.arms["grpo"].kept_share() is None
+    assert config.output_dir == str(user_folder / "out")
+    args = study.arm_args(config, config.arms["shortest-4of8"], 1, str(user_folder / "x"))
+    # prompts_per_step prompts a step whatever G: 2 x 8 completions; the seed and steps the study's; no shuffling
+    assert (args.per_device_train_batch_size, args.max_steps, args.seed, args.shuffle_dataset) == (16, STEPS, 1, False)
+    assert args.learning_rate == 0.003 and args.num_remains_in_group == 4 and args.group_filter == "length"
+    rows = study.training_rows(config, 0)
+    assert len(rows) == STEPS * 2 and rows == study.training_rows(config, 0) != study.training_rows(config, 1)
+    lines = (user_folder / "data/train.jsonl").read_text().splitlines()
+    trained = {json.dumps(json.loads(line), sort_keys=True) for line in lines}
+    assert {json.dumps(r, sort_keys=True) for r in rows} <= trained
+
+
+def test_eval_function_results_are_checked():
+    rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4}]
+    answers = ["2", "5", "4", "4"]
+
+    def exact(prompts, completions, answer, **kwargs):
+        return [c == str(a) for c, a in zip(completions, answer)]
+
+    assert score_answers(exact, rows, answers, samples=2) == [1.0, 0.0, 1.0, 1.0]
+    assert score_answers(lambda completions, **k: [0.2, 0.7, 0.5, 0.9], rows, answers, 2, threshold=0.5) == [
+        0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match=r"^eval.correct <lambda>: returned 3 values for 4 completions; it must return "
+                       r"one bool or number per completion$"):
+        score_answers(lambda completions, **k: [1.0] * 3, rows, answers, 2)
+    with pytest.raises(ValueError, match=r"^eval.correct <lambda>: value 'yes' for completion 1 is not a bool or a "
+                       r"finite number$"):
+        score_answers(lambda completions, **k: [1.0, "yes", 0.0, 0.0], rows, answers, 2)
+    with pytest.raises(ValueError, match=r"value nan for completion 0 is not a bool or a finite number"):
+        score_answers(lambda completions, **k: [float("nan")] * 4, rows, answers, 2)
+    with pytest.raises(ValueError, match=r"returned NoneType, not a list"):
+        score_answers(lambda completions, **k: None, rows, answers, 2)
+
+
+def test_held_out_prompts_that_are_training_prompts_warn():
+    with pytest.warns(UserWarning, match=r"^1 of the 2 held-out prompts are also training prompts \(the first: "
+                      r"'1\+1='\)"):
+        train, held_out = [{"prompt": "1+1="}, {"prompt": "3+3="}], [{"prompt": "1+1="}, {"prompt": "2+2="}]
+        assert study.warn_overlap(train, held_out) == 1
+
+
+def test_a_selection_outside_the_config_is_refused(user_folder):
+    config = parse(user_folder, output_dir=str(user_folder / "never"))
+    with pytest.raises(ConfigError, match=r"^--arms: 'shortest-4of9' is not an arm of the config \(did you mean "
+                       r"'shortest-4of8'\?\); its arms: grpo, shortest-4of8$"):
+        study.run_study(config, arms=["shortest-4of9"])
+    with pytest.raises(ConfigError, match=r"^--seeds: \[7\] are not among the config's seeds \[0, 1\]$"):
+        study.run_study(config, seeds=[7])
+    assert not (user_folder / "never").exists()
+
+
+def test_an_arm_that_changed_is_not_taken_for_its_finished_run(tmp_path):
+    """A run file records its arm's definition: the same name with other fields is an error, not a skipped run."""
+    run_dir = tmp_path / "seed-0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "mine.json").write_text(json.dumps({"definition": {"fields": {"num_generations": 8,
+                                                                             "num_remains_in_group": 4,
+                                                                             "group_filter": "length"},
+                                                                  "reward": "correct"}}))
+    arm = study.Arm("mine", 8, 6, "length")
+    with pytest.raises(ConfigError, match=r"mine.json: arm 'mine' ran with fields.num_remains_in_group=4, the config "
+                       r"now says 6; give the changed arm another name"):
+        study._check_run_definition(str(run_dir / "mine.json"), json.loads((run_dir / "mine.json").read_text()), arm)
+
+
+# ------------------------------------------------------------------ the shipped configs, the command line, the rooms
+def test_the_sums_config_is_the_committed_studys_settings():
+    """gfpo_study/configs/sums.yaml is the quick preset (the 200-step study of docs/demo/study-quick-5seeds.json):
+    the same warm-up, steps, prompts, evaluation and arms."""
+    shipped = yaml.safe_load((REPO / "gfpo_study" / "configs" / "sums.yaml").read_text())
+    assert shipped == study.sums_config(study.DemoSettings.quick())
+    committed = json.loads((REPO / "docs" / "demo" / "study-quick-5seeds.json").read_text())
+    settings = committed["settings"]
+    assert (shipped["model"]["warmup_steps"], shipped["steps"], shipped["eval"]["samples"], shipped["arms"]) == (
+        settings["warmup_steps"], settings["rl_steps"], settings["eval_samples"], committed["arms"])
+    config = parse_study_config(shipped, str(REPO))
+    assert config.seeds == [0, 1, 2, 3, 4] and config.arms["token-efficiency-8of16-signed"].reward == "signed"
+
+
+def test_the_trainer_imports_nothing_of_the_study():
+    """Every gfpo_trainer module imported: no gfpo_study module comes along (the study is beside the trainer)."""
+    modules = sorted(p.stem for p in (REPO / "gfpo_trainer").glob("*.py") if p.stem != "__main__")
+    probe = textwrap.dedent(f"""
+        import importlib, sys
+        for name in {modules!r}:
+            try:
+                importlib.import_module("gfpo_trainer." + name)
+            except ImportError as error:  # an optional dependency (vLLM) missing here
+                if "gfpo_study" in str(error):
+                    raise
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "gfpo_study"))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    for path in (REPO / "gfpo_trainer").glob("*.py"):  # nor a lazy import inside a function
+        assert not re.search(r"^\s*(from|import) gfpo_study", path.read_text(), re.M), path
+
+
+def test_the_trainers_demo_command_points_to_the_study(capsys):
+    from gfpo_trainer.cli import main
+
+    assert main(["demo", "--quick"]) == 2
+    assert capsys.readouterr().err == (
+        "error: the demo is the length study's command: python -m gfpo_study demo --quick\n")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["merge", "--help"], ["demo", "--help"]])
+def test_help_imports_no_training_stack(argv):
+    probe = ("import sys, runpy; sys.argv = ['gfpo_study'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('gfpo_study', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('trl', 'transformers', 'datasets', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_without_the_trainer_extra_the_command_says_what_to_install():
+    probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", probe, "demo", "--smoke"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=subprocess_env())
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error: 'trl' is not installed: the study needs gfpo's trainer dependencies; from the checkout, pip install "
+        '--no-build-isolation ".[trainer]" (docs/install.md)']
+
+
+def test_overrides_need_the_cli_helper_or_apply(user_folder, capsys):
+    """`run --config F --steps 2`: a config field set on the command line (gfpo_trainer.cli.apply_overrides)."""
+    from gfpo_study.cli import main
+    from gfpo_trainer import cli as train_cli
+
+    code = main(["run", "--config", str(user_folder / "study.yaml"), "--stpes", "2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    if hasattr(train_cli, "apply_overrides"):
+        assert "stpes" in err
+    else:
+        assert err == ("error: command-line overrides need gfpo_trainer.cli.apply_overrides, which this install "
+                       "lacks\n")
+
+
+def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model(tmp_path):
+    """examples/gsm8k/study.yaml, the real setup (Qwen2.5-0.5B-Instruct, not downloaded here): with the model and
+    sizes overridden on the command line's terms, every arm's trainer builds from it on the tiny model, the prompts
+    are the chat messages of the `prompt:` key, and the held-out answers are scored by the correctness function,
+    which receives the `answer` column."""
+    import importlib.util
+
+    from gfpo_study.config import load_study_config
+
+    spec = importlib.util.spec_from_file_location("save_tiny", REPO / "examples" / "gsm8k" / "save_tiny_model.py")
+    saver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(saver)
+    model = saver.save_tiny_model(tmp_path / "tiny-model")
+    shipped = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"))
+    assert shipped.train["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and list(shipped.arms) == [
+        "grpo", "shortest-8of16", "shortest-6of8", "token-efficiency-8of16"]
+    config = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"), [
+        "--model", model, "--max_completion_length", "8", "--bf16", "false", "--use_cpu", "true",
+        "--steps", "2", "--eval.max_tokens", "4", "--eval.samples", "1", "--output_dir", str(tmp_path / "out")])
+    rows = study.training_rows(config, 0)
+    assert len(rows) == 2 * 8 and rows[0]["prompt"][0]["role"] == "system" and rows[0]["prompt"][1]["content"] == (
+        rows[0]["question"])
+    held_out = study.eval_rows(config)
+    assert len(held_out) == 100 and study.warn_overlap(rows, held_out) == 0
+    for name, arm in config.arms.items():
+        trainer = study.build_run_trainer(config, arm, 0, model, rows, str(tmp_path / name))
+        generations = arm.num_generations
+        # 8 prompts a step, over gradient_accumulation_steps 4: 2 prompts' completions a micro-batch
+        assert trainer.args.per_device_train_batch_size == 8 * generations // 4
+        assert (trainer.args.max_steps, trainer.args.learning_rate, trainer.args.num_generations) == (
+            2, 1e-6, generations)
+        assert trainer.args.reward_weights == [1.0, 0.5]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    evaluate = study.Evaluator(config, held_out[:3], config.eval.max_tokens)
+    figures = evaluate(AutoModelForCausalLM.from_pretrained(model), AutoTokenizer.from_pretrained(model), 0, 1)
+    assert figures["accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0) and 1 <= figures["mean_length"] <= 4
+
+
+def test_a_piece_under_accelerate_launch_is_written_by_the_main_process(finished_study, tmp_path):
+    """`accelerate launch` with 2 CPU processes (gloo): both train and evaluate, the main process alone writes the
+    run files and speaks; run again, both skip the finished runs."""
+    import socket
+
+    folder, _ = finished_study
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+               "--main_process_port", str(port), "-m", "gfpo_study", "run", "--config", "study.yaml", "--seeds", "0",
+               "--output-dir", str(tmp_path / "piece")]
+
+    def launch():
+        return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=600,
+                              env=subprocess_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
+
+    done = launch()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "piece" / "seed-0").glob("*.json*")) == [
+        "grpo.json", "shortest-4of8.json", "start.json"]  # whole files only, no process's leftovers
+    assert done.stdout.count("Run the other pieces, then") == 1
+    record = json.loads((tmp_path / "piece" / "seed-0" / "grpo.json").read_text())
+    assert len(record["run"]["step_time"]) == STEPS and record["run"]["curve"][-1][0] == STEPS
+    again = launch()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("gfpo study: 2 run(s) already finished") == 1
+
+
+def test_pieces_by_arm_into_one_folder_make_the_study(finished_study, tmp_path):
+    """A job array by arm writing into one shared folder: the piece that completes the config writes the report, and
+    the runs are those of the study run at once."""
+    folder, _ = finished_study
+    first = study_command(folder, "run", "--config", "study.yaml", "--arms", "grpo", "--output-dir", str(tmp_path))
+    assert first.returncode == 0 and not (tmp_path / "study.json").exists()
+    second = study_command(folder, "run", "--config", "study.yaml", "--arms", "shortest-4of8", "--output-dir",
+                           str(tmp_path))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"written: {tmp_path / 'study.md'}" in second.stdout
+    pieces = json.loads((tmp_path / "study.json").read_text())["seed_results"]
+    whole = json.loads((folder / "out" / "study.json").read_text())["seed_results"]
+    assert [r["warm-up"] for r in pieces] == [r["warm-up"] for r in whole]
+    assert [{a: r["arms"][a]["final"] for a in r["arms"]} for r in pieces] == [
+        {a: r["arms"][a]["final"] for a in r["arms"]} for r in whole]
