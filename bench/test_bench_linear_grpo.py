@@ -141,7 +141,7 @@ def test_linear_grpo_loss(benchmark, impl, passes, mask_kind, B, T, H, V):
     flops = executed_flops(impl, backward, int(mask.sum()), B * T, H, V)
     benchmark.extra_info["executed_tflop"] = flops / 1e12
     record_tflops(benchmark, flops)
-    benchmark.extra_info["loss"] = float(loss)
+    benchmark.extra_info["loss"] = float(loss.detach())
     with torch.no_grad():
         want = _gfpo(hidden.detach(), weight.detach(), target, mask, adv)
     torch.testing.assert_close(loss.detach().float(), want.float(), rtol=2e-2, atol=2e-3)

@@ -265,6 +265,7 @@ class _GradientsBeforeStep(TrainerCallback):
         self.steps.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
+@pytest.mark.filterwarnings("ignore:`use_liger_kernel=True` is deprecated:FutureWarning")  # the field under test
 def test_liger_kernel_trains_what_the_reference_path_trains(model_dir, tokenizer, tmp_path,  # noqa: F811
                                                             monkeypatch):
     """use_liger_kernel=True (TRL 1.14.2 to 1.16 have no Liger GRPO loss: TRL 1.15+ applies Liger's layer kernels,
