@@ -760,3 +760,105 @@ def test_tensor_parallel_two_ranks_on_the_cpu_engine(tmp_path):
         tp_lengths = torch.tensor([len(x) + s for x, s in zip(call["ids"], call["stopped"])], dtype=torch.float32)
         assert torch.equal(ref.group_topk_mask(lengths, worker.G, worker.K, largest=False),
                            ref.group_topk_mask(tp_lengths, worker.G, worker.K, largest=False))
+
+
+# --------------------------------------------------------------------------- the length study on vLLM
+
+STUDY_REWARDS = '''
+import re
+
+
+def digits(completions, **kwargs):
+    """The training reward: digits minus a little per character (a spread in every group, so every step moves the
+    weights)."""
+    return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
+
+
+def correct(prompts, completions, answer, **kwargs):
+    """1.0 where the completion's last number is the sum."""
+    out = []
+    for completion, expected in zip(completions, answer):
+        numbers = re.findall(r"\\\\d+", completion)
+        out.append(1.0 if numbers and int(numbers[-1]) == expected else 0.0)
+    return out
+
+
+def answers(prompts, answers, lengths, correct):
+    """Every answer and its length, recorded beside the figures."""
+    return {"answers": list(answers), "lengths": list(lengths)}
+'''
+
+
+def _vllm_study_config(folder, model_dir, **changes):
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(10) for b in range(10)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["answer"] % 7))
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if not r["answer"] % 7))
+    (folder / "study_vllm_rewards.py").write_text(STUDY_REWARDS)
+    config = {
+        "model": model_dir, "dataset": "train.jsonl", "reward_funcs": ["study_vllm_rewards:digits"],
+        "args": {"max_completion_length": 10, "learning_rate": 0.02, "use_cpu": True, "use_vllm": True,
+                 "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1, "vllm_max_model_length": 128},
+        "eval": {"dataset": "test.jsonl", "correct": "study_vllm_rewards:correct",
+                 "details": "study_vllm_rewards:answers", "samples": 2, "curve_samples": 2, "temperature": 1.0},
+        "arms": ["grpo", {"name": "shortest-4of8", "num_generations": 8, "num_remains_in_group": 4,
+                          "group_filter": "length"}],
+        "seeds": [0], "steps": 2, "eval_every": 1, "prompts_per_step": 2, "output_dir": "out",
+    }
+    config.update(changes)
+    return config
+
+
+def test_study_evaluates_on_the_vllm_engine_with_the_trained_weights(model_dir, tmp_path):
+    """A 2-arm study with use_vllm (colocate): the held-out answers come from the trainer's engine holding the
+    trained weights. A saved final model evaluated again on a fresh trainer's engine (another arm's, synced at step 0
+    from that model) gives the very answers its run recorded; they differ from the starting model's (same seeds,
+    other weights: an engine left holding the starting weights would repeat them); the last curve point and the
+    final evaluation (same step, same samples) agree; lengths count the EOS as the HF path does. And evaluating
+    every step leaves training as it is: the arm run with the curve at the last step only ends with the same
+    rewards and the same final answers."""
+    from pathlib import Path
+
+    from gfpo_study import study
+    from safetensors.torch import load_file
+
+    config = study.study_config(_vllm_study_config(tmp_path, model_dir), str(tmp_path))
+    result = study.run_study(config)
+    assert sorted(result["ran"]) == [(0, "grpo"), (0, "shortest-4of8")] and not result["missing"]
+    seed_dir = tmp_path / "out" / "seed-0"
+    start = json.loads((seed_dir / study.START_FILE).read_text())["figures"]
+    runs = {name: json.loads((seed_dir / f"{name}.json").read_text())["run"] for name in config.arms}
+    rows = study.training_rows(config, 0)
+    evaluate = study.Evaluator(config, study.eval_rows(config), 10)
+    characters = make_tokenizer()  # the tiny model's vocabulary: one token a character (a leading space too)
+    held_out = len(study.eval_rows(config))
+    for name, run in runs.items():
+        trained, started = (load_file(str(folder / "model.safetensors")) for folder in (seed_dir / name,
+                                                                                         Path(model_dir)))
+        assert any(not torch.equal(trained[key], started[key]) for key in started)
+        final = run["final"]
+        assert len(final["answers"]) == held_out * 2
+        again = study._evaluate_start_on_engine(config, config.arms["grpo"], 0, str(seed_dir / name), rows,
+                                                evaluate, str(seed_dir), False, 1)
+        assert again == final
+        assert final["answers"] != start["answers"]
+        assert {k: v for k, v in run["curve_figures"][-1].items() if k != "step"} == final
+        assert [c["step"] for c in run["curve_figures"]] == [1, 2]
+    for figures in (start, *(run["final"] for run in runs.values())):
+        for text, length in zip(figures["answers"], figures["lengths"], strict=True):
+            tokens = len(characters(text, add_special_tokens=False).input_ids)  # the text without its EOS
+            assert length == tokens + 1 or length == tokens == 10  # the EOS counted, or none came in 10 tokens
+        assert figures["mean_length"] == sum(figures["lengths"]) / len(figures["lengths"])
+    assert any(length < 10 for length in start["lengths"])
+    once = study.study_config(_vllm_study_config(tmp_path, model_dir, eval_every=2, output_dir="once",
+                                                 arms=[{"name": "shortest-4of8", "num_generations": 8,
+                                                        "num_remains_in_group": 4, "group_filter": "length"}]),
+                              str(tmp_path))
+    study.run_study(once)
+    alone = json.loads((tmp_path / "once" / "seed-0" / "shortest-4of8.json").read_text())["run"]
+    assert [c["step"] for c in alone["curve_figures"]] == [2]
+    assert alone["train_reward"] == runs["shortest-4of8"]["train_reward"]
+    assert alone["final"] == runs["shortest-4of8"]["final"]
+    assert json.loads((tmp_path / "once" / "seed-0" / study.START_FILE).read_text())["figures"] == start
+    with pytest.raises(study.ConfigError, match=r"its runs were evaluated on the trainer's vLLM engine \(use_vllm\); "
+                       r"evaluating the saved models again with generate would give other answers, not theirs$"):
+        study.reevaluate_final_models(str(tmp_path / "out"))
