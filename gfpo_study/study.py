@@ -564,6 +564,13 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                           f"; its arms: {', '.join(config.arms)}")
     state = PartialState()
     main = state.is_main_process
+    on_vllm = bool(arms) and bool(arm_args(config, config.arms[arms[0]], 0, config.output_dir).use_vllm)
+    if on_vllm and state.num_processes > 1:
+        raise ConfigError(f"args.use_vllm=true with {state.num_processes} processes: each run's trainer builds its "
+                          "own colocated vLLM engine, and vLLM ends the processes' torch process group when an "
+                          "engine is released, so they could not synchronise after the first engine; run each "
+                          "piece on one process (--seeds/--arms pieces on several GPUs, then merge), or use_vllm: "
+                          "false (docs/study.md)")
     claim_output_dir(config.output_dir, config.identity, main, config.base_dir)
     state.wait_for_everyone()
     held_out = eval_rows(config)
@@ -573,7 +580,6 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
     max_tokens = (config.eval.max_tokens
                   or arm_args(config, config.arms[arms[0]], 0, config.output_dir).max_completion_length)
     evaluate = Evaluator(config, held_out, max_tokens)
-    on_vllm = bool(arm_args(config, config.arms[arms[0]], 0, config.output_dir).use_vllm) if arms else False
     todo, skipped = [], []
     for seed in seeds:
         for name in arms:

