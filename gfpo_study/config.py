@@ -129,7 +129,7 @@ class EvalSpec:
     temperature: float = 0.8
     max_tokens: int | None = None  # None: the training's max_completion_length
     curve_samples: int = 2
-    batch_size: int = 64
+    batch_size: int = 64  # answers a generate call on HF; vLLM takes every request of an evaluation at once
 
 
 @dataclasses.dataclass
