@@ -293,9 +293,8 @@ class Evaluator:
 
     def on_engine(self, trainer, tokenizer, seed: int, samples: int) -> dict:
         """The evaluation through `trainer`'s colocated vLLM engine, its weights first synced from the trained
-        model as TRL syncs them before it generates (engine_with_trained_weights). Every process calls it (the sync
-        gathers sharded parameters; a TP group's ranks generate together) and evaluates every prompt with the same
-        request seeds: the same figures on each."""
+        model as TRL syncs them before it generates (engine_with_trained_weights), every prompt's answers seeded from
+        `seed` (sample_answers_vllm). On one process: run_study refuses several with vLLM."""
         from .evaluation import _eos_ids, sample_answers_vllm
 
         start = time.perf_counter()
@@ -532,7 +531,7 @@ def _evaluate_start_on_engine(config: StudyConfig, arm: Arm, seed: int, start_di
                                     num_processes)
         figures = evaluate.on_engine(trainer, tokenizer, seed, config.eval.samples)
     del trainer
-    gc.collect()  # the engine goes with its trainer (vLLM shuts an in-process engine down when it is collected)
+    gc.collect()  # its engine goes when nothing holds it (not shut down here: vLLM's shutdown ends the process group)
     return figures
 
 
@@ -609,7 +608,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
             start_dir = _start_model(config, seed, seed_dir, state)
             start_seconds = time.perf_counter() - start_build
             rows = None
-            if not start_done and on_vllm:  # on the engine of a trainer that never trains: every process takes part
+            if not start_done and on_vllm:  # on the engine of a trainer that never trains
                 rows = first_rows if seed == seeds[0] else training_rows(config, seed)
                 progress.start(f"seed {seed}: the starting model", progress.bar.n)
                 eval_start = evaluate.seconds

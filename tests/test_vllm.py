@@ -809,7 +809,7 @@ def _vllm_study_config(folder, model_dir, **changes):
 
 
 def test_study_evaluates_on_the_vllm_engine_with_the_trained_weights(model_dir, tmp_path):
-    """A 2-arm study with use_vllm (colocate): the held-out answers come from the trainer's engine holding the
+    """A 2-arm x 2-seed study with use_vllm (colocate): the held-out answers come from the trainer's engine holding the
     trained weights. A saved final model evaluated again on a fresh trainer's engine (another arm's, synced at step 0
     from that model) gives the very answers its run recorded; they differ from the starting model's (same seeds,
     other weights: an engine left holding the starting weights would repeat them); the last curve point and the
@@ -821,9 +821,10 @@ def test_study_evaluates_on_the_vllm_engine_with_the_trained_weights(model_dir, 
     from gfpo_study import study
     from safetensors.torch import load_file
 
-    config = study.study_config(_vllm_study_config(tmp_path, model_dir), str(tmp_path))
+    config = study.study_config(_vllm_study_config(tmp_path, model_dir, seeds=[0, 1]), str(tmp_path))
     result = study.run_study(config)
-    assert sorted(result["ran"]) == [(0, "grpo"), (0, "shortest-4of8")] and not result["missing"]
+    assert sorted(result["ran"]) == [(s, a) for s in (0, 1) for a in ("grpo", "shortest-4of8")]
+    assert not result["missing"] and result["study"] is not None
     seed_dir = tmp_path / "out" / "seed-0"
     start = json.loads((seed_dir / study.START_FILE).read_text())["figures"]
     runs = {name: json.loads((seed_dir / f"{name}.json").read_text())["run"] for name in config.arms}
@@ -863,6 +864,39 @@ def test_study_evaluates_on_the_vllm_engine_with_the_trained_weights(model_dir, 
                        r"evaluating the saved models again with generate would give other answers, not theirs$"):
         study.reevaluate_final_models(str(tmp_path / "out"))
 
+
+
+
+def test_study_vllm_evaluation_leaves_the_engine_and_generators_as_they_were(model_dir, monkeypatch):
+    """sample_answers_vllm on a bare engine: the same call twice gives the same answers (one seeded request each),
+    the CPU generator is left as it was, and an engine failing mid-call leaves no request of the evaluation behind
+    (it is aborted): the next call gives the same answers again."""
+    from gfpo_study.evaluation import sample_answers_vllm
+
+    engine = vllm.LLM(model_dir, gpu_memory_utilization=0.1, max_model_len=128, seed=0)
+    tokenizer = make_tokenizer()
+    options = dict(samples=3, temperature=1.0, max_tokens=12, seed=5, eos_token_ids=[tokenizer.eos_token_id],
+                   device=torch.device("cpu"))
+    state = torch.random.get_rng_state()
+    first = sample_answers_vllm(engine, tokenizer, list(PROMPTS), **options)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert len(first[0]) == len(first[1]) == 6 and len(set(first[0])) > 1
+    assert sample_answers_vllm(engine, tokenizer, list(PROMPTS), **options) == first
+    step, calls = engine.llm_engine.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the engine failed")
+        return step()
+
+    monkeypatch.setattr(engine.llm_engine, "step", failing)
+    with pytest.raises(RuntimeError, match="^the engine failed$"):
+        sample_answers_vllm(engine, tokenizer, list(PROMPTS), **options)
+    monkeypatch.undo()
+    assert len(calls) == 2 and not engine.llm_engine.has_unfinished_requests()
+    assert not engine.llm_engine.output_processor.request_states
+    assert sample_answers_vllm(engine, tokenizer, list(PROMPTS), **options) == first
 
 
 def test_study_on_vllm_with_two_processes_is_refused_before_anything_runs(model_dir, tmp_path):
