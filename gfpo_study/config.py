@@ -129,7 +129,7 @@ class EvalSpec:
     temperature: float = 0.8
     max_tokens: int | None = None  # None: the training's max_completion_length
     curve_samples: int = 2
-    batch_size: int = 64
+    batch_size: int = 64  # answers a generate call on HF; vLLM takes every request of an evaluation at once
 
 
 @dataclasses.dataclass
@@ -214,6 +214,10 @@ def parse_arms(items, default_generations: int) -> dict:
                                   "another name")
             overrides = {k: v for k, v in item.items() if k not in ARM_KEYS}
             bad = sorted(k for k in overrides if k not in fields or k in OWNED_ARGS)
+            path = sorted(k for k in overrides if k == "use_vllm" or k.startswith("vllm_"))
+            if path:
+                raise ConfigError(f"arms: arm {name!r} sets {path[0]!r}: every arm generates on the same path (the "
+                                  "same sampling for the same weights); set it under args")
             if bad:
                 owned = [k for k in bad if k in OWNED_ARGS]
                 if owned:
@@ -334,9 +338,15 @@ def parse_study_config(config: dict, base_dir: str) -> StudyConfig:
     if owned:
         raise ConfigError(f"args.{owned[0]}: the study sets it for every run; set {OWNED_ARGS[owned[0]]}")
     if args.get("use_vllm"):
-        raise ConfigError("args.use_vllm=true: the study evaluates held-out answers with the model's own generate "
-                          "(HF), and training would sample through vLLM: two generation paths in one study. Evaluation "
-                          "through vLLM is not built; set use_vllm: false (docs/study.md)")
+        mode = args.get("vllm_mode", "colocate")  # GFPOConfig's default, as TRL's
+        if mode != "colocate":
+            raise ConfigError(f"args.use_vllm=true with vllm_mode={mode!r}: the study evaluates held-out answers "
+                              "through the trainer's own vLLM engine, which only colocate mode holds; set vllm_mode: "
+                              "colocate, or use_vllm: false (docs/study.md)")
+        if args.get("vllm_enable_sleep_mode"):
+            raise ConfigError("args.vllm_enable_sleep_mode=true: the study's held-out evaluation generates on the "
+                              "trainer's engine between training steps, which it does not put to sleep and wake; set "
+                              "vllm_enable_sleep_mode: false (docs/study.md)")
     # `train`'s own checks (keys, model folder, args names, types and choices, filter, prompt key, data file), on the
     # training part; a model or data set given by a function is checked as a function instead
     train_part = {k: config[k] for k in train_keys if k in config}

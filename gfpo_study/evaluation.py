@@ -2,6 +2,8 @@
 
 Every answer is sampled from a seeded generator (the same prompts, order, batches and seed for every arm of a seed),
 and every random generator is left as it was, so evaluating during training changes none of the training's draws.
+Two generation paths, the one training uses: the model's own generate (sample_answers), or the trainer's colocated
+vLLM engine (sample_answers_vllm: one request per answer, each with its own seed).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["is_conversational", "sample_answers", "score_answers"]
+__all__ = ["is_conversational", "sample_answers", "sample_answers_vllm", "score_answers"]
 
 
 def is_conversational(prompt) -> bool:
@@ -68,6 +70,57 @@ def sample_answers(model, tokenizer, prompts, *, samples: int, temperature: floa
                     progress(len(chunk))
     finally:
         tokenizer.padding_side = side
+    return answers, lengths
+
+
+def sample_answers_vllm(llm, tokenizer, prompts, *, samples: int, temperature: float, max_tokens: int, seed: int,
+                        eos_token_ids: list, device: torch.device) -> tuple[list[str], list[int]]:
+    """`samples` answers to each prompt (text or chat messages) from the vLLM engine `llm` (a `vllm.LLM`, the weights
+    it holds as they are), at `temperature`, top-k and top-p off, as sample_answers samples. Answer j of prompt i is
+    one request with its own seed, row i * samples + j of `request_seeds(seed, ...)`: the same seeds on every process
+    and for every arm of a seed, and (vLLM drawing a seeded request's noise from its own generator) the same answers
+    for the same weights. The CPU generator and `device`'s are restored after (the engine draws unseeded requests'
+    noise from them); every request is finished or aborted when this returns, so the engine holds none of them when
+    training generates again.
+
+    Returns:
+        (texts without special tokens, lengths in tokens: up to and including the first of `eos_token_ids`, or every
+        generated token where none came), as sample_answers.
+    Raises:
+        RuntimeError: the engine holds unfinished requests before the call (another generation under way).
+    """
+    from vllm import SamplingParams
+
+    from gfpo_trainer.generation_paths import own_random_stream
+    from gfpo_trainer.vllm_stop import request_seeds
+
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the vLLM engine holds unfinished requests: the held-out evaluation runs only between "
+                           "generation calls")
+    eos = list(eos_token_ids)
+    ids = [tokenizer(_prompt_text(tokenizer, p), add_special_tokens=False).input_ids for p in prompts]
+    requests = [{"prompt_token_ids": list(i)} for i in ids for _ in range(samples)]
+    seeds = request_seeds(seed, 0, len(requests), len(requests))
+    params = [SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, seed=int(s), stop_token_ids=eos,
+                             detokenize=False) for s in seeds]
+    try:
+        with own_random_stream(seed, device):
+            outputs = llm.generate(requests, sampling_params=params, use_tqdm=False)
+    except BaseException:
+        left = list(engine.output_processor.request_states)
+        if left:
+            engine.abort_request(left, internal=True)
+        raise
+    if len(outputs) != len(requests):
+        raise RuntimeError(f"LLM.generate returned {len(outputs)} outputs for {len(requests)} requests")
+    answers, lengths = [], []
+    for output in outputs:
+        tokens = list(output.outputs[0].token_ids)
+        end = next((i for i, t in enumerate(tokens) if t in eos), None)
+        tokens = tokens[: end + 1] if end is not None else tokens
+        answers.append(tokenizer.decode(tokens, skip_special_tokens=True))
+        lengths.append(len(tokens))
     return answers, lengths
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import platform
 import random
 import shutil
 import subprocess
+import tempfile
 import time
 import warnings
 
@@ -280,12 +282,32 @@ class Evaluator:
         self.seconds = 0.0
 
     def __call__(self, model, tokenizer, seed: int, samples: int) -> dict:
-        from .evaluation import figures, sample_answers, score_answers
+        """The evaluation with `model`'s own generate (HF)."""
+        from .evaluation import sample_answers
 
         start = time.perf_counter()
         answers, lengths = sample_answers(model, tokenizer, [r["prompt"] for r in self.rows], samples=samples,
                                           temperature=self.config.eval.temperature, max_tokens=self.max_tokens,
                                           seed=seed, batch_size=self.config.eval.batch_size)
+        return self._figures(answers, lengths, samples, start)
+
+    def on_engine(self, trainer, tokenizer, seed: int, samples: int) -> dict:
+        """The evaluation through `trainer`'s colocated vLLM engine, its weights first synced from the trained
+        model as TRL syncs them before it generates (engine_with_trained_weights), every prompt's answers seeded from
+        `seed` (sample_answers_vllm). On one process: run_study refuses several with vLLM."""
+        from .evaluation import _eos_ids, sample_answers_vllm
+
+        start = time.perf_counter()
+        llm = engine_with_trained_weights(trainer)
+        answers, lengths = sample_answers_vllm(
+            llm, tokenizer, [r["prompt"] for r in self.rows], samples=samples,
+            temperature=self.config.eval.temperature, max_tokens=self.max_tokens, seed=seed,
+            eos_token_ids=_eos_ids(trainer.model, tokenizer), device=trainer.accelerator.device)
+        return self._figures(answers, lengths, samples, start)
+
+    def _figures(self, answers: list, lengths: list, samples: int, start: float) -> dict:
+        from .evaluation import figures, score_answers
+
         correct = score_answers(self.correct, self.rows, answers, samples, self.config.eval.threshold)
         result = figures(correct, lengths)
         if self.details is not None:
@@ -293,6 +315,23 @@ class Evaluator:
             result = {**result, **self.details(prompts, answers, lengths, correct)}
         self.seconds += time.perf_counter() - start
         return result
+
+
+def engine_with_trained_weights(trainer):
+    """`trainer`'s colocated `vllm.LLM`, holding the trained model's weights: where the engine has not been loaded at
+    this step, TRL's own sync (`vllm_generation.sync_weights`, which also resets the prefix cache), marked done for
+    the step as TRL marks it, so training's next generation at this step finds it done (the same weights) and loads
+    none again."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None or not hasattr(trainer, "_last_loaded_step") or getattr(generation, "llm", None) is None:
+        from gfpo_trainer._compat import TRLSurfaceError
+
+        raise TRLSurfaceError("this TRL's colocated vLLM generation has no vllm_generation.llm, sync_weights and "
+                              "_last_loaded_step (TRL 1.16's): the study cannot evaluate on its engine")
+    if trainer.state.global_step != trainer._last_loaded_step:
+        generation.sync_weights()
+        trainer._last_loaded_step = trainer.state.global_step
+    return generation.llm
 
 
 def _load_for_eval(model_dir: str, args):
@@ -371,8 +410,11 @@ def _callback(config: StudyConfig, seed: int, evaluate, tokenizer, progress):
                 from trl.models.utils import unwrap_model_for_generation
 
                 trainer = self.trainer
-                with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
-                    figures = evaluate(unwrapped, tokenizer, seed, config.eval.curve_samples)
+                if trainer.use_vllm:
+                    figures = evaluate.on_engine(trainer, tokenizer, seed, config.eval.curve_samples)
+                else:
+                    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
+                        figures = evaluate(unwrapped, tokenizer, seed, config.eval.curve_samples)
                 model.train()
                 self.curve.append((step, figures["accuracy"], figures["mean_length"]))
                 self.curve_figures.append({"step": step, **figures})
@@ -457,8 +499,11 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
     curve_seconds = evaluate.seconds - eval_before
     from trl.models.utils import unwrap_model_for_generation
 
-    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
-        final = evaluate(unwrapped, tokenizer, seed, config.eval.samples)
+    if trainer.use_vllm:
+        final = evaluate.on_engine(trainer, tokenizer, seed, config.eval.samples)
+    else:
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
+            final = evaluate(unwrapped, tokenizer, seed, config.eval.samples)
     rows_per_step = config.prompts_per_step * args.num_generations
     signal = [_step_signal(h) for h in history]
     return {"final": final, "curve": callback.curve, "curve_figures": callback.curve_figures,
@@ -472,6 +517,22 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
             # curve's and the final evaluations, saving the model
             "seconds": {"setup": setup, "train": train_seconds - curve_seconds, "curve_eval": curve_seconds,
                         "final_eval": evaluate.seconds - eval_before - curve_seconds, "save": save}}
+
+
+def _evaluate_start_on_engine(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list, evaluate,
+                              seed_dir: str, verbose: bool, num_processes: int) -> dict:
+    """The starting model's held-out figures on vLLM: `arm`'s trainer is built on it (its engine, as every run's),
+    its weights synced at step 0 and evaluated; it trains nothing and writes nothing."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(start_dir)
+    with tempfile.TemporaryDirectory(dir=seed_dir) as scratch:
+        trainer = build_run_trainer(config, arm, seed, start_dir, rows, scratch, tokenizer, (), verbose,
+                                    num_processes)
+        figures = evaluate.on_engine(trainer, tokenizer, seed, config.eval.samples)
+    del trainer
+    gc.collect()  # its engine goes when nothing holds it (not shut down here: vLLM's shutdown ends the process group)
+    return figures
 
 
 # ------------------------------------------------------------------ the study
@@ -502,6 +563,13 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                           f"; its arms: {', '.join(config.arms)}")
     state = PartialState()
     main = state.is_main_process
+    on_vllm = bool(arms) and bool(arm_args(config, config.arms[arms[0]], 0, config.output_dir).use_vllm)
+    if on_vllm and state.num_processes > 1:
+        raise ConfigError(f"args.use_vllm=true with {state.num_processes} processes: each run's trainer builds its "
+                          "own colocated vLLM engine, and vLLM ends the processes' torch process group when an "
+                          "engine is released, so they could not synchronise after the first engine; run each "
+                          "piece on one process (--seeds/--arms pieces on several GPUs, then merge), or use_vllm: "
+                          "false (docs/study.md)")
     claim_output_dir(config.output_dir, config.identity, main, config.base_dir)
     state.wait_for_everyone()
     held_out = eval_rows(config)
@@ -539,7 +607,18 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
             start_build = time.perf_counter()
             start_dir = _start_model(config, seed, seed_dir, state)
             start_seconds = time.perf_counter() - start_build
-            if not start_done:
+            rows = None
+            if not start_done and on_vllm:  # on the engine of a trainer that never trains
+                rows = first_rows if seed == seeds[0] else training_rows(config, seed)
+                progress.start(f"seed {seed}: the starting model", progress.bar.n)
+                eval_start = evaluate.seconds
+                figures = _evaluate_start_on_engine(config, config.arms[arms[0]], seed, start_dir, rows, evaluate,
+                                                    seed_dir, verbose, state.num_processes)
+                if main:
+                    write_json(start_path, {"seed": seed, "model": start_dir, "figures": figures,
+                                            "seconds": {"build": start_seconds, "eval": evaluate.seconds - eval_start}})
+                state.wait_for_everyone()
+            elif not start_done:
                 if main:  # no collective here: the main process alone evaluates the starting model
                     progress.start(f"seed {seed}: the starting model", progress.bar.n)
                     from transformers import AutoTokenizer
@@ -552,7 +631,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                     write_json(start_path, {"seed": seed, "model": start_dir, "figures": figures,
                                             "seconds": {"build": start_seconds, "eval": evaluate.seconds - eval_start}})
                 state.wait_for_everyone()
-            rows = first_rows if seed == seeds[0] else training_rows(config, seed)
+            if rows is None:
+                rows = first_rows if seed == seeds[0] else training_rows(config, seed)
             for name in pending:
                 progress.start(f"seed {seed}, {name}", progress.bar.n)
                 load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -715,10 +795,14 @@ def reevaluate_final_models(output_dir: str) -> list[dict]:
         one {"seed", "warm-up": figures, "arms": {name: {"final": figures}}} per seed.
     Raises:
         ValueError: where a model's accuracy or length differs from what the run recorded (not the same answers).
+        ConfigError: a study that generated on vLLM (its answers came from the trainer's engine, not from generate).
     """
     from transformers import AutoTokenizer
 
     config = config_of_output_dir(output_dir)
+    if arm_args(config, next(iter(config.arms.values())), 0, output_dir).use_vllm:
+        raise ConfigError(f"{output_dir}: its runs were evaluated on the trainer's vLLM engine (use_vllm); evaluating "
+                          "the saved models again with generate would give other answers, not theirs")
     evaluate = Evaluator(config, eval_rows(config), config.eval.max_tokens or arm_args(
         config, next(iter(config.arms.values())), 0, output_dir).max_completion_length)
     results = []

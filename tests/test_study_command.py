@@ -213,8 +213,14 @@ def parse(folder: Path, **changes):
     (dict(args__max_steps=10), r"^args.max_steps: the study sets it for every run; set steps$"),
     (dict(args__per_device_train_batch_size=8), r"^args.per_device_train_batch_size: the study sets it for every run; "
      r"set prompts_per_step"),
-    (dict(args__use_vllm=True), r"^args.use_vllm=true: the study evaluates held-out answers with the model's own "
-     r"generate \(HF\)"),
+    (dict(args__use_vllm=True, args__vllm_mode="server"), r"^args.use_vllm=true with vllm_mode='server': the study "
+     r"evaluates held-out answers through the trainer's own vLLM engine, which only colocate mode holds; set "
+     r"vllm_mode: colocate, or use_vllm: false \(docs/study.md\)$"),
+    (dict(args__use_vllm=True, args__vllm_enable_sleep_mode=True), r"^args.vllm_enable_sleep_mode=true: the study's "
+     r"held-out evaluation generates on the trainer's engine between training steps"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 4, "use_vllm": True}]), r"^arms: arm 'mine' sets "
+     r"'use_vllm': every arm generates on the same path \(the same sampling for the same weights\); set it under "
+     r"args$"),
     (dict(args__learning_rat=1e-3), r"^unknown GFPOConfig fields \['learning_rat'\] under 'args' \(did you mean "
      r"'learning_rate'\?\)"),
     (dict(seeds=5), r"^seeds='5': a bare number is ambiguous"),
@@ -243,6 +249,14 @@ def test_a_good_config_parses(user_folder):
     lines = (user_folder / "data/train.jsonl").read_text().splitlines()
     trained = {json.dumps(json.loads(line), sort_keys=True) for line in lines}
     assert {json.dumps(r, sort_keys=True) for r in rows} <= trained
+
+
+def test_use_vllm_colocate_parses(user_folder):
+    """use_vllm in colocate mode (GFPOConfig's default mode) is a study config: training and the held-out evaluation
+    then generate on the trainer's engine (tests/test_vllm.py runs one)."""
+    for mode in ({}, {"args__vllm_mode": "colocate"}):
+        config = parse(user_folder, args__use_vllm=True, **mode)
+        assert study.arm_args(config, config.arms["grpo"], 0, str(user_folder / "x")).use_vllm is True
 
 
 def test_eval_function_results_are_checked():

