@@ -227,10 +227,17 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
         if not os.path.exists(local):
             raise ConfigError(f"dataset file {name!r} does not exist (looked for {local})")
         name = local
+        # a local file is read in a moment: its "Generating train split" bar would only stand on stderr before
+        # the one error line a data set without a prompt column gives
+        bars_were_on = not datasets.utils.are_progress_bars_disabled()
+        datasets.utils.disable_progress_bars()
         try:  # one file loads as the one split "train"; the split still selects from it ("train[:100]")
             dataset = datasets.load_dataset(_LOCAL_DATA[extension], data_files=name, split=split)
         except ValueError as error:  # e.g. 'Unknown split "test". Should be one of ['train'].'
             raise ConfigError(f"cannot load dataset file {name!r} with dataset_split={split!r}: {error}") from None
+        finally:
+            if bars_were_on:
+                datasets.utils.enable_progress_bars()
     else:
         name = local if os.path.isdir(local) else name
         try:
@@ -261,12 +268,14 @@ def _check_dataset_config(dataset: str, config_name) -> None:
                           f"{dataset!r} has none: remove dataset_config")
 
 
-def check_config(config: dict, base_dir: str | None = None) -> dict:
+def check_config(config: dict, base_dir: str | None = None, flags: dict | None = None) -> dict:
     """Everything about a training config that can be checked without TRL, transformers or torch (which take
     seconds to import): the keys, the model directory, the `args` field names, their values' types and choices (by
     config_fields.field_specs), the group_filter name, the prompt key, the reward function names' form and a local
     data file's existence. Returns {"model": the resolved model, "args": the args converted to the field types,
-    "reward_specs": the reward functions' names}; ConfigError naming what is wrong."""
+    "reward_specs": the reward functions' names}; ConfigError naming what is wrong. `flags`: {"args.name": "--flag"}
+    for the fields set on the command line (override_flags), which an unknown-field error names as the user typed
+    them."""
     from . import config_fields
     from .filters import group_filter_spec
 
@@ -285,7 +294,9 @@ def check_config(config: dict, base_dir: str | None = None) -> dict:
     specs = config_fields.field_specs()
     bad = sorted((name for name in args if name not in specs), key=str)
     if bad:
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(specs))}")
+        typed = [flags[f"args.{name}"] for name in bad if f"args.{name}" in (flags or {})]
+        where = f", given on the command line as {', '.join(typed)}" if typed else ""
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(specs))}{where}")
     args = _convert_args(args, specs)
     try:
         group_filter_spec(args.get("group_filter"))
@@ -487,6 +498,22 @@ def apply_overrides(config: dict, overrides: list[str], top_level_keys: tuple[st
     return config
 
 
+def override_flags(overrides: list[str], top_level_keys: tuple[str, ...], section: str = "args") -> dict:
+    """{dotted path: the flag as typed} for the overrides apply_overrides applies (`--max-step 3` gives
+    {"args.max_step": "--max-step"}), so that an error about a field can name the flag that set it."""
+    flags, words = {}, list(overrides)
+    while words:
+        flag = words.pop(0)
+        name, equals, _ = flag.partition("=")
+        if not name.startswith("--"):
+            continue
+        if not equals and words and not words[0].startswith("--"):
+            words.pop(0)  # the flag's value
+        path = name[2:].replace("-", "_")
+        flags[path if "." in path or path in top_level_keys else f"{section}.{path}"] = name
+    return flags
+
+
 def _merged(old, new):
     """`new` over `old`: two mappings key by key (what `new` leaves out is kept), anything else replaced by `new`."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -628,7 +655,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
             config = apply_overrides(config, overrides, _TOP_LEVEL_KEYS)
             base_dir = os.path.dirname(os.path.abspath(options.config))
-            check_config(config, base_dir)
+            check_config(config, base_dir, flags=override_flags(overrides, _TOP_LEVEL_KEYS))
             try:
                 from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)
             except ModuleNotFoundError as error:  # a dependency of theirs

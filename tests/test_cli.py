@@ -136,7 +136,17 @@ def test_train_command_takes_field_overrides(model_dir, dataset_file, tmp_path, 
     capsys.readouterr()
     assert main(["train", "--config", str(config_file), "--max_stepz", "3"]) == 2
     assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['max_stepz'] under 'args' (did you mean "
+                                       "'max_steps'?), given on the command line as --max_stepz\n")
+    # the flag as typed, in any form; a misspelt name in the file is not said to come from the command line
+    assert main(["train", "--config", str(config_file), "--max-step=3", "--args.bogus", "1"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['bogus', 'max_step'] under 'args' (did you "
+                                       "mean 'max_steps' for 'max_step'?), given on the command line as --args.bogus, "
+                                       "--max-step\n")
+    config_file.write_text(yaml.safe_dump({**config, "args": {**config["args"], "max_stepz": 3}}))
+    assert main(["train", "--config", str(config_file), "--max_steps", "2"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['max_stepz'] under 'args' (did you mean "
                                        "'max_steps'?)\n")
+    config_file.write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(config_file), "--max_steps"]) == 2
     assert capsys.readouterr().err.startswith("error: --max_steps: no value given; ")
     with pytest.raises(SystemExit):  # the other commands take no overrides
@@ -565,6 +575,13 @@ def test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn(model_dir, 
          f"'tiny-model'?) (relative paths are read from the config file's folder {tmp_path}; a Hub model is named "
          "namespace/name)"),
     ]
+    # a local file's "Generating train split" bar (an uncached file: a cache of the test's own) stays off stderr
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets-cache")
+    question_file = tmp_path / "gsm.jsonl"
+    question_file.write_text(json.dumps({"question": "1+1=", "answer": "#### 2"}) + "\n")
+    cases.append((dict(dataset=str(question_file)), f"error: dataset '{question_file}' has no 'prompt' column "
+                  "(columns: ['question', 'answer']); to build chat prompts from its 'question' column, add to the "
+                  "config: prompt: {user: \"{question}\"} (and optionally system: \"...\"; docs/cli.md)"))
     shutil.copytree(model_dir, tmp_path / "tiny-model")
     for change, line in cases:
         config_file = tmp_path / "config.yaml"
@@ -593,7 +610,8 @@ def test_warnings_of_a_good_config_are_still_shown(monkeypatch, tmp_path):
         return trainer
 
     monkeypatch.setattr(cli, "build_trainer", build)
-    monkeypatch.setattr(cli, "check_config", lambda config, base_dir=None: None)  # the stand-in's config is no real one
+    # the stand-in's config is no real one
+    monkeypatch.setattr(cli, "check_config", lambda config, base_dir=None, flags=None: None)
     config_file = tmp_path / "config.yaml"
     config_file.write_text("model: x\n")
     with pytest.warns(FutureWarning, match="`old_option` is deprecated"):  # shown: to stderr outside pytest
