@@ -191,13 +191,13 @@ def parse_arms(items, default_generations: int) -> dict:
     """The config's `arms` -> {name: Arm}. A string is a built-in arm (ARMS); a mapping is a user arm: `name`, an
     optional `reward` (correct, signed) and `paper` key, and GFPOConfig fields. Unknown names and fields, reused
     names and two arms of the same config are ConfigErrors."""
-    from gfpo_trainer.config import GFPOConfig
+    from gfpo_trainer import config_fields
 
     if isinstance(items, str):
         items = [a.strip() for a in items.split(",") if a.strip()]
     if not isinstance(items, list) or not items:
         raise ConfigError(f"arms: give a list of arm names ({', '.join(ARMS)}) or mappings, got {items!r}")
-    fields = {f.name: f for f in dataclasses.fields(GFPOConfig) if f.init}
+    fields = config_fields.field_specs()  # GFPOConfig's fields without importing TRL: a mistake is told at once
     arms = {}
     for item in items:
         if isinstance(item, str):
@@ -238,13 +238,16 @@ def parse_arms(items, default_generations: int) -> dict:
         if arm.name in arms:
             raise ConfigError(f"arms: {arm.name!r} is listed twice")
         arms[arm.name] = arm
-    _refuse_identical_arms(arms, fields)
+    _refuse_identical_arms(arms)
     return arms
 
 
-def _refuse_identical_arms(arms: dict, fields: dict) -> None:
+def _refuse_identical_arms(arms: dict) -> None:
     """Two arms that train the same config (each field any arm sets, the default where an arm leaves it) would be
     one arm counted twice."""
+    from gfpo_trainer.config import GFPOConfig  # the defaults (TRL's): only here, after the fast checks
+
+    fields = {f.name: f for f in dataclasses.fields(GFPOConfig) if f.init}
     keys = sorted({k for arm in arms.values() for k in arm.config_fields()})
 
     def default(name):

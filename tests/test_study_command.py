@@ -352,14 +352,35 @@ def test_help_imports_no_training_stack(argv):
     assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.parametrize("change, line", [
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remain_in_group": 4}]),
+     "error: arms: arm 'mine' has unknown GFPOConfig fields ['num_remain_in_group'] (did you mean "
+     "'num_remains_in_group'?)"),
+    (dict(args={**CONFIG["args"], "max_step": 3}),
+     "error: unknown GFPOConfig fields ['max_step'] under 'args' (did you mean 'max_steps'?)"),
+])
+def test_a_config_mistake_is_told_before_the_training_stack_is_imported(user_folder, change, line):
+    """`run` checks the config (names, types, arms' fields) before importing torch and TRL, as `train` does: the
+    mistake is one line at once, not after seconds of imports."""
+    (user_folder / "mistake.yaml").write_text(yaml.safe_dump({**CONFIG, **change}, sort_keys=False))
+    probe = ("import sys, runpy; sys.argv = ['gfpo_study'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('gfpo_study', run_name='__main__')\nexcept SystemExit as exit:\n"
+             "    print(exit.code)\n"
+             "print(sorted(m for m in ('trl', 'transformers', 'datasets', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, "run", "--config", "mistake.yaml"], capture_output=True,
+                          text=True, timeout=120, cwd=user_folder, env=subprocess_env())
+    assert (done.stderr, done.stdout.splitlines()) == (line + "\n", ["2", "[]"])
+
+
 def test_without_the_trainer_extra_the_command_says_what_to_install():
     probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
-    done = subprocess.run([sys.executable, "-c", probe, "demo", "--smoke"], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=subprocess_env())
-    assert done.returncode == 2
-    assert done.stderr.splitlines() == [
-        "error: 'trl' is not installed: the study needs gfpo's trainer dependencies; from the checkout, pip install "
-        '--no-build-isolation ".[trainer]" (docs/install.md)']
+    for command in (["demo", "--smoke"], ["run", "--config", "study.yaml"]):
+        done = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True,
+                              timeout=120, cwd=REPO, env=subprocess_env())
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [
+            "error: 'trl' is not installed: the study needs gfpo's trainer dependencies; from the checkout, pip "
+            'install --no-build-isolation ".[trainer]" (docs/install.md)']
 
 
 def test_overrides_need_the_cli_helper_or_apply(user_folder, capsys):
