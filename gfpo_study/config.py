@@ -314,9 +314,10 @@ def parse_eval(spec, base_dir: str) -> EvalSpec:
     return out
 
 
-def parse_study_config(config: dict, base_dir: str) -> StudyConfig:
+def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -> StudyConfig:
     """A StudyConfig from a parsed YAML mapping; relative paths read from `base_dir`. Checks everything that can be
-    checked without loading a model: keys, arms, seeds, sizes, the functions named, GFPOConfig fields."""
+    checked without loading a model: keys, arms, seeds, sizes, the functions named, GFPOConfig fields. `flags`: the
+    command-line overrides' flags by dotted path (gfpo_trainer.cli.override_flags), which an error names."""
     import os
 
     if not isinstance(config, dict):
@@ -351,7 +352,7 @@ def parse_study_config(config: dict, base_dir: str) -> StudyConfig:
         train_part["dataset"] = "function/rows"  # no file to look for
     check = getattr(train_cli, "check_config", None)
     if check is not None:
-        converted = check(train_part, base_dir)["args"]
+        converted = check(train_part, base_dir, **({"flags": flags} if flags else {}))["args"]
     else:
         from gfpo_trainer.config import GFPOConfig
 
@@ -407,4 +408,5 @@ def load_study_config(path: str, overrides: list | None = None) -> StudyConfig:
             raise ConfigError("command-line overrides need gfpo_trainer.cli.apply_overrides, which this install lacks")
         keys = tuple(train_cli._TOP_LEVEL_KEYS) + ("prompt",) + STUDY_KEYS
         config = apply(config, list(overrides), tuple(dict.fromkeys(keys)))
-    return parse_study_config(config, os.path.dirname(os.path.abspath(path)))
+        flags = train_cli.override_flags(list(overrides), tuple(dict.fromkeys(keys)))
+    return parse_study_config(config, os.path.dirname(os.path.abspath(path)), flags=flags if overrides else None)

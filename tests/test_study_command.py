@@ -372,6 +372,15 @@ def test_a_config_mistake_is_told_before_the_training_stack_is_imported(user_fol
     assert (done.stderr, done.stdout.splitlines()) == (line + "\n", ["2", "[]"])
 
 
+def test_a_misspelt_field_on_the_command_line_is_named_as_typed(user_folder, capsys):
+    """`run --config study.yaml --max-step 3`: the error names the flag, as train's does (the file has no max_step)."""
+    from gfpo_study.cli import main
+
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--max-step", "3"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['max_step'] under 'args' (did you mean "
+                                       "'max_steps'?), given on the command line as --max-step\n")
+
+
 def test_without_the_trainer_extra_the_command_says_what_to_install():
     probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
     for command in (["demo", "--smoke"], ["run", "--config", "study.yaml"]):
