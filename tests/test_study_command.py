@@ -139,7 +139,27 @@ def test_a_users_study_runs_end_to_end(finished_study):
          for r in written["seed_results"]])
     report = (out / "study.md").read_text()
     assert "## Verdict" in report and "Only 2 seeds (fewer than 5): the t-intervals are wide" in report
+    assert "## Held-out figures at the end (2 samples a prompt)" in report  # the config's eval.samples, not 8
     assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_report_and_plot_say_the_configs_sample_counts(finished_study, tmp_path, monkeypatch):
+    """The headings and plot titles give eval.samples and eval.curve_samples as the study's config sets them."""
+    import matplotlib.figure
+
+    from gfpo_study.study_report import plot_study, study_report
+
+    folder, _ = finished_study
+    study = json.loads((folder / "out" / "study.json").read_text())
+    report = study_report(study["summary"], 2, None, {}, samples=3, curve_samples=1)
+    assert "## Held-out figures at the end (3 samples a prompt)" in report  # (3 steps: no curve checkpoints)
+    titles = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda figure, *args, **kwargs: titles.extend(ax.get_title() for ax in figure.axes))
+    plot_study(study["seed_results"], study["summary"], str(tmp_path / "study.png"), samples=3, curve_samples=1)
+    assert titles == ["held-out at the end (3 samples a prompt; 95% t-intervals)",
+                      "held-out length over training (1 sample a prompt)",
+                      "held-out accuracy over training (1 sample a prompt)"]
 
 
 def test_pieces_on_other_machines_merge_into_the_study(finished_study, tmp_path):
