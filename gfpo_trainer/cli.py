@@ -339,7 +339,11 @@ def build_trainer(config: dict, base_dir: str | None = None):
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
-        raise ConfigError(f"args: {_one_line(error)}") from None
+        hint = ""
+        if args.get("bf16") and "bf16" in str(error):  # transformers' words name neither the field nor its value
+            hint = (" (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or "
+                    "--bf16 false on the command line)")
+        raise ConfigError(f"args: {_one_line(error)}{hint}") from None
     dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
                                  prompt=config.get("prompt"), config_name=config.get("dataset_config"))
     try:

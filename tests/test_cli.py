@@ -631,6 +631,26 @@ def test_config_errors_are_one_line_and_exit_2(model_dir, dataset_file, tmp_path
     assert errors == [errors[0]] and "num_remains_in_group=1" in errors[0]
 
 
+def test_a_bf16_config_on_a_machine_without_bf16_says_which_field_to_change(model_dir, dataset_file, tmp_path,
+                                                                             capsys):
+    """A GPU recipe (examples/gsm8k/qwen2.5-0.5b.yaml: bf16: true) on a CPU: transformers' words name no field; the
+    line says the config's bf16: true and the flag that turns it off."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the error is raised where no GPU is")
+    config = _config(model_dir, dataset_file, tmp_path)
+    config["args"] = {**config["args"], "bf16": True, "use_cpu": False}
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(config_file)]) == 2
+    err = capsys.readouterr().err  # transformers' own words first ("Your setup doesn't support bf16/gpu. ...")
+    assert err.startswith("error: args: ") and err.count("\n") == 1 and err.endswith(
+        " (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or --bf16 false "
+        "on the command line)\n")
+    assert main(["train", "--config", str(config_file), "--bf16", "false", "--max_steps", "1"]) == 0
+
+
 @pytest.mark.parametrize("args", [["output_dir", "out"], "out"])
 def test_config_errors_in_args_are_one_line(tmp_path, args, capsys):
     """A wrong `args` is an `error:` line with exit status 2 like every other config mistake, not a traceback."""
