@@ -251,12 +251,30 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
     if prompt is not None:
         return build_prompts(dataset, check_prompt_key(prompt), name)
     if "prompt" not in dataset.column_names:
-        columns = dataset.column_names
-        source = next((c for c in _PROMPT_LIKE_COLUMNS if c in columns), columns[0] if columns else "question")
-        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {columns}); to build chat prompts from "
-                          f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
-                          "optionally system: \"...\"; docs/cli.md)")
+        raise _no_prompt_column(name, dataset.column_names)
     return dataset
+
+
+def _no_prompt_column(name: str, columns: list) -> ConfigError:
+    """The error of a data set without a "prompt" column and no `prompt:` key: its columns and the line to add."""
+    source = next((c for c in _PROMPT_LIKE_COLUMNS if c in columns), columns[0] if columns else "question")
+    return ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {columns}); to build chat prompts from "
+                       f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
+                       "optionally system: \"...\"; docs/cli.md)")
+
+
+def _first_jsonl_columns(path: str) -> list | None:
+    """The keys of a .jsonl file's first record, read without the datasets library; None where it is not one JSON
+    object per line (datasets then reads the file, and says what is wrong)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = next((line for line in f if line.strip()), "")
+        record = json.loads(line)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return list(record) if isinstance(record, dict) else None
 
 
 def _check_dataset_config(dataset: str, config_name) -> None:
@@ -317,6 +335,10 @@ def check_config(config: dict, base_dir: str | None = None, flags: dict | None =
     if os.path.splitext(dataset)[1].lower() in _LOCAL_DATA and not os.path.exists(local):
         raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local})")
     _check_dataset_config(dataset, config.get("dataset_config"))
+    if config.get("prompt") is None and os.path.splitext(dataset)[1].lower() == ".jsonl":
+        columns = _first_jsonl_columns(local)  # GSM8K's question/answer: told now, not after the imports
+        if columns is not None and "prompt" not in columns:
+            raise _no_prompt_column(local, columns)
     return {"model": model, "args": args, "reward_specs": reward_specs}
 
 

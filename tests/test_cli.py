@@ -576,9 +576,10 @@ def test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn(model_dir, 
          "namespace/name)"),
     ]
     # a local file's "Generating train split" bar (an uncached file: a cache of the test's own) stays off stderr
+    # (a .csv: a .jsonl's columns are read before datasets is imported)
     env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets-cache")
-    question_file = tmp_path / "gsm.jsonl"
-    question_file.write_text(json.dumps({"question": "1+1=", "answer": "#### 2"}) + "\n")
+    question_file = tmp_path / "gsm.csv"
+    question_file.write_text("question,answer\n1+1=,#### 2\n")
     cases.append((dict(dataset=str(question_file)), f"error: dataset '{question_file}' has no 'prompt' column "
                   "(columns: ['question', 'answer']); to build chat prompts from its 'question' column, add to the "
                   "config: prompt: {user: \"{question}\"} (and optionally system: \"...\"; docs/cli.md)"))
@@ -836,6 +837,25 @@ def test_help_imports_no_training_stack(argv):
     done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_jsonl_without_a_prompt_column_is_told_before_the_training_stack_is_imported(model_dir, tmp_path):
+    """GSM8K's question/answer .jsonl and no `prompt:` key: the same one line as after loading the data set
+    (test_missing_prompt_column), read from the file's first record before TRL, transformers, datasets and torch."""
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "answer": "#### 2"}) + "\n")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(_config(model_dir, str(path), tmp_path)))
+    probe = ("import sys, runpy; sys.argv = ['gfpo_trainer'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('gfpo_trainer', run_name='__main__')\nexcept SystemExit as exit:\n"
+             "    print(exit.code)\n"
+             "print(sorted(m for m in ('trl', 'transformers', 'datasets', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, "train", "--config", str(tmp_path / "config.yaml")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.stdout.splitlines() == ["2", "[]"]
+    assert done.stderr == (
+        f"error: dataset '{path}' has no 'prompt' column (columns: ['question', 'answer']); to build chat prompts from "
+        "its 'question' column, add to the config: prompt: {user: \"{question}\"} (and optionally system: \"...\"; "
+        "docs/cli.md)\n")
 
 
 @pytest.mark.parametrize("command, missing", [(["train", "--config", "run.yaml"], "trl")])
