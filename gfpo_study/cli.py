@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 
+from gfpo_trainer import cli as train_cli
 from gfpo_trainer.cli import _did_you_mean, _one_line, parse_seeds
 
 # gfpo_study.sums_task.TASKS, written out: --help imports no torch
@@ -33,12 +34,22 @@ def _selection(options):
     return seeds, arms
 
 
+def _not_installed(name: str) -> int:
+    """The one line for a package of the trainer extra that is not installed; the exit status 2."""
+    print(f"error: {name.partition('.')[0]!r} is not installed: the study needs gfpo's trainer dependencies; from the "
+          'checkout, pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
+    return 2
+
+
 def _run(options, overrides) -> int:
     from .config import ConfigError, load_study_config
-    from .study import run_study
 
     try:
         config = load_study_config(options.config, overrides)
+        try:  # torch, TRL: seconds to import, after the config's own checks
+            from .study import run_study
+        except ModuleNotFoundError as error:  # a dependency of theirs
+            return _not_installed(error.name or str(error))
         if options.output_dir is not None:
             config = dataclasses.replace(config, output_dir=os.path.abspath(options.output_dir))
         seeds, arms = _selection(options)
@@ -163,15 +174,17 @@ def main(argv=None) -> int:
     options, rest = parser.parse_known_args(argv)
     if rest and options.command != "run":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    try:  # the commands need the trainer extra (TRL, transformers, datasets)
-        from gfpo_trainer.trainer import GFPOTrainer  # noqa: F401
-    except ModuleNotFoundError as error:
-        missing = error.name.partition(".")[0] if error.name else str(error)
-        print(f"error: {missing!r} is not installed: the study needs gfpo's trainer dependencies; from the checkout, "
-              'pip install --no-build-isolation ".[trainer]" (docs/install.md)', file=sys.stderr)
-        return 2
+    # the commands need the trainer extra (TRL, transformers, datasets): a missing package is found by name (find_spec
+    # imports nothing), so that `run` checks its config before the seconds of importing them
+    missing = next((name for name in train_cli.TRAIN_MODULES if train_cli._not_installed(name)), None)
+    if missing is not None:
+        return _not_installed(missing)
     if options.command == "run":
         return _run(options, rest)
+    try:
+        from gfpo_trainer.trainer import GFPOTrainer  # noqa: F401
+    except ModuleNotFoundError as error:  # a dependency of theirs
+        return _not_installed(error.name or str(error))
     if options.command == "merge":
         return _merge(options)
     return _demo(options)

@@ -191,13 +191,13 @@ def parse_arms(items, default_generations: int) -> dict:
     """The config's `arms` -> {name: Arm}. A string is a built-in arm (ARMS); a mapping is a user arm: `name`, an
     optional `reward` (correct, signed) and `paper` key, and GFPOConfig fields. Unknown names and fields, reused
     names and two arms of the same config are ConfigErrors."""
-    from gfpo_trainer.config import GFPOConfig
+    from gfpo_trainer import config_fields
 
     if isinstance(items, str):
         items = [a.strip() for a in items.split(",") if a.strip()]
     if not isinstance(items, list) or not items:
         raise ConfigError(f"arms: give a list of arm names ({', '.join(ARMS)}) or mappings, got {items!r}")
-    fields = {f.name: f for f in dataclasses.fields(GFPOConfig) if f.init}
+    fields = config_fields.field_specs()  # GFPOConfig's fields without importing TRL: a mistake is told at once
     arms = {}
     for item in items:
         if isinstance(item, str):
@@ -242,13 +242,16 @@ def parse_arms(items, default_generations: int) -> dict:
         if arm.name in arms:
             raise ConfigError(f"arms: {arm.name!r} is listed twice")
         arms[arm.name] = arm
-    _refuse_identical_arms(arms, fields)
+    _refuse_identical_arms(arms)
     return arms
 
 
-def _refuse_identical_arms(arms: dict, fields: dict) -> None:
+def _refuse_identical_arms(arms: dict) -> None:
     """Two arms that train the same config (each field any arm sets, the default where an arm leaves it) would be
     one arm counted twice."""
+    from gfpo_trainer.config import GFPOConfig  # the defaults (TRL's): only here, after the fast checks
+
+    fields = {f.name: f for f in dataclasses.fields(GFPOConfig) if f.init}
     keys = sorted({k for arm in arms.values() for k in arm.config_fields()})
 
     def default(name):
@@ -315,9 +318,10 @@ def parse_eval(spec, base_dir: str) -> EvalSpec:
     return out
 
 
-def parse_study_config(config: dict, base_dir: str) -> StudyConfig:
+def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -> StudyConfig:
     """A StudyConfig from a parsed YAML mapping; relative paths read from `base_dir`. Checks everything that can be
-    checked without loading a model: keys, arms, seeds, sizes, the functions named, GFPOConfig fields."""
+    checked without loading a model: keys, arms, seeds, sizes, the functions named, GFPOConfig fields. `flags`: the
+    command-line overrides' flags by dotted path (gfpo_trainer.cli.override_flags), which an error names."""
     import os
 
     if not isinstance(config, dict):
@@ -358,7 +362,7 @@ def parse_study_config(config: dict, base_dir: str) -> StudyConfig:
         train_part["dataset"] = "function/rows"  # no file to look for
     check = getattr(train_cli, "check_config", None)
     if check is not None:
-        converted = check(train_part, base_dir)["args"]
+        converted = check(train_part, base_dir, **({"flags": flags} if flags else {}))["args"]
     else:
         from gfpo_trainer.config import GFPOConfig
 
@@ -414,4 +418,5 @@ def load_study_config(path: str, overrides: list | None = None) -> StudyConfig:
             raise ConfigError("command-line overrides need gfpo_trainer.cli.apply_overrides, which this install lacks")
         keys = tuple(train_cli._TOP_LEVEL_KEYS) + ("prompt",) + STUDY_KEYS
         config = apply(config, list(overrides), tuple(dict.fromkeys(keys)))
-    return parse_study_config(config, os.path.dirname(os.path.abspath(path)))
+        flags = train_cli.override_flags(list(overrides), tuple(dict.fromkeys(keys)))
+    return parse_study_config(config, os.path.dirname(os.path.abspath(path)), flags=flags if overrides else None)

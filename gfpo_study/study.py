@@ -940,13 +940,15 @@ def finish_study(study: dict, output_dir: str, arms: dict | None = None) -> dict
     summary = summarize(study["seed_results"], arms, kept_shares={
         name: definitions[name].kept_share() for name in arms if definitions[name].kept_share() is not None})
     study = {**study, "summary": summary}
-    report = study_report(summary, len(seeds), _paper_tables(), definitions)
+    evaluation = study.get("settings", {}).get("eval") or {}  # a study's own sample counts, for the headings
+    counts = {key: evaluation[key] for key in ("samples", "curve_samples") if evaluation.get(key) is not None}
+    report = study_report(summary, len(seeds), _paper_tables(), definitions, **counts)
     verdict = study_verdict(summary, len(seeds))
     paths = {name: os.path.join(output_dir, name) for name in ("study.json", "study.md", "study.png")}
     write_json(paths["study.json"], study)
     with open(paths["study.md"], "w") as f:
         f.write(report + "\n")
-    plot_study(study["seed_results"], summary, paths["study.png"])
+    plot_study(study["seed_results"], summary, paths["study.png"], **counts)
     print("\n" + report)
     models = "each piece's seed-*/" if "pieces" in study["environment"] else f"{output_dir}/seed-*/"
     print(f"\nwritten: {paths['study.md']} (the tables and the verdict), {paths['study.json']} (every run per seed, "

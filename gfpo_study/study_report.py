@@ -205,15 +205,22 @@ def _t_quantile(seeds: int) -> float:
     return float(student_t.ppf(0.975, seeds - 1)) if seeds > 1 else math.inf
 
 
-def study_report(summary: dict, seeds: int, paper_tables: dict | None, arms: dict) -> str:
-    """study.md: the tables and the verdict."""
-    parts = ["## Held-out figures at the end\n\n" + study_table(summary)]
+def _samples(n: int) -> str:
+    return f"{n} sample{'' if n == 1 else 's'} a prompt"
+
+
+def study_report(summary: dict, seeds: int, paper_tables: dict | None, arms: dict, samples: int = 8,
+                 curve_samples: int = 2) -> str:
+    """study.md: the tables and the verdict. `samples`, `curve_samples`: the config's eval.samples and
+    eval.curve_samples (answers a held-out prompt at the end and on the curves), which the headings say."""
+    parts = [f"## Held-out figures at the end ({_samples(samples)})\n\n" + study_table(summary)]
     if summary["warm-up"].get("by_terms"):
         parts.append("## Per number of terms\n\n" + by_terms_table(summary))
     if any(f.get("checkpoints") for f in summary["arms"].values()):
-        parts.append("## Over training (curves: 2 samples a prompt)\n\n" + checkpoint_table(summary))
+        parts.append(f"## Over training (curves: {_samples(curve_samples)})\n\n" + checkpoint_table(summary))
     if any("stepwise_fraction" in p for f in summary["arms"].values() for p in f.get("checkpoints", {}).values()):
-        parts.append("## The answers' form over training (curves: 2 samples a prompt)\n\n" + form_table(summary))
+        parts.append(f"## The answers' form over training (curves: {_samples(curve_samples)})\n\n"
+                     + form_table(summary))
     if any("signal" in f for f in summary["arms"].values()):
         parts.append("## Learning signal and form\n\n" + signal_table(summary))
     if paper_tables is not None and "grpo" in summary["arms"] and any(
@@ -225,9 +232,10 @@ def study_report(summary: dict, seeds: int, paper_tables: dict | None, arms: dic
     return "\n\n".join(parts)
 
 
-def plot_study(seed_results: list[dict], summary: dict, path: str) -> None:
+def plot_study(seed_results: list[dict], summary: dict, path: str, samples: int = 8, curve_samples: int = 2) -> None:
     """Left: held-out length against accuracy per arm at the end (means, 95% t-intervals over seeds); middle and right:
-    held-out length and accuracy over training (means over seeds; the curves sample 2 answers a prompt, the end 8)."""
+    held-out length and accuracy over training (means over seeds; the curves sample `curve_samples` answers a prompt,
+    the end `samples`: the config's eval.curve_samples and eval.samples)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,10 +260,11 @@ def plot_study(seed_results: list[dict], summary: dict, path: str) -> None:
         for ax, column, start in ((ax_length, 2, warm_length), (ax_accuracy, 1, warm_accuracy)):
             mean = [start] + [sum(c[i][column] for c in curves) / len(curves) for i in range(len(curves[0]))]
             ax.plot(steps, mean, color=bar[0].get_color(), linewidth=1.2)
-    ax_final.set(title="held-out at the end (8 samples a prompt; 95% t-intervals)",
+    ax_final.set(title=f"held-out at the end ({_samples(samples)}; 95% t-intervals)",
                  xlabel="mean answer length (tokens)", ylabel="accuracy")
-    ax_length.set(title="held-out length over training (2 samples a prompt)", xlabel="RL step", ylabel="tokens")
-    ax_accuracy.set(title="held-out accuracy over training (2 samples a prompt)", xlabel="RL step",
+    ax_length.set(title=f"held-out length over training ({_samples(curve_samples)})", xlabel="RL step",
+                  ylabel="tokens")
+    ax_accuracy.set(title=f"held-out accuracy over training ({_samples(curve_samples)})", xlabel="RL step",
                     ylabel="accuracy")
     for ax in (ax_final, ax_length, ax_accuracy):
         ax.grid(alpha=0.3)

@@ -162,10 +162,12 @@ def summarize(seed_results: list[dict], arms, kept_shares: dict | None = None) -
         f["seconds_per_step"] = figure([_mean(s[name]["step_time"]) for s in per_seed])
         if all("trained_tokens" in s[name] for s in per_seed):
             f["trained_tokens_per_step"] = figure([_mean(s[name]["trained_tokens"]) for s in per_seed])
-            f["signal"] = {
-                f"{low}-{high}": {key: figure([_phase_mean(s[name][key], low, high) for s in per_seed], bootstrap=False)
-                                  for key in ("train_frac_reward_zero_std", "train_reward_std", "train_reward")}
-                for low, high in PHASES if len(per_seed[0][name]["trained_tokens"]) >= low}
+            steps = len(per_seed[0][name]["trained_tokens"])
+            f["signal"] = {  # a phase the run ends inside is named by the steps it has: 201-250, not 201-500
+                f"{low}-{min(high, steps)}": {
+                    key: figure([_phase_mean(s[name][key], low, high) for s in per_seed], bootstrap=False)
+                    for key in ("train_frac_reward_zero_std", "train_reward_std", "train_reward")}
+                for low, high in PHASES if steps >= low}
         f["by_terms"] = {n: {key: figure([s[name]["final"]["by_terms"][n][key] for s in per_seed])
                              for key in ("accuracy", "mean_length", "stepwise_fraction")}
                          for n in per_seed[0][name]["final"]["by_terms"]} if by_terms else {}

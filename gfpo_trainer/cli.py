@@ -227,10 +227,17 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
         if not os.path.exists(local):
             raise ConfigError(f"dataset file {name!r} does not exist (looked for {local})")
         name = local
+        # a local file is read in a moment: its "Generating train split" bar would only stand on stderr before
+        # the one error line a data set without a prompt column gives
+        bars_were_on = not datasets.utils.are_progress_bars_disabled()
+        datasets.utils.disable_progress_bars()
         try:  # one file loads as the one split "train"; the split still selects from it ("train[:100]")
             dataset = datasets.load_dataset(_LOCAL_DATA[extension], data_files=name, split=split)
         except ValueError as error:  # e.g. 'Unknown split "test". Should be one of ['train'].'
             raise ConfigError(f"cannot load dataset file {name!r} with dataset_split={split!r}: {error}") from None
+        finally:
+            if bars_were_on:
+                datasets.utils.enable_progress_bars()
     else:
         name = local if os.path.isdir(local) else name
         try:
@@ -244,12 +251,30 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
     if prompt is not None:
         return build_prompts(dataset, check_prompt_key(prompt), name)
     if "prompt" not in dataset.column_names:
-        columns = dataset.column_names
-        source = next((c for c in _PROMPT_LIKE_COLUMNS if c in columns), columns[0] if columns else "question")
-        raise ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {columns}); to build chat prompts from "
-                          f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
-                          "optionally system: \"...\"; docs/cli.md)")
+        raise _no_prompt_column(name, dataset.column_names)
     return dataset
+
+
+def _no_prompt_column(name: str, columns: list) -> ConfigError:
+    """The error of a data set without a "prompt" column and no `prompt:` key: its columns and the line to add."""
+    source = next((c for c in _PROMPT_LIKE_COLUMNS if c in columns), columns[0] if columns else "question")
+    return ConfigError(f"dataset {name!r} has no 'prompt' column (columns: {columns}); to build chat prompts from "
+                       f"its {source!r} column, add to the config: prompt: {{user: \"{{{source}}}\"}} (and "
+                       "optionally system: \"...\"; docs/cli.md)")
+
+
+def _first_jsonl_columns(path: str) -> list | None:
+    """The keys of a .jsonl file's first record, read without the datasets library; None where it is not one JSON
+    object per line (datasets then reads the file, and says what is wrong)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = next((line for line in f if line.strip()), "")
+        record = json.loads(line)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return list(record) if isinstance(record, dict) else None
 
 
 def _check_dataset_config(dataset: str, config_name) -> None:
@@ -261,12 +286,14 @@ def _check_dataset_config(dataset: str, config_name) -> None:
                           f"{dataset!r} has none: remove dataset_config")
 
 
-def check_config(config: dict, base_dir: str | None = None) -> dict:
+def check_config(config: dict, base_dir: str | None = None, flags: dict | None = None) -> dict:
     """Everything about a training config that can be checked without TRL, transformers or torch (which take
     seconds to import): the keys, the model directory, the `args` field names, their values' types and choices (by
     config_fields.field_specs), the group_filter name, the prompt key, the reward function names' form and a local
     data file's existence. Returns {"model": the resolved model, "args": the args converted to the field types,
-    "reward_specs": the reward functions' names}; ConfigError naming what is wrong."""
+    "reward_specs": the reward functions' names}; ConfigError naming what is wrong. `flags`: {"args.name": "--flag"}
+    for the fields set on the command line (override_flags), which an unknown-field error names as the user typed
+    them."""
     from . import config_fields
     from .filters import group_filter_spec
 
@@ -285,7 +312,9 @@ def check_config(config: dict, base_dir: str | None = None) -> dict:
     specs = config_fields.field_specs()
     bad = sorted((name for name in args if name not in specs), key=str)
     if bad:
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(specs))}")
+        typed = [flags[f"args.{name}"] for name in bad if f"args.{name}" in (flags or {})]
+        where = f", given on the command line as {', '.join(typed)}" if typed else ""
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(specs))}{where}")
     args = _convert_args(args, specs)
     try:
         group_filter_spec(args.get("group_filter"))
@@ -306,6 +335,10 @@ def check_config(config: dict, base_dir: str | None = None) -> dict:
     if os.path.splitext(dataset)[1].lower() in _LOCAL_DATA and not os.path.exists(local):
         raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local})")
     _check_dataset_config(dataset, config.get("dataset_config"))
+    if config.get("prompt") is None and os.path.splitext(dataset)[1].lower() == ".jsonl":
+        columns = _first_jsonl_columns(local)  # GSM8K's question/answer: told now, not after the imports
+        if columns is not None and "prompt" not in columns:
+            raise _no_prompt_column(local, columns)
     return {"model": model, "args": args, "reward_specs": reward_specs}
 
 
@@ -328,7 +361,11 @@ def build_trainer(config: dict, base_dir: str | None = None):
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
-        raise ConfigError(f"args: {_one_line(error)}") from None
+        hint = ""
+        if args.get("bf16") and "bf16" in str(error):  # transformers' words name neither the field nor its value
+            hint = (" (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or "
+                    "--bf16 false on the command line)")
+        raise ConfigError(f"args: {_one_line(error)}{hint}") from None
     dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
                                  prompt=config.get("prompt"), config_name=config.get("dataset_config"))
     try:
@@ -487,6 +524,22 @@ def apply_overrides(config: dict, overrides: list[str], top_level_keys: tuple[st
     return config
 
 
+def override_flags(overrides: list[str], top_level_keys: tuple[str, ...], section: str = "args") -> dict:
+    """{dotted path: the flag as typed} for the overrides apply_overrides applies (`--max-step 3` gives
+    {"args.max_step": "--max-step"}), so that an error about a field can name the flag that set it."""
+    flags, words = {}, list(overrides)
+    while words:
+        flag = words.pop(0)
+        name, equals, _ = flag.partition("=")
+        if not name.startswith("--"):
+            continue
+        if not equals and words and not words[0].startswith("--"):
+            words.pop(0)  # the flag's value
+        path = name[2:].replace("-", "_")
+        flags[path if "." in path or path in top_level_keys else f"{section}.{path}"] = name
+    return flags
+
+
 def _merged(old, new):
     """`new` over `old`: two mappings key by key (what `new` leaves out is kept), anything else replaced by `new`."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -628,7 +681,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
             config = apply_overrides(config, overrides, _TOP_LEVEL_KEYS)
             base_dir = os.path.dirname(os.path.abspath(options.config))
-            check_config(config, base_dir)
+            check_config(config, base_dir, flags=override_flags(overrides, _TOP_LEVEL_KEYS))
             try:
                 from .trainer import GFPOTrainer  # noqa: F401 (TRL, transformers, ...: build_trainer imports it again)
             except ModuleNotFoundError as error:  # a dependency of theirs

@@ -136,7 +136,17 @@ def test_train_command_takes_field_overrides(model_dir, dataset_file, tmp_path, 
     capsys.readouterr()
     assert main(["train", "--config", str(config_file), "--max_stepz", "3"]) == 2
     assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['max_stepz'] under 'args' (did you mean "
+                                       "'max_steps'?), given on the command line as --max_stepz\n")
+    # the flag as typed, in any form; a misspelt name in the file is not said to come from the command line
+    assert main(["train", "--config", str(config_file), "--max-step=3", "--args.bogus", "1"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['bogus', 'max_step'] under 'args' (did you "
+                                       "mean 'max_steps' for 'max_step'?), given on the command line as --args.bogus, "
+                                       "--max-step\n")
+    config_file.write_text(yaml.safe_dump({**config, "args": {**config["args"], "max_stepz": 3}}))
+    assert main(["train", "--config", str(config_file), "--max_steps", "2"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['max_stepz'] under 'args' (did you mean "
                                        "'max_steps'?)\n")
+    config_file.write_text(yaml.safe_dump(config))
     assert main(["train", "--config", str(config_file), "--max_steps"]) == 2
     assert capsys.readouterr().err.startswith("error: --max_steps: no value given; ")
     with pytest.raises(SystemExit):  # the other commands take no overrides
@@ -565,6 +575,14 @@ def test_a_bad_value_is_exactly_one_line_whatever_the_libraries_warn(model_dir, 
          f"'tiny-model'?) (relative paths are read from the config file's folder {tmp_path}; a Hub model is named "
          "namespace/name)"),
     ]
+    # a local file's "Generating train split" bar (an uncached file: a cache of the test's own) stays off stderr
+    # (a .csv: a .jsonl's columns are read before datasets is imported)
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets-cache")
+    question_file = tmp_path / "gsm.csv"
+    question_file.write_text("question,answer\n1+1=,#### 2\n")
+    cases.append((dict(dataset=str(question_file)), f"error: dataset '{question_file}' has no 'prompt' column "
+                  "(columns: ['question', 'answer']); to build chat prompts from its 'question' column, add to the "
+                  "config: prompt: {user: \"{question}\"} (and optionally system: \"...\"; docs/cli.md)"))
     shutil.copytree(model_dir, tmp_path / "tiny-model")
     for change, line in cases:
         config_file = tmp_path / "config.yaml"
@@ -593,7 +611,8 @@ def test_warnings_of_a_good_config_are_still_shown(monkeypatch, tmp_path):
         return trainer
 
     monkeypatch.setattr(cli, "build_trainer", build)
-    monkeypatch.setattr(cli, "check_config", lambda config, base_dir=None: None)  # the stand-in's config is no real one
+    # the stand-in's config is no real one
+    monkeypatch.setattr(cli, "check_config", lambda config, base_dir=None, flags=None: None)
     config_file = tmp_path / "config.yaml"
     config_file.write_text("model: x\n")
     with pytest.warns(FutureWarning, match="`old_option` is deprecated"):  # shown: to stderr outside pytest
@@ -611,6 +630,26 @@ def test_config_errors_are_one_line_and_exit_2(model_dir, dataset_file, tmp_path
     assert "Traceback" not in stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert errors == [errors[0]] and "num_remains_in_group=1" in errors[0]
+
+
+def test_a_bf16_config_on_a_machine_without_bf16_says_which_field_to_change(model_dir, dataset_file, tmp_path,
+                                                                             capsys):
+    """A GPU recipe (examples/gsm8k/qwen2.5-0.5b.yaml: bf16: true) on a CPU: transformers' words name no field; the
+    line says the config's bf16: true and the flag that turns it off."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the error is raised where no GPU is")
+    config = _config(model_dir, dataset_file, tmp_path)
+    config["args"] = {**config["args"], "bf16": True, "use_cpu": False}
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(config_file)]) == 2
+    err = capsys.readouterr().err  # transformers' own words first ("Your setup doesn't support bf16/gpu. ...")
+    assert err.startswith("error: args: ") and err.count("\n") == 1 and err.endswith(
+        " (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or --bf16 false "
+        "on the command line)\n")
+    assert main(["train", "--config", str(config_file), "--bf16", "false", "--max_steps", "1"]) == 0
 
 
 @pytest.mark.parametrize("args", [["output_dir", "out"], "out"])
@@ -798,6 +837,25 @@ def test_help_imports_no_training_stack(argv):
     done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_jsonl_without_a_prompt_column_is_told_before_the_training_stack_is_imported(model_dir, tmp_path):
+    """GSM8K's question/answer .jsonl and no `prompt:` key: the same one line as after loading the data set
+    (test_missing_prompt_column), read from the file's first record before TRL, transformers, datasets and torch."""
+    path = tmp_path / "gsm.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "answer": "#### 2"}) + "\n")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(_config(model_dir, str(path), tmp_path)))
+    probe = ("import sys, runpy; sys.argv = ['gfpo_trainer'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('gfpo_trainer', run_name='__main__')\nexcept SystemExit as exit:\n"
+             "    print(exit.code)\n"
+             "print(sorted(m for m in ('trl', 'transformers', 'datasets', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, "train", "--config", str(tmp_path / "config.yaml")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.stdout.splitlines() == ["2", "[]"]
+    assert done.stderr == (
+        f"error: dataset '{path}' has no 'prompt' column (columns: ['question', 'answer']); to build chat prompts from "
+        "its 'question' column, add to the config: prompt: {user: \"{question}\"} (and optionally system: \"...\"; "
+        "docs/cli.md)\n")
 
 
 @pytest.mark.parametrize("command, missing", [(["train", "--config", "run.yaml"], "trl")])

@@ -107,6 +107,16 @@ def test_relative_links_and_anchors_resolve(page):
     assert not broken, f"{page_id(page)}: " + "; ".join(broken)
 
 
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "history.md"], ids=page_id)
+def test_elr_is_spelt_out_at_its_first_use(page):
+    """A reader meets "ELR" with its meaning beside it, on whichever page they start."""
+    text = " ".join(page.read_text().split())
+    first = re.search(r"\bELR\b", text)
+    if first is not None:
+        near = text[max(0, first.start() - 200):first.end() + 200].lower()
+        assert "excess length reduction" in near, f"{page_id(page)}: ELR first used without its meaning: {near}"
+
+
 def test_every_docs_page_is_linked():
     """A page nobody links to is a page nobody reads: each docs/*.md is linked from the README or another page."""
     linked = {(page.parent / t.partition("#")[0]).resolve() for page in PAGES for t in relative_links(page)

@@ -139,7 +139,27 @@ def test_a_users_study_runs_end_to_end(finished_study):
          for r in written["seed_results"]])
     report = (out / "study.md").read_text()
     assert "## Verdict" in report and "Only 2 seeds (fewer than 5): the t-intervals are wide" in report
+    assert "## Held-out figures at the end (2 samples a prompt)" in report  # the config's eval.samples, not 8
     assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_report_and_plot_say_the_configs_sample_counts(finished_study, tmp_path, monkeypatch):
+    """The headings and plot titles give eval.samples and eval.curve_samples as the study's config sets them."""
+    import matplotlib.figure
+
+    from gfpo_study.study_report import plot_study, study_report
+
+    folder, _ = finished_study
+    study = json.loads((folder / "out" / "study.json").read_text())
+    report = study_report(study["summary"], 2, None, {}, samples=3, curve_samples=1)
+    assert "## Held-out figures at the end (3 samples a prompt)" in report  # (3 steps: no curve checkpoints)
+    titles = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda figure, *args, **kwargs: titles.extend(ax.get_title() for ax in figure.axes))
+    plot_study(study["seed_results"], study["summary"], str(tmp_path / "study.png"), samples=3, curve_samples=1)
+    assert titles == ["held-out at the end (3 samples a prompt; 95% t-intervals)",
+                      "held-out length over training (1 sample a prompt)",
+                      "held-out accuracy over training (1 sample a prompt)"]
 
 
 def test_pieces_on_other_machines_merge_into_the_study(finished_study, tmp_path):
@@ -366,14 +386,44 @@ def test_help_imports_no_training_stack(argv):
     assert "usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.parametrize("change, line", [
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remain_in_group": 4}]),
+     "error: arms: arm 'mine' has unknown GFPOConfig fields ['num_remain_in_group'] (did you mean "
+     "'num_remains_in_group'?)"),
+    (dict(args={**CONFIG["args"], "max_step": 3}),
+     "error: unknown GFPOConfig fields ['max_step'] under 'args' (did you mean 'max_steps'?)"),
+])
+def test_a_config_mistake_is_told_before_the_training_stack_is_imported(user_folder, change, line):
+    """`run` checks the config (names, types, arms' fields) before importing torch and TRL, as `train` does: the
+    mistake is one line at once, not after seconds of imports."""
+    (user_folder / "mistake.yaml").write_text(yaml.safe_dump({**CONFIG, **change}, sort_keys=False))
+    probe = ("import sys, runpy; sys.argv = ['gfpo_study'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('gfpo_study', run_name='__main__')\nexcept SystemExit as exit:\n"
+             "    print(exit.code)\n"
+             "print(sorted(m for m in ('trl', 'transformers', 'datasets', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe, "run", "--config", "mistake.yaml"], capture_output=True,
+                          text=True, timeout=120, cwd=user_folder, env=subprocess_env())
+    assert (done.stderr, done.stdout.splitlines()) == (line + "\n", ["2", "[]"])
+
+
+def test_a_misspelt_field_on_the_command_line_is_named_as_typed(user_folder, capsys):
+    """`run --config study.yaml --max-step 3`: the error names the flag, as train's does (the file has no max_step)."""
+    from gfpo_study.cli import main
+
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--max-step", "3"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['max_step'] under 'args' (did you mean "
+                                       "'max_steps'?), given on the command line as --max-step\n")
+
+
 def test_without_the_trainer_extra_the_command_says_what_to_install():
     probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
-    done = subprocess.run([sys.executable, "-c", probe, "demo", "--smoke"], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=subprocess_env())
-    assert done.returncode == 2
-    assert done.stderr.splitlines() == [
-        "error: 'trl' is not installed: the study needs gfpo's trainer dependencies; from the checkout, pip install "
-        '--no-build-isolation ".[trainer]" (docs/install.md)']
+    for command in (["demo", "--smoke"], ["run", "--config", "study.yaml"]):
+        done = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True,
+                              timeout=120, cwd=REPO, env=subprocess_env())
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [
+            "error: 'trl' is not installed: the study needs gfpo's trainer dependencies; from the checkout, pip "
+            'install --no-build-isolation ".[trainer]" (docs/install.md)']
 
 
 def test_overrides_need_the_cli_helper_or_apply(user_folder, capsys):

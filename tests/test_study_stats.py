@@ -124,9 +124,9 @@ def test_summarize_on_synthetic_seeds():
     assert arm["plateau"]["length_change"]["per_seed"] == pytest.approx([4.0] * 3)
     assert arm["plateau"]["levelled"] is False
     # the training signal per phase: steps 1-200 and 201-250 (the run is 250 steps: no later phase)
-    assert list(arm["signal"]) == ["1-200", "201-500"]
+    assert list(arm["signal"]) == ["1-200", "201-250"]
     assert arm["signal"]["1-200"]["train_frac_reward_zero_std"]["mean"] == pytest.approx(0.4)
-    assert arm["signal"]["201-500"]["train_frac_reward_zero_std"]["mean"] == pytest.approx(0.6)
+    assert arm["signal"]["201-250"]["train_frac_reward_zero_std"]["mean"] == pytest.approx(0.6)
     assert summary["warm-up"]["mean_length"]["mean"] == 11.0
 
 

@@ -1,5 +1,5 @@
 """Saves the tiny model and its tokenizer (gfpo_trainer/tiny.py) as a model folder, for tiny.yaml: the example then
-runs on a CPU in a minute, with no download. The tokenizer's vocabulary is every printable character and the
+runs on a CPU in seconds, with no download. The tokenizer's vocabulary is every printable character and the
 newline, so the GSM8K text reaches the model whole; its chat template renders a conversational prompt as
 "system: ... user: ... assistant: ". The model is randomly initialised: it writes noise, and its rewards stay near 0
 (the run shows that everything is wired, not that GFPO learns; docs/gsm8k-example.md).
