@@ -36,7 +36,8 @@ def test_an_sdist_builds_without_torch(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     with tarfile.open(tmp_path / done.stdout.split()[-1]) as sdist:
         names = {Path(name).relative_to(Path(name).parts[0]).as_posix() for name in sdist.getnames()}
-        assert {"csrc/group_ops.h", "csrc/group_ops.cpp", "csrc/group_ops_cuda.cu", "setup.py"} <= names
+        assert {"csrc/group_ops.h", "csrc/group_ops.cpp", "csrc/group_ops_cuda.cu", "setup.py",
+                "gfpo_study/configs/sums.yaml"} <= names
         record = sdist.extractfile(next(n for n in sdist.getnames() if n.endswith("gfpo_kernels/_build_info.py")))
         record = record.read().decode()
     assert "EXTENSION = 'not built'\nEXTENSION_NOTE = 'an sdist'" in record  # not a copy of this tree's own build's
@@ -73,3 +74,15 @@ def test_the_licence_is_an_spdx_expression_with_its_text(tmp_path):
     assert "License-Expression: Apache-2.0" in headers and "License-File: LICENSE" in headers
     assert not any(line.startswith("License:") for line in headers)
     assert "Apache License" in licence and "Version 2.0, January 2004" in licence
+
+
+def test_the_shipped_study_configs_are_a_declared_package(tmp_path):
+    """The wheel's Python files and data (setuptools' build_py, no extension built): the study's YAML configs are in
+    it, from a folder declared as a package (an undeclared data folder is shipped with a warning that setuptools
+    will stop shipping it)."""
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "absent from the `packages` configuration" not in done.stdout + done.stderr
+    assert (tmp_path / "gfpo_study" / "configs" / "sums.yaml").read_text() == (
+        REPO / "gfpo_study" / "configs" / "sums.yaml").read_text()
