@@ -928,6 +928,13 @@ def _paper_tables() -> dict | None:
         return json.load(f)
 
 
+def sample_counts(study: dict) -> dict:
+    """A study's own answers a prompt at the end and on the curves ({"samples", "curve_samples"}, those its settings
+    give), for the report's headings and the plot's titles."""
+    evaluation = study.get("settings", {}).get("eval") or {}
+    return {key: evaluation[key] for key in ("samples", "curve_samples") if evaluation.get(key) is not None}
+
+
 def finish_study(study: dict, output_dir: str, arms: dict | None = None) -> dict:
     """The summary over seeds (study_stats.summarize), the report and verdict (study_report), the plot; writes
     study.json (the runs and the summary), study.md and study.png into `output_dir` and says so. `arms`: {name: Arm}
@@ -940,8 +947,7 @@ def finish_study(study: dict, output_dir: str, arms: dict | None = None) -> dict
     summary = summarize(study["seed_results"], arms, kept_shares={
         name: definitions[name].kept_share() for name in arms if definitions[name].kept_share() is not None})
     study = {**study, "summary": summary}
-    evaluation = study.get("settings", {}).get("eval") or {}  # a study's own sample counts, for the headings
-    counts = {key: evaluation[key] for key in ("samples", "curve_samples") if evaluation.get(key) is not None}
+    counts = sample_counts(study)
     report = study_report(summary, len(seeds), _paper_tables(), definitions, **counts)
     verdict = study_verdict(summary, len(seeds))
     paths = {name: os.path.join(output_dir, name) for name in ("study.json", "study.md", "study.png")}

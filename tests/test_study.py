@@ -220,3 +220,15 @@ def test_paper_comparison_reads_the_papers_average_row():
     # the paper's average: GRPO 72.1%, Shortest 8/16 73.4% and ELR 29.7%
     assert table.splitlines()[2] == "shortest-8of16 | +0.013 | 30% | -0.020 [-0.147, +0.107] | 40% [-87%, 167%]"
     assert all(arm.paper in paper["benchmarks"]["Average"] for arm in study.ARMS.values())
+
+
+@pytest.mark.parametrize("name", ["study-quick-5seeds", "study-sums-1500-8seeds"])
+def test_the_committed_study_reports_are_what_the_report_code_writes(name):
+    """docs/demo's study .md files are the report of their own study.json's summary as the code writes it now: a
+    change to the report's wording shows in the committed files too."""
+    from gfpo_study.study_report import study_report
+
+    recorded = json.loads((REPO / "docs" / "demo" / f"{name}.json").read_text())
+    report = study_report(recorded["summary"], len(recorded["seeds"]), study._paper_tables(), study.ARMS,
+                          **study.sample_counts(recorded))
+    assert (REPO / "docs" / "demo" / f"{name}.md").read_text() == report + "\n"
