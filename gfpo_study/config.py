@@ -62,7 +62,7 @@ class Arm:
         adaptive_num_remains: k per difficulty quartile, hardest first (adaptive difficulty); None: fixed k.
         reward: "correct" (the reward functions as given) or "signed" (each reward r as 2r - 1: 0/1 rewards become
             the paper's -1/1 range).
-        paper: the arm's key in the paper's tables (docs/demo/gfpo-paper-tables.json), None where it has none.
+        paper: the arm's key in the paper's tables (gfpo_study/paper_tables.json), None where it has none.
         loss_includes_rejected: GFPOConfig.loss_includes_rejected (the paper's objective: rejected rows in the loss's
             normaliser with advantage 0).
         extra: further GFPOConfig fields the arm sets, (field, value) pairs.

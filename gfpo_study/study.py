@@ -918,14 +918,12 @@ def future_warnings_hidden(hidden: bool):
         yield
 
 
-def _paper_tables() -> dict | None:
-    """docs/demo/gfpo-paper-tables.json where this runs from a checkout, else None."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "demo",
-                        "gfpo-paper-tables.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def paper_tables() -> dict:
+    """The paper's Tables 1-2 and setup (gfpo_study/paper_tables.json, shipped with the package, so that an
+    installed copy reports beside the paper as a checkout does)."""
+    from importlib import resources
+
+    return json.loads(resources.files(__package__).joinpath("paper_tables.json").read_text())
 
 
 def sample_counts(study: dict) -> dict:
@@ -948,7 +946,7 @@ def finish_study(study: dict, output_dir: str, arms: dict | None = None) -> dict
         name: definitions[name].kept_share() for name in arms if definitions[name].kept_share() is not None})
     study = {**study, "summary": summary}
     counts = sample_counts(study)
-    report = study_report(summary, len(seeds), _paper_tables(), definitions, **counts)
+    report = study_report(summary, len(seeds), paper_tables(), definitions, **counts)
     verdict = study_verdict(summary, len(seeds))
     paths = {name: os.path.join(output_dir, name) for name in ("study.json", "study.md", "study.png")}
     write_json(paths["study.json"], study)

@@ -150,7 +150,7 @@ def by_terms_table(summary: dict) -> str:
 
 
 def paper_comparison_table(summary: dict, paper_tables: dict, arms: dict) -> str:
-    """The study beside the paper's Table 1-2 averages (`paper_tables`: docs/demo/gfpo-paper-tables.json): per arm the
+    """The study beside the paper's Table 1-2 averages (`paper_tables`: gfpo_study/paper_tables.json): per arm the
     paper's accuracy difference to GRPO (points) and ELR, and this study's with their t-intervals. `arms`: study.ARMS
     (each arm's key in the paper's tables)."""
     average = paper_tables["benchmarks"]["Average"]

@@ -3,6 +3,8 @@ metadata step (before pip resolves and downloads any dependency) with one line t
 sdist builds and carries the extension's sources and the commit it was made from. setuptools' PEP 517 hooks run
 in a child Python in which `import torch` fails."""
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -37,7 +39,7 @@ def test_an_sdist_builds_without_torch(tmp_path):
     with tarfile.open(tmp_path / done.stdout.split()[-1]) as sdist:
         names = {Path(name).relative_to(Path(name).parts[0]).as_posix() for name in sdist.getnames()}
         assert {"csrc/group_ops.h", "csrc/group_ops.cpp", "csrc/group_ops_cuda.cu", "setup.py",
-                "gfpo_study/configs/sums.yaml"} <= names
+                "gfpo_study/configs/sums.yaml", "gfpo_study/paper_tables.json"} <= names
         record = sdist.extractfile(next(n for n in sdist.getnames() if n.endswith("gfpo_kernels/_build_info.py")))
         record = record.read().decode()
     assert "EXTENSION = 'not built'\nEXTENSION_NOTE = 'an sdist'" in record  # not a copy of this tree's own build's
@@ -86,3 +88,21 @@ def test_the_shipped_study_configs_are_a_declared_package(tmp_path):
     assert "absent from the `packages` configuration" not in done.stdout + done.stderr
     assert (tmp_path / "gfpo_study" / "configs" / "sums.yaml").read_text() == (
         REPO / "gfpo_study" / "configs" / "sums.yaml").read_text()
+
+
+def test_an_installed_study_reports_beside_the_paper(tmp_path):
+    """The wheel's gfpo_study (setuptools' build_py) carries the paper's tables, and the copy imported from there, not
+    from this checkout, reads them: a study run from a pip-installed gfpo gets its "Beside the paper" table."""
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path / "site")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    child = ("import json, gfpo_study.study as s; "
+             "print(json.dumps({'file': s.__file__, 'tables': s.paper_tables()}))")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    done = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.splitlines()[-1])
+    assert Path(loaded["file"]).is_relative_to(tmp_path / "site")
+    assert loaded["tables"] == json.loads((REPO / "gfpo_study" / "paper_tables.json").read_text())
+    assert {"GRPO", "8/16"} <= set(loaded["tables"]["benchmarks"]["Average"])

@@ -213,7 +213,7 @@ def test_bounds_that_print_as_zero_get_a_digit_and_fewer_seeds_are_said():
 
 
 def test_paper_comparison_reads_the_papers_average_row():
-    paper = json.loads((REPO / "docs" / "demo" / "gfpo-paper-tables.json").read_text())
+    paper = json.loads((REPO / "gfpo_study" / "paper_tables.json").read_text())
     summary = {"arms": {"grpo": {}, "shortest-8of16": {"accuracy_minus_grpo": figure([-0.03, -0.01]),
                                                        "elr_per_seed": figure([0.3, 0.5])}}}
     table = paper_comparison_table(summary, paper, study.ARMS)
@@ -229,6 +229,6 @@ def test_the_committed_study_reports_are_what_the_report_code_writes(name):
     from gfpo_study.study_report import study_report
 
     recorded = json.loads((REPO / "docs" / "demo" / f"{name}.json").read_text())
-    report = study_report(recorded["summary"], len(recorded["seeds"]), study._paper_tables(), study.ARMS,
+    report = study_report(recorded["summary"], len(recorded["seeds"]), study.paper_tables(), study.ARMS,
                           **study.sample_counts(recorded))
     assert (REPO / "docs" / "demo" / f"{name}.md").read_text() == report + "\n"
