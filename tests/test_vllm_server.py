@@ -16,10 +16,12 @@ step 0, where the server's weights (loaded from the directory the trainer loads)
 pushing; TRL's prefix-cache reset after the push is real.
 """
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -259,24 +261,49 @@ def test_cuts_only_what_the_filter_drops(server):
     assert_server_generated_less(on_tokens, received_on, received_off)
 
 
+def _server_post(server, path: str, **params) -> None:
+    """POST to one of the server's development endpoints (VLLM_SERVER_DEV_MODE), which must answer 200."""
+    answer = requests.post(f"{server.url}{path}", params=params, timeout=60)
+    assert answer.status_code == 200, (path, answer.status_code, answer.text)
+
+
 def test_past_the_servers_cap_503_then_served(server, caplog):
     """Three prompts, 48 requests in flight against the server's cap of 32 (gfpo_vllm_server_max_in_flight over
     --max-num-queued-reqs): vLLM turns the surplus away with 503 (an error event in a 200 stream, for a streamed
     request), the client sends them again until it takes them, and every completion is the one the rule-off run
-    under the cap generated (a cut one a prefix)."""
+    under the cap generated (a cut one a prefix). The server's scheduler is paused (vLLM's /pause, mode "keep") while
+    the requests arrive, so that the first 32 stay unfinished and each of the other 16 is turned away whatever the
+    machine's speed (running, the engine could finish requests as fast as a slowed client sends them); the test
+    resumes it once all 16 have been."""
     if not SERVER_TAKES_QUEUE_CAP:
         pytest.skip(f"vllm {vllm.__version__}'s server has no --max-num-queued-reqs: it queues every request")
     prompts = _prompt_ids() + [make_tokenizer()("6+1=", add_special_tokens=False).input_ids]
     rows = len(prompts) * G
     off, off_run, _ = _run(server, 321, stop=False, prompts=prompts)
     assert (off_run.in_flight_limit, off_run.in_flight_source) == (SERVER_QUEUE_CAP, "server max_num_queued_reqs")
-    with caplog.at_level(logging.DEBUG, logger="gfpo_trainer.vllm_server"):
-        on, on_run, _ = _run(server, 321, stop=True, prompts=prompts,
-                             limits=ServerLimits(max_in_flight=rows))
+
+    def turned_away() -> set[str]:  # the completions the client was told to send again, as its log names them
+        return {re.search(r"did not answer (.*?): ", r.getMessage()).group(1) for r in list(caplog.records)
+                if "sending it again" in r.getMessage()}
+
+    with caplog.at_level(logging.DEBUG, logger="gfpo_trainer.vllm_server"), \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        _server_post(server, "/pause", mode="keep")
+        try:
+            running = pool.submit(_run, server, 321, stop=True, prompts=prompts,
+                                  limits=ServerLimits(max_in_flight=rows))
+            deadline = time.monotonic() + 300
+            while len(turned_away()) < rows - SERVER_QUEUE_CAP and not running.done() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            turned_away_paused = turned_away()
+        finally:
+            _server_post(server, "/resume")
+        on, on_run, _ = running.result(timeout=600)
+    assert len(turned_away_paused) == rows - SERVER_QUEUE_CAP, sorted(turned_away_paused)
     assert (on_run.in_flight_limit, on_run.in_flight_source) == (rows, "gfpo_vllm_server_max_in_flight")
     retries = [r.getMessage() for r in caplog.records if "sending it again" in r.getMessage()]
-    assert retries and all(server.url in line and "Service Unavailable 503: The engine is currently busy" in line
-                           for line in retries)
+    assert all(server.url in line and "Service Unavailable 503: The engine is currently busy" in line
+               for line in retries)
     for i in range(rows):
         ids, full = on["completion_ids"][i], off["completion_ids"][i]
         assert full[: len(ids)] == ids and (on_run.stopped[i] or ids == full)
