@@ -546,7 +546,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
         or None while runs are missing, "missing": [(seed, arm) not done yet]}.
     Raises:
         ConfigError: an output folder of another config, an arm that ran with another definition, a selection
-            outside the config, bad data or functions.
+            outside the config, an arm whose GFPOConfig is refused (before any run), bad data or functions.
     """
     from accelerate import PartialState
 
@@ -563,7 +563,11 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                           f"; its arms: {', '.join(config.arms)}")
     state = PartialState()
     main = state.is_main_process
-    on_vllm = bool(arms) and bool(arm_args(config, config.arms[arms[0]], 0, config.output_dir).use_vllm)
+    # every selected arm's GFPOConfig built now, as its run will build it: an arm the trainer refuses (k >= G, an
+    # unknown filter, sizes the processes do not divide) is one error before anything trains, not when its turn comes
+    run_args = {name: arm_args(config, config.arms[name], seeds[0] if seeds else 0, config.output_dir,
+                               num_processes=state.num_processes) for name in arms}
+    on_vllm = bool(arms) and bool(run_args[arms[0]].use_vllm)
     if on_vllm and state.num_processes > 1:
         raise ConfigError(f"args.use_vllm=true with {state.num_processes} processes: each run's trainer builds its "
                           "own colocated vLLM engine, and vLLM ends the processes' torch process group when an "

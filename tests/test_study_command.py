@@ -318,6 +318,22 @@ def test_a_selection_outside_the_config_is_refused(user_folder):
     assert not (user_folder / "never").exists()
 
 
+@pytest.mark.parametrize("arm, message", [
+    ({"name": "bad", "num_generations": 8, "num_remains_in_group": 8, "group_filter": "length"},
+     r"^arm 'bad': num_remains_in_group must be an int with 2 <= k < num_generations=8"),
+    ({"name": "bad", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "shortest"},
+     r"^arm 'bad': group_filter must be None or one of \('length', 'token_efficiency'\), got "
+     r"group_filter='shortest' \(did you mean 'length'\? the filter the paper calls 'shortest'"),
+])
+def test_an_arm_the_trainer_refuses_is_an_error_before_anything_trains(user_folder, tmp_path, arm, message):
+    """An arm whose GFPOConfig cannot be built is refused before the first run (docs/study.md: errors before
+    anything trains), not when its turn comes after the arms listed before it have trained."""
+    config = parse(user_folder, output_dir=str(tmp_path / "out"), arms=["grpo", arm])
+    with pytest.raises(ConfigError, match=message):
+        study.run_study(config)
+    assert not (tmp_path / "out").exists()  # no start model, no grpo run
+
+
 def test_an_arm_that_changed_is_not_taken_for_its_finished_run(tmp_path):
     """A run file records its arm's definition: the same name with other fields is an error, not a skipped run."""
     run_dir = tmp_path / "seed-0"
