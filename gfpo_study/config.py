@@ -127,7 +127,7 @@ class EvalSpec:
     details: object = None  # a function spec or None
     samples: int = 8
     temperature: float = 0.8
-    max_tokens: int | None = None  # None: the training's max_completion_length
+    max_tokens: int | None = None  # None: args.max_completion_length (study.eval_max_tokens)
     curve_samples: int = 2
     batch_size: int = 64  # answers a generate call on HF; vLLM takes every request of an evaluation at once
 

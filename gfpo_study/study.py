@@ -271,6 +271,21 @@ def warn_overlap(train: list, held_out: list) -> int:
 
 
 # ------------------------------------------------------------------ evaluation
+def eval_max_tokens(config: StudyConfig) -> int | None:
+    """The held-out answers' token limit: eval.max_tokens, else the max_completion_length of the config's args
+    (GFPOConfig's default where they set none). One limit for every arm, the starting model and every piece: an arm
+    that sets its own max_completion_length trains with it, and is evaluated as the others are."""
+    if config.eval.max_tokens is not None:
+        return config.eval.max_tokens
+    from gfpo_trainer import cli as train_cli
+    from gfpo_trainer.config import GFPOConfig
+
+    args = train_cli._convert_args(dict(config.train.get("args") or {}))
+    if "max_completion_length" in args:
+        return args["max_completion_length"]
+    return next(f.default for f in dataclasses.fields(GFPOConfig) if f.name == "max_completion_length")
+
+
 class Evaluator:
     """The held-out evaluation of the config: sampled answers, the correctness function, the details function."""
 
@@ -580,9 +595,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
     first_rows = training_rows(config, seeds[0]) if seeds else []
     if main:
         warn_overlap(first_rows, held_out)
-    max_tokens = (config.eval.max_tokens
-                  or arm_args(config, config.arms[arms[0]], 0, config.output_dir).max_completion_length)
-    evaluate = Evaluator(config, held_out, max_tokens)
+    evaluate = Evaluator(config, held_out, eval_max_tokens(config))
     todo, skipped = [], []
     for seed in seeds:
         for name in arms:
@@ -807,8 +820,7 @@ def reevaluate_final_models(output_dir: str) -> list[dict]:
     if arm_args(config, next(iter(config.arms.values())), 0, output_dir).use_vllm:
         raise ConfigError(f"{output_dir}: its runs were evaluated on the trainer's vLLM engine (use_vllm); evaluating "
                           "the saved models again with generate would give other answers, not theirs")
-    evaluate = Evaluator(config, eval_rows(config), config.eval.max_tokens or arm_args(
-        config, next(iter(config.arms.values())), 0, output_dir).max_completion_length)
+    evaluate = Evaluator(config, eval_rows(config), eval_max_tokens(config))
     results = []
     for seed in config.seeds:
         seed_dir = os.path.join(output_dir, f"seed-{seed}")

@@ -334,6 +334,32 @@ def test_an_arm_the_trainer_refuses_is_an_error_before_anything_trains(user_fold
     assert not (tmp_path / "out").exists()  # no start model, no grpo run
 
 
+def test_held_out_answers_have_one_token_limit_whatever_arm_comes_first(user_folder, tmp_path, monkeypatch):
+    """Without eval.max_tokens the held-out answers end at args.max_completion_length (docs/study.md), for every
+    selection of arms (pieces) and for reevaluate_final_models: an arm that trains with a limit of its own does not
+    set the limit of the starting model's evaluation because it is listed first."""
+
+    class Built(Exception):
+        pass
+
+    limits = []
+
+    def record(self, config, rows, max_tokens):
+        limits.append(max_tokens)
+        raise Built
+
+    monkeypatch.setattr(study.Evaluator, "__init__", record)
+    longer = {"name": "longer", "num_generations": 8, "max_completion_length": 12}
+    config = parse(user_folder, output_dir=str(tmp_path / "out"), arms=[longer, "grpo"])
+    for arms in (["longer", "grpo"], ["grpo"], ["longer"]):
+        with pytest.raises(Built):
+            study.run_study(config, arms=arms)
+    monkeypatch.setattr(study, "config_of_output_dir", lambda output_dir: config)
+    with pytest.raises(Built):
+        study.reevaluate_final_models(str(tmp_path / "out"))
+    assert limits == [CONFIG["args"]["max_completion_length"]] * 4 == [6] * 4
+
+
 def test_an_arm_that_changed_is_not_taken_for_its_finished_run(tmp_path):
     """A run file records its arm's definition: the same name with other fields is an error, not a skipped run."""
     run_dir = tmp_path / "seed-0"
