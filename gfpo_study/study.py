@@ -718,7 +718,8 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
 
     Raises:
         ConfigError: a folder that is no study's output, pieces of different configs (naming the piece, the field and
-            both values), an arm that ran with two definitions, one run found with different figures in two pieces,
+            both values), an arm that ran with two definitions, one run, or one seed's starting model, found with
+            different figures in two pieces,
             runs missing for the study's seeds x arms (naming them), an output folder of another config.
     """
     pieces = [(str(piece_dir), read_output_dir(piece_dir)["config"]) for piece_dir in piece_dirs]
@@ -743,6 +744,12 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
                     continue
                 record = _read_json(path)
                 if name == START_FILE:
+                    if seed in starts and starts[seed][1]["figures"] != record["figures"]:
+                        raise ConfigError(
+                            f"seed {seed}'s starting model has other figures in {path} than in {starts[seed][0]}: the "
+                            "pieces' arms of that seed did not start from one model, or it was evaluated otherwise "
+                            "(figures reproduce on one machine and thread count), and ELR would measure one piece's "
+                            "arms from another's start; run a seed's arms on one machine, or in one piece")
                     starts.setdefault(seed, (path, record))
                     continue
                 arm = name[: -len(".json")]

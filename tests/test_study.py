@@ -113,6 +113,23 @@ def test_merge_refuses_pieces_that_do_not_make_one_study(tmp_path):
         study.merge_studies([tmp_path / "a"], str(tmp_path / "other"))
 
 
+def test_merge_refuses_a_seed_whose_starting_model_differs_between_pieces(tmp_path):
+    """Pieces by arm each evaluate the seed's starting model: where their figures differ, the arms did not start
+    from one model (or it was evaluated otherwise), and ELR would measure one piece's arm from another's start.
+    Merge names both files, as it does for a run found twice with different figures."""
+    _write_piece(tmp_path / "grpo", [0, 1], arms=("grpo",))
+    _write_piece(tmp_path / "short", [0, 1], arms=("shortest-8of16",))
+    start = tmp_path / "short" / "seed-1" / "start.json"
+    record = json.loads(start.read_text())
+    record["figures"]["mean_length"] += 0.5
+    start.write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=rf"^seed 1's starting model has other figures in {start} than in "
+                       rf"{tmp_path / 'grpo' / 'seed-1' / 'start.json'}: the pieces' arms of that seed did not start "
+                       "from one model"):
+        study.merge_studies([tmp_path / "grpo", tmp_path / "short"], str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_merge_on_the_command_line(tmp_path, capsys):
     from gfpo_study.cli import main
 
