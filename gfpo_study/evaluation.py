@@ -62,8 +62,9 @@ def sample_answers(model, tokenizer, prompts, *, samples: int, temperature: floa
                                      top_k=0, top_p=1.0, pad_token_id=pad,
                                      eos_token_id=eos if len(eos) > 1 else eos[0])
                 for ids in out[:, enc.input_ids.shape[1] :].tolist():
+                    # generate pads a row only after its EOS: a row without one holds every token it sampled
                     end = next((i for i, t in enumerate(ids) if t in eos), None)
-                    ids = ids[: end + 1] if end is not None else [i for i in ids if i != pad]
+                    ids = ids[: end + 1] if end is not None else ids
                     answers.append(tokenizer.decode(ids, skip_special_tokens=True))
                     lengths.append(len(ids))
                 if progress is not None:

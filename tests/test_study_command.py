@@ -301,6 +301,37 @@ def test_eval_function_results_are_checked():
         score_answers(lambda completions, **k: None, rows, answers, 2)
 
 
+def test_held_out_lengths_count_every_token_up_to_the_first_eos():
+    """sample_answers' lengths, as docs/study.md and sample_answers_vllm count them: up to and including the first
+    EOS, or every generated token where none came, a sampled pad token among them (training counts it too)."""
+    import torch
+
+    from gfpo_study.evaluation import sample_answers
+    from gfpo_trainer.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    pad, eos, a, b = tokenizer.pad_token_id, tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["1", "2"])
+    completions = torch.tensor([[a, pad, b, b],  # no EOS: 4 tokens, the pad id sampled among them
+                                [a, eos, pad, pad],  # EOS, then generate's padding: 2
+                                [eos, pad, pad, pad]])  # 1
+
+    class Model(torch.nn.Module):
+        """generate() answers with the completions above (a stand-in with known outputs)."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.generation_config = type("GenerationConfig", (), {"eos_token_id": eos})()
+
+        def generate(self, input_ids, attention_mask, **kwargs):
+            return torch.cat([input_ids, completions[: len(input_ids)]], dim=1)
+
+    answers, lengths = sample_answers(Model(), tokenizer, ["1+1=", "2+2=", "3+3="], samples=1, temperature=1.0,
+                                      max_tokens=4, seed=0)
+    assert lengths == [4, 2, 1]
+    assert answers == ["122", "1", ""]
+
+
 def test_held_out_prompts_that_are_training_prompts_warn():
     with pytest.warns(UserWarning, match=r"^1 of the 2 held-out prompts are also training prompts \(the first: "
                       r"'1\+1='\)"):
