@@ -127,8 +127,9 @@ def sample_answers_vllm(llm, tokenizer, prompts, *, samples: int, temperature: f
 
 def score_answers(correct, rows: list, answers: list, samples: int, threshold: float | None = None) -> list:
     """The correctness of each answer: `correct(prompts=..., completions=..., **the rows' other columns)`, called as
-    TRL calls a reward function (chat prompts get chat completions), one value per answer; with `threshold`, 1.0
-    where the value is >= threshold, else 0.0.
+    TRL calls a reward function (chat prompts get chat completions), one value per answer (a bool or a number, as
+    the trainer takes a reward: NumPy and one-element torch scalars too); with `threshold`, 1.0 where the value is
+    >= threshold, else 0.0.
 
     Raises:
         ValueError: a function that returns another number of values, or values that are not bools or finite numbers
@@ -150,13 +151,16 @@ def score_answers(correct, rows: list, answers: list, samples: int, threshold: f
                          "must return one bool or number per completion")
     out = []
     for i, value in enumerate(values):
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if not isinstance(value, (bool, int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+        # what the trainer takes as a reward (anything float() takes: bool, int, float, a NumPy or one-element torch
+        # scalar), so that one function serves as both; None, text and NaN are not a correctness
+        try:
+            number = float(value) if value is not None and hasattr(type(value), "__float__") else math.nan
+        except (TypeError, ValueError, RuntimeError):  # a tensor of several values
+            number = math.nan
+        if not math.isfinite(number):
             raise ValueError(f"eval.correct {name}: value {value!r} for completion {i} is not a bool or a finite "
                              "number")
-        value = float(value)
-        out.append(value if threshold is None else float(value >= threshold))
+        out.append(number if threshold is None else float(number >= threshold))
     return out
 
 

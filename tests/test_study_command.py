@@ -299,6 +299,29 @@ def test_eval_function_results_are_checked():
         score_answers(lambda completions, **k: [float("nan")] * 4, rows, answers, 2)
     with pytest.raises(ValueError, match=r"returned NoneType, not a list"):
         score_answers(lambda completions, **k: None, rows, answers, 2)
+    with pytest.raises(ValueError, match=r"value None for completion 2 is not a bool or a finite number"):
+        score_answers(lambda completions, **k: [1.0, 0.0, None, 1.0], rows, answers, 2)
+
+
+def test_eval_correct_takes_what_the_trainer_takes_as_a_reward():
+    """A NumPy bool or number, or a one-element tensor, as the trainer takes a reward (rewards.py): one function
+    serves as the reward and as eval.correct (the sums study's does)."""
+    import numpy as np
+    import torch
+
+    rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4}]
+    answers = ["2", "5", "4", "4"]
+
+    def exact(prompts, completions, answer, **kwargs):
+        return list(np.array(completions) == np.array([str(a) for a in answer]))  # np.bool_
+
+    assert score_answers(exact, rows, answers, samples=2) == [1.0, 0.0, 1.0, 1.0]
+    values = [np.float32(0.25), np.int64(1), torch.tensor(0.5), torch.tensor([1.0])]
+    assert score_answers(lambda completions, **k: values, rows, answers, 2) == [0.25, 1.0, 0.5, 1.0]
+    assert score_answers(lambda completions, **k: values, rows, answers, 2, threshold=0.5) == [0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match=r"value tensor\(\[1\., 0\.\]\) for completion 0 is not a bool or a finite "
+                       r"number$"):
+        score_answers(lambda completions, **k: [torch.tensor([1.0, 0.0])] * 4, rows, answers, 2)
 
 
 def test_held_out_lengths_count_every_token_up_to_the_first_eos():
