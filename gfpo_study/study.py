@@ -392,11 +392,22 @@ def arm_args(config: StudyConfig, arm: Arm, seed: int, output_dir: str, verbose:
                           f"gradient_accumulation_steps={accumulation} do not divide; choose a prompts_per_step "
                           "they do")
     try:
-        return GFPOConfig(**fields, output_dir=output_dir, per_device_train_batch_size=per_device,
+        args = GFPOConfig(**fields, output_dir=output_dir, per_device_train_batch_size=per_device,
                           max_steps=config.steps, seed=seed, shuffle_dataset=False, logging_steps=1,
                           disable_tqdm=not verbose)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}") from None
+    # a run's records (tokens generated and trained, time, learning signal) are read per optimizer step from the
+    # generation it trains on: TRL generates every steps_per_generation x num_iterations micro-batches, so a step
+    # must generate its own batch, once, or the records of a GFPO arm and GRPO's would count different spans
+    if args.steps_per_generation != args.gradient_accumulation_steps or args.num_iterations != 1:
+        raise ConfigError(
+            f"arm {arm.name!r}: steps_per_generation={args.steps_per_generation} (generation_batch_size="
+            f"{args.generation_batch_size}), num_iterations={args.num_iterations} with gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}: the study records every optimizer step from its own generation, "
+            "so each step must generate once; leave steps_per_generation, generation_batch_size and num_iterations "
+            "unset (docs/study.md)")
+    return args
 
 
 def _signed(func):

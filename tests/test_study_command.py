@@ -414,6 +414,28 @@ def test_held_out_answers_have_one_token_limit_whatever_arm_comes_first(user_fol
     assert limits == [CONFIG["args"]["max_completion_length"]] * 4 == [6] * 4
 
 
+@pytest.mark.parametrize("changes", [
+    dict(args__steps_per_generation=2),
+    dict(args__gradient_accumulation_steps=2, args__generation_batch_size=64),
+    dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length",
+                        "num_iterations": 2}]),
+])
+def test_a_step_that_does_not_generate_its_own_batch_is_refused(user_folder, tmp_path, changes):
+    """TRL generates every steps_per_generation x num_iterations micro-batches; the study reads each step's tokens,
+    time and learning signal from the generation it trains on. With a generation spanning 2 steps a GFPO arm recorded
+    the generation's tokens (184 a step) and GRPO one step's (89.5): tokens_per_step_over_grpo read 2x for the same
+    sampling. Such a config is refused before anything trains."""
+    config = parse(user_folder, output_dir=str(tmp_path / "out"), **changes)
+    arm = list(config.arms)[-1]
+    with pytest.raises(ConfigError, match=rf"^arm '{arm}': steps_per_generation=\d+ \(generation_batch_size=\d+\), "
+                       r"num_iterations=\d with gradient_accumulation_steps=\d: the study records every optimizer "
+                       r"step from its own generation"):
+        study.arm_args(config, config.arms[arm], 0, str(tmp_path / "x"))
+    with pytest.raises(ConfigError, match=r"the study records every optimizer step from its own generation"):
+        study.run_study(config)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_arm_that_changed_is_not_taken_for_its_finished_run(tmp_path):
     """A run file records its arm's definition: the same name with other fields is an error, not a skipped run."""
     run_dir = tmp_path / "seed-0"
