@@ -587,6 +587,10 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
 
         raise ConfigError(f"--arms: {unknown[0]!r} is not an arm of the config{_did_you_mean(unknown[0], config.arms)}"
                           f"; its arms: {', '.join(config.arms)}")
+    if not seeds or not arms:
+        which, given = ("--seeds", config.seeds) if not seeds else ("--arms", config.arms)
+        raise ConfigError(f"{which}: the selection is empty; give some of the config's "
+                          f"({', '.join(map(str, given))}), or leave it out to run them all")
     state = PartialState()
     main = state.is_main_process
     # every selected arm's GFPOConfig built now, as its run will build it: an arm the trainer refuses (k >= G, an

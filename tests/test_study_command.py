@@ -369,6 +369,11 @@ def test_a_selection_outside_the_config_is_refused(user_folder):
         study.run_study(config, arms=["shortest-4of9"])
     with pytest.raises(ConfigError, match=r"^--seeds: \[7\] are not among the config's seeds \[0, 1\]$"):
         study.run_study(config, seeds=[7])
+    with pytest.raises(ConfigError, match=r"^--arms: the selection is empty; give some of the config's \(grpo, "
+                       r"shortest-4of8\), or leave it out to run them all$"):
+        study.run_study(config, arms=[])  # what `run --arms ,` selects
+    with pytest.raises(ConfigError, match=r"^--seeds: the selection is empty; give some of the config's \(0, 1\)"):
+        study.run_study(config, seeds=[])
     assert not (user_folder / "never").exists()
 
 
