@@ -326,7 +326,7 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
 
     if not isinstance(config, dict):
         raise ConfigError(f"the study config must hold a mapping, got {type(config).__name__}")
-    train_keys = tuple(train_cli._TOP_LEVEL_KEYS) + (("prompt",) if "prompt" not in train_cli._TOP_LEVEL_KEYS else ())
+    train_keys = train_cli._TOP_LEVEL_KEYS
     known = train_keys + STUDY_KEYS
     unknown = sorted(set(config) - set(known), key=str)
     if unknown:
@@ -360,20 +360,7 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
     if is_function_spec(config["dataset"]):
         function_spec("dataset", config["dataset"], base_dir)
         train_part["dataset"] = "function/rows"  # no file to look for
-    check = getattr(train_cli, "check_config", None)
-    if check is not None:
-        converted = check(train_part, base_dir, **({"flags": flags} if flags else {}))["args"]
-    else:
-        from gfpo_trainer.config import GFPOConfig
-
-        fields = {f.name for f in dataclasses.fields(GFPOConfig) if f.init}
-        bad = sorted((name for name in args if name not in fields), key=str)
-        if bad:
-            raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'"
-                              f"{train_cli._unknown_hints(bad, sorted(fields))}")
-        converted = train_cli._convert_args(args)
-        if not is_function_spec(config["model"]):
-            train_cli.resolve_model(config["model"], base_dir)
+    converted = train_cli.check_config(train_part, base_dir, flags=flags)["args"]
     for spec in _as_list(config["reward_funcs"]):
         train_cli.load_reward_func(spec, base_dir)
     evaluation = parse_eval(config["eval"], base_dir)
@@ -412,11 +399,9 @@ def load_study_config(path: str, overrides: list | None = None) -> StudyConfig:
         raise ConfigError(f"{path}: not YAML: {' '.join(str(error).split())}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} must hold a mapping, got {type(config).__name__}")
+    flags = None
     if overrides:
-        apply = getattr(train_cli, "apply_overrides", None)
-        if apply is None:
-            raise ConfigError("command-line overrides need gfpo_trainer.cli.apply_overrides, which this install lacks")
-        keys = tuple(train_cli._TOP_LEVEL_KEYS) + ("prompt",) + STUDY_KEYS
-        config = apply(config, list(overrides), tuple(dict.fromkeys(keys)))
-        flags = train_cli.override_flags(list(overrides), tuple(dict.fromkeys(keys)))
-    return parse_study_config(config, os.path.dirname(os.path.abspath(path)), flags=flags if overrides else None)
+        keys = train_cli._TOP_LEVEL_KEYS + STUDY_KEYS
+        config = train_cli.apply_overrides(config, list(overrides), keys)
+        flags = train_cli.override_flags(list(overrides), keys)
+    return parse_study_config(config, os.path.dirname(os.path.abspath(path)), flags=flags)

@@ -549,19 +549,20 @@ def test_without_the_trainer_extra_the_command_says_what_to_install():
             'install --no-build-isolation ".[trainer]" (docs/install.md)']
 
 
-def test_overrides_need_the_cli_helper_or_apply(user_folder, capsys):
-    """`run --config F --steps 2`: a config field set on the command line (gfpo_trainer.cli.apply_overrides)."""
+def test_overrides_set_the_study_keys_and_args(user_folder, capsys):
+    """`run --config F --steps 2`: study keys, dotted sections and bare GFPOConfig fields set on the command line
+    (gfpo_trainer.cli.apply_overrides, the study's keys among the top-level ones); a bare unknown name goes under
+    args, and its error names the flag."""
     from gfpo_study.cli import main
-    from gfpo_trainer import cli as train_cli
+    from gfpo_study.config import load_study_config
 
-    code = main(["run", "--config", str(user_folder / "study.yaml"), "--stpes", "2"])
-    assert code == 2
-    err = capsys.readouterr().err
-    if hasattr(train_cli, "apply_overrides"):
-        assert "stpes" in err
-    else:
-        assert err == ("error: command-line overrides need gfpo_trainer.cli.apply_overrides, which this install "
-                       "lacks\n")
+    config = load_study_config(str(user_folder / "study.yaml"), ["--steps", "2", "--eval.samples", "4",
+                                                                 "--learning-rate", "1e-5", "--prompts_per_step=1"])
+    assert (config.steps, config.eval.samples, config.prompts_per_step) == (2, 4, 1)
+    assert config.train["args"]["learning_rate"] == "1e-5" and config.identity["steps"] == 2
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--stpes", "2"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['stpes'] under 'args', given on the command "
+                                       "line as --stpes\n")
 
 
 def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model(tmp_path):
