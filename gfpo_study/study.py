@@ -674,6 +674,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                 if main:
                     write_json(_run_file(config.output_dir, seed, name),
                                {"seed": seed, "arm": name, "definition": config.arms[name].definition(),
+                                "paper": config.arms[name].paper,
                                 "environment": run_environment(torch.device("cuda" if torch.cuda.is_available()
                                                                             else "cpu")), "run": run})
                 state.wait_for_everyone()
@@ -801,8 +802,9 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
     environment["pieces"] = [{"dir": d, "seeds": sorted({s for (s, _), (p, _) in runs.items()
                                                          if p.startswith(os.path.join(d, ""))})} for d, _ in pieces]
     study = assemble_study(output_dir, identity=first, seeds=seeds, arms=arms, environment=environment)
-    definitions = {a: runs[(seeds[0], a)][1]["definition"] for a in arms}
-    return finish_study(study, output_dir, {a: _arm_from_definition(a, d) for a, d in definitions.items()})
+    records = {a: runs[(seeds[0], a)][1] for a in arms}
+    return finish_study(study, output_dir, {a: _arm_from_definition(a, r["definition"], r.get("paper"))
+                                            for a, r in records.items()})
 
 
 def config_of_output_dir(output_dir: str) -> StudyConfig:
@@ -816,10 +818,10 @@ def config_of_output_dir(output_dir: str) -> StudyConfig:
                     runs[(int(entry[5:]), name[:-5])] = _read_json(os.path.join(output_dir, entry, name))
     arms = {}
     for (_, name), record in sorted(runs.items(), key=lambda k: (k[0][0], _arm_order(k[0][1]))):
-        arm = _arm_from_definition(name, record["definition"])
+        arm = _arm_from_definition(name, record["definition"], record.get("paper"))
         arms.setdefault(name, arm.name if ARMS.get(name) == arm else {
-            "name": name, "reward": arm.reward, **{k: v for k, v in arm.config_fields().items() if v is not None
-                                                   and k != "adaptive_difficulty"}})
+            "name": name, "reward": arm.reward, **({"paper": arm.paper} if arm.paper is not None else {}),
+            **{k: v for k, v in arm.config_fields().items() if v is not None and k != "adaptive_difficulty"}})
     config = {**held["config"], "seeds": sorted({s for s, _ in runs}), "arms": list(arms.values()),
               "output_dir": os.path.abspath(output_dir)}
     return parse_study_config(config, held.get("base_dir") or os.getcwd())
@@ -871,15 +873,16 @@ def _arm_order(name: str) -> int:
     return list(ARMS).index(name) if name in ARMS else len(ARMS)
 
 
-def _arm_from_definition(name: str, definition: dict) -> Arm:
-    """The Arm a run file records (its GFPOConfig fields and reward); a built-in arm keeps its paper key."""
+def _arm_from_definition(name: str, definition: dict, paper: str | None = None) -> Arm:
+    """The Arm a run file records (its GFPOConfig fields and reward; `paper`: its key in the paper's tables, which
+    the file records beside them); a built-in arm keeps its own paper key."""
     if name in ARMS and ARMS[name].definition() == definition:
         return ARMS[name]
     fields = dict(definition["fields"])
     adaptive = fields.pop("adaptive_num_remains", None)
     fields.pop("adaptive_difficulty", None)
     return Arm(name, fields.pop("num_generations"), fields.pop("num_remains_in_group", None),
-               fields.pop("group_filter", None), tuple(adaptive) if adaptive else None, definition["reward"], None,
+               fields.pop("group_filter", None), tuple(adaptive) if adaptive else None, definition["reward"], paper,
                bool(fields.pop("loss_includes_rejected", False)), tuple(sorted(fields.items())))
 
 

@@ -130,6 +130,23 @@ def test_merge_refuses_a_seed_whose_starting_model_differs_between_pieces(tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+def test_a_merged_study_reports_a_user_arm_beside_the_paper(tmp_path):
+    """A user arm's `paper` key (its row of the paper's tables) is recorded with its runs, so the merged study's
+    report sets it beside the paper as the study run in one folder does (finish_study with the config's arms)."""
+    from gfpo_study.study_report import paper_comparison_table
+
+    mine = study.Arm("mine", 16, 4, "length", paper="4/16")
+    for piece, seeds in (("a", [0, 1]), ("b", [2])):
+        directory = _write_piece(tmp_path / piece, seeds, arms=("grpo",))
+        for seed in seeds:
+            run = _seed_result(seed, 20.0, 12.0 + seed)["arms"]["shortest-8of16"]
+            (directory / f"seed-{seed}" / "mine.json").write_text(json.dumps(
+                {"seed": seed, "arm": "mine", "definition": mine.definition(), "paper": mine.paper, "run": run}))
+    result = study.merge_studies([tmp_path / "a", tmp_path / "b"], str(tmp_path / "out"))
+    table = paper_comparison_table(result["summary"], study.paper_tables(), {"grpo": study.ARMS["grpo"], "mine": mine})
+    assert "\nmine | " in table and table in result["report"]
+
+
 def test_merge_on_the_command_line(tmp_path, capsys):
     from gfpo_study.cli import main
 
