@@ -233,6 +233,7 @@ def parse_arms(items, default_generations: int) -> dict:
             if overrides.pop("adaptive_difficulty", adaptive is not None) is not (adaptive is not None):
                 raise ConfigError(f"arms: arm {name!r}: adaptive_difficulty goes with adaptive_num_remains (k per "
                                   "difficulty quartile, hardest first)")
+            _check_filter(name, overrides.get("num_remains_in_group"), overrides.get("group_filter"))
             arm = Arm(name, overrides.pop("num_generations", default_generations),
                       overrides.pop("num_remains_in_group", None), overrides.pop("group_filter", None),
                       tuple(adaptive) if adaptive is not None else None, reward, item.get("paper"),
@@ -244,6 +245,22 @@ def parse_arms(items, default_generations: int) -> dict:
         arms[arm.name] = arm
     _refuse_identical_arms(arms)
     return arms
+
+
+def _check_filter(name: str, k, group_filter) -> None:
+    """A user arm's filter, as GFPOTrainer will check it (the study passes no group_filter_func): a built-in
+    group_filter name (filters.group_filter_spec, torch-free), given exactly where num_remains_in_group is."""
+    from gfpo_trainer.filters import GROUP_FILTERS, group_filter_spec
+
+    try:
+        group_filter_spec(group_filter)
+    except ValueError as error:
+        raise ConfigError(f"arms: arm {name!r}: {error}") from None
+    if (k is None) != (group_filter is None):
+        given, missing = ((f"num_remains_in_group={k}", f"group_filter (one of {', '.join(GROUP_FILTERS)})")
+                          if group_filter is None else (f"group_filter={group_filter!r}", "num_remains_in_group (k)"))
+        raise ConfigError(f"arms: arm {name!r} sets {given} without {missing}: a GFPO arm keeps k completions of "
+                          "each group by a filter; set both, or neither for GRPO")
 
 
 def _refuse_identical_arms(arms: dict) -> None:

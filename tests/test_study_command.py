@@ -227,6 +227,15 @@ def parse(folder: Path, **changes):
                 {"name": "b", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length",
                  "beta": 0.0}]), r"^arms: 'a' and 'b' are the same config"),
     (dict(arms=["grpo", "grpo"]), r"^arms: 'grpo' is listed twice"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remains_in_group": 4}]),
+     r"^arms: arm 'mine' sets num_remains_in_group=4 without group_filter \(one of length, token_efficiency\): a "
+     r"GFPO arm keeps k completions of each group by a filter; set both, or neither for GRPO$"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "group_filter": "length"}]),
+     r"^arms: arm 'mine' sets group_filter='length' without num_remains_in_group \(k\)"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remains_in_group": 4,
+                         "group_filter": "shortest-4of8"}]),
+     r"^arms: arm 'mine': group_filter must be None or one of \('length', 'token_efficiency'\), got "
+     r"group_filter='shortest-4of8' \(did you mean 'length'\? the filter the paper calls 'shortest-4of8'"),
     (dict(arms=[{"name": "grpo", "num_generations": 4}]), r"^arms: 'grpo' is a built-in arm's name"),
     (dict(arms=[{"name": "mine", "max_steps": 4}]), r"^arms: arm 'mine' sets 'max_steps', which the study sets for "
      r"every run; set steps"),
@@ -380,9 +389,10 @@ def test_a_selection_outside_the_config_is_refused(user_folder):
 @pytest.mark.parametrize("arm, message", [
     ({"name": "bad", "num_generations": 8, "num_remains_in_group": 8, "group_filter": "length"},
      r"^arm 'bad': num_remains_in_group must be an int with 2 <= k < num_generations=8"),
-    ({"name": "bad", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "shortest"},
-     r"^arm 'bad': group_filter must be None or one of \('length', 'token_efficiency'\), got "
-     r"group_filter='shortest' \(did you mean 'length'\? the filter the paper calls 'shortest'"),
+    ({"name": "bad", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length",
+      "adaptive_num_remains": [8, 8, 6, 9]},
+     r"^arm 'bad': adaptive_num_remains must be 4 ints \(k per difficulty quartile, hardest first\), each 2 <= k <= "
+     r"num_generations=8, got adaptive_num_remains=\[8, 8, 6, 9\]$"),
 ])
 def test_an_arm_the_trainer_refuses_is_an_error_before_anything_trains(user_folder, tmp_path, arm, message):
     """An arm whose GFPOConfig cannot be built is refused before the first run (docs/study.md: errors before
