@@ -45,7 +45,9 @@ OWNED_ARGS = {"max_steps": "steps", "seed": "seeds", "output_dir": "output_dir (
               "per_device_train_batch_size": "prompts_per_step (per_device_train_batch_size = prompts_per_step x "
               "num_generations / (processes x gradient_accumulation_steps))",
               "shuffle_dataset": "nothing: every arm of a seed sees the same prompts in the same order",
-              "logging_steps": "nothing: the study logs every step"}
+              "logging_steps": "nothing: the study logs every step",
+              "disable_tqdm": "nothing: the study shows one progress bar (run --verbose prints TRL's metrics at every "
+              "step instead)"}
 ARM_KEYS = ("name", "reward", "paper")  # an arm's own keys besides GFPOConfig fields
 DEFAULT_OUTPUT_DIR = "gfpo_study_output"  # in the working folder, where the config names none
 

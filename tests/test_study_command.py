@@ -240,6 +240,8 @@ def parse(folder: Path, **changes):
     (dict(arms=[{"name": "mine", "max_steps": 4}]), r"^arms: arm 'mine' sets 'max_steps', which the study sets for "
      r"every run; set steps"),
     (dict(args__max_steps=10), r"^args.max_steps: the study sets it for every run; set steps$"),
+    (dict(args__disable_tqdm=True), r"^args.disable_tqdm: the study sets it for every run; set nothing: the study "
+     r"shows one progress bar \(run --verbose prints TRL's metrics at every step instead\)$"),
     (dict(args__per_device_train_batch_size=8), r"^args.per_device_train_batch_size: the study sets it for every run; "
      r"set prompts_per_step"),
     (dict(args__use_vllm=True, args__vllm_mode="server"), r"^args.use_vllm=true with vllm_mode='server': the study "
