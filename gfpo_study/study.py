@@ -259,14 +259,16 @@ def eval_rows(config: StudyConfig) -> list:
     return _rows(config.eval.dataset, config.eval.dataset_split, config, config.eval.dataset_config)
 
 
-def warn_overlap(train: list, held_out: list) -> int:
-    """Warns where held-out prompts are also training prompts (the held-out figures would then measure recall);
-    returns how many held-out prompts are."""
+def warn_overlap(train: list, held_out: list, seed: int | None = None) -> int:
+    """Warns where held-out prompts are also training prompts (the held-out figures would then measure recall),
+    naming `seed` where given (whose prompts `train` are); returns how many held-out prompts are."""
     seen = {json.dumps(r["prompt"], sort_keys=True) for r in train}
     shared = [r for r in held_out if json.dumps(r["prompt"], sort_keys=True) in seen]
     if shared:
-        warnings.warn(f"{len(shared)} of the {len(held_out)} held-out prompts are also training prompts (the first: "
-                      f"{shared[0]['prompt']!r}): held-out accuracy there measures what training saw", stacklevel=2)
+        whose = f"seed {seed}: " if seed is not None else ""
+        warnings.warn(f"{whose}{len(shared)} of the {len(held_out)} held-out prompts are also training prompts (the "
+                      f"first: {shared[0]['prompt']!r}): held-out accuracy there measures what training saw",
+                      stacklevel=2)
     return len(shared)
 
 
@@ -607,9 +609,11 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
     claim_output_dir(config.output_dir, config.identity, main, config.base_dir)
     state.wait_for_everyone()
     held_out = eval_rows(config)
-    first_rows = training_rows(config, seeds[0]) if seeds else []
+    # every selected seed's prompts (each seed draws its own), checked against the held-out ones before anything trains
+    rows_of = {seed: training_rows(config, seed) for seed in seeds}
     if main:
-        warn_overlap(first_rows, held_out)
+        for seed in seeds:
+            warn_overlap(rows_of[seed], held_out, seed)
     evaluate = Evaluator(config, held_out, eval_max_tokens(config))
     todo, skipped = [], []
     for seed in seeds:
@@ -639,9 +643,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
             start_build = time.perf_counter()
             start_dir = _start_model(config, seed, seed_dir, state)
             start_seconds = time.perf_counter() - start_build
-            rows = None
+            rows = rows_of[seed]
             if not start_done and on_vllm:  # on the engine of a trainer that never trains
-                rows = first_rows if seed == seeds[0] else training_rows(config, seed)
                 progress.start(f"seed {seed}: the starting model", progress.bar.n)
                 eval_start = evaluate.seconds
                 figures = _evaluate_start_on_engine(config, config.arms[arms[0]], seed, start_dir, rows, evaluate,
@@ -663,8 +666,6 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                     write_json(start_path, {"seed": seed, "model": start_dir, "figures": figures,
                                             "seconds": {"build": start_seconds, "eval": evaluate.seconds - eval_start}})
                 state.wait_for_everyone()
-            if rows is None:
-                rows = first_rows if seed == seeds[0] else training_rows(config, seed)
             for name in pending:
                 progress.start(f"seed {seed}, {name}", progress.bar.n)
                 load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -373,6 +373,30 @@ def test_held_out_prompts_that_are_training_prompts_warn():
         assert study.warn_overlap(train, held_out) == 1
 
 
+def test_every_seeds_training_prompts_are_checked_against_the_held_out_ones(user_folder, tmp_path, monkeypatch):
+    """Each seed draws its own training prompts: a seed after the first whose prompts hold held-out ones is warned
+    about, naming it, before anything trains."""
+    (user_folder / "seeded_rows.py").write_text(textwrap.dedent('''
+        def rows(seed, rows):
+            """Training rows of one sum; seed 1's is "7+0=", a held-out prompt of data/test.jsonl."""
+            prompt, answer = ("7+0=", 7) if seed == 1 else ("1+1=", 2)
+            return [{"prompt": prompt, "answer": answer}] * rows
+    '''))
+
+    class Built(Exception):
+        pass
+
+    def stop(self, config, rows, max_tokens):
+        raise Built
+
+    monkeypatch.setattr(study.Evaluator, "__init__", stop)
+    config = parse(user_folder, dataset={"function": "seeded_rows:rows"}, output_dir=str(tmp_path / "out"))
+    with pytest.warns(UserWarning, match=r"^seed 1: 1 of the \d+ held-out prompts are also training prompts \(the "
+                      r"first: '7\+0='\)") as caught, pytest.raises(Built):
+        study.run_study(config)
+    assert [str(w.message)[:7] for w in caught if "held-out prompts" in str(w.message)] == ["seed 1:"]
+
+
 def test_a_selection_outside_the_config_is_refused(user_folder):
     config = parse(user_folder, output_dir=str(user_folder / "never"))
     with pytest.raises(ConfigError, match=r"^--arms: 'shortest-4of9' is not an arm of the config \(did you mean "
