@@ -169,6 +169,22 @@ def read_output_dir(output_dir: str) -> dict:
     return held
 
 
+def _seed_files(output_dir: str):
+    """(seed, file name, path) of each JSON file in an output folder's `seed-<s>/` folders (the run files and
+    start.json; a write's leftover `.tmp-` skipped), in folder and name order. A `seed-` folder whose suffix is no
+    number is a ConfigError naming it."""
+    for entry in sorted(os.listdir(output_dir)):
+        folder = os.path.join(output_dir, entry)
+        if not entry.startswith("seed-") or not os.path.isdir(folder):
+            continue
+        if not entry[len("seed-"):].isdigit():
+            raise ConfigError(f"{folder}: a study's seed folders are seed-<number>, as run writes them; move this "
+                              f"one out of {output_dir}")
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".json") and ".tmp-" not in name:
+                yield int(entry[len("seed-"):]), name, os.path.join(folder, name)
+
+
 def _run_file(output_dir: str, seed: int, arm: str) -> str:
     return os.path.join(output_dir, f"seed-{seed}", f"{arm}.json")
 
@@ -751,34 +767,27 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
                               f"{piece_dir} and {ours!r} in {first_dir}")
     runs, starts = {}, {}
     for piece_dir, _ in pieces:
-        for entry in sorted(os.listdir(piece_dir)):
-            if not entry.startswith("seed-") or not os.path.isdir(os.path.join(piece_dir, entry)):
+        for seed, name, path in _seed_files(piece_dir):
+            record = _read_json(path)
+            if name == START_FILE:
+                if seed in starts and starts[seed][1]["figures"] != record["figures"]:
+                    raise ConfigError(
+                        f"seed {seed}'s starting model has other figures in {path} than in {starts[seed][0]}: the "
+                        "pieces' arms of that seed did not start from one model, or it was evaluated otherwise "
+                        "(figures reproduce on one machine and thread count), and ELR would measure one piece's "
+                        "arms from another's start; run a seed's arms on one machine, or in one piece")
+                starts.setdefault(seed, (path, record))
                 continue
-            seed = int(entry[5:])
-            for name in sorted(os.listdir(os.path.join(piece_dir, entry))):
-                path = os.path.join(piece_dir, entry, name)
-                if not name.endswith(".json") or ".tmp-" in name:
-                    continue
-                record = _read_json(path)
-                if name == START_FILE:
-                    if seed in starts and starts[seed][1]["figures"] != record["figures"]:
-                        raise ConfigError(
-                            f"seed {seed}'s starting model has other figures in {path} than in {starts[seed][0]}: the "
-                            "pieces' arms of that seed did not start from one model, or it was evaluated otherwise "
-                            "(figures reproduce on one machine and thread count), and ELR would measure one piece's "
-                            "arms from another's start; run a seed's arms on one machine, or in one piece")
-                    starts.setdefault(seed, (path, record))
-                    continue
-                arm = name[: -len(".json")]
-                if (seed, arm) in runs:
-                    other_path, other = runs[(seed, arm)]
-                    if other["definition"] != record["definition"]:
-                        raise ConfigError(f"arm {arm!r} ran with two definitions: {other_path} and {path}")
-                    if other["run"]["final"] != record["run"]["final"]:
-                        raise ConfigError(f"{arm} seed {seed} is in two pieces with different figures: {other_path} "
-                                          f"and {path}; keep one (remove the other piece's file)")
-                    continue
-                runs[(seed, arm)] = (path, record)
+            arm = name[: -len(".json")]
+            if (seed, arm) in runs:
+                other_path, other = runs[(seed, arm)]
+                if other["definition"] != record["definition"]:
+                    raise ConfigError(f"arm {arm!r} ran with two definitions: {other_path} and {path}")
+                if other["run"]["final"] != record["run"]["final"]:
+                    raise ConfigError(f"{arm} seed {seed} is in two pieces with different figures: {other_path} "
+                                      f"and {path}; keep one (remove the other piece's file)")
+                continue
+            runs[(seed, arm)] = (path, record)
     seeds = sorted({s for s, _ in runs})
     arms = list(dict.fromkeys(a for _, a in sorted(runs, key=lambda k: (k[0], _arm_order(k[1])))))
     missing = [(s, a) for s in seeds for a in arms if (s, a) not in runs or s not in starts]
@@ -811,12 +820,8 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
 def config_of_output_dir(output_dir: str) -> StudyConfig:
     """The StudyConfig an output folder's runs belong to: its config, with the seeds and arms of its run files."""
     held = read_output_dir(output_dir)
-    runs = {}
-    for entry in os.listdir(output_dir):
-        if entry.startswith("seed-") and os.path.isdir(os.path.join(output_dir, entry)):
-            for name in os.listdir(os.path.join(output_dir, entry)):
-                if name.endswith(".json") and name != START_FILE and ".tmp-" not in name:
-                    runs[(int(entry[5:]), name[:-5])] = _read_json(os.path.join(output_dir, entry, name))
+    runs = {(seed, name[: -len(".json")]): _read_json(path) for seed, name, path in _seed_files(output_dir)
+            if name != START_FILE}
     arms = {}
     for (_, name), record in sorted(runs.items(), key=lambda k: (k[0][0], _arm_order(k[0][1]))):
         arm = _arm_from_definition(name, record["definition"], record.get("paper"))

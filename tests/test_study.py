@@ -158,6 +158,21 @@ def test_merge_on_the_command_line(tmp_path, capsys):
     assert capsys.readouterr().err == expected
 
 
+def test_a_folder_that_is_no_seeds_is_one_error(tmp_path, capsys):
+    """A `seed-` folder whose suffix is no number (a user's copy, `seed-old`) in a piece: merge says which folder
+    in one line, as does reading the folder's config (reevaluate_final_models)."""
+    from gfpo_study.cli import main
+
+    _write_piece(tmp_path / "a", [0, 1])
+    (tmp_path / "a" / "seed-old").mkdir()
+    assert main(["merge", str(tmp_path / "a"), "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: merge: {tmp_path / 'a' / 'seed-old'}: a study's seed folders are "
+                                       f"seed-<number>, as run writes them; move this one out of {tmp_path / 'a'}\n")
+    with pytest.raises(ConfigError, match=r"seed-old: a study's seed folders are seed-<number>"):
+        study.config_of_output_dir(str(tmp_path / "a"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_pieces_merged_are_the_study_run_at_once(tmp_path):
     """One-seed pieces merged hold the same runs as the two seeds run in one study (times apart)."""
     settings, arms = study.DemoSettings.smoke(), ("grpo", "shortest-8of16")
