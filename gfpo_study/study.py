@@ -549,7 +549,10 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
             final = evaluate(unwrapped, tokenizer, seed, config.eval.samples)
     rows_per_step = config.prompts_per_step * args.num_generations
-    signal = [_step_signal(h) for h in history]
+    # TRL's frac_reward_zero_std tests each group's reward std only with scale_rewards "group" or "none" and
+    # sum_then_normalize; otherwise it tests the batch's (0 or 1): not the per-group share GFPO's kept rows give
+    per_group = args.scale_rewards != "batch" and args.multi_objective_aggregation == "sum_then_normalize"
+    signal = [_step_signal(h, per_group) for h in history]
     return {"final": final, "curve": callback.curve, "curve_figures": callback.curve_figures,
             "generated_tokens": [_generated_tokens(h, rows_per_step) for h in history],
             "trained_tokens": [_trained_tokens(h, rows_per_step) for h in history],
@@ -906,13 +909,16 @@ def _trained_tokens(log: dict, rows: int) -> float:
     return log["completions/mean_length"] * rows
 
 
-def _step_signal(log: dict) -> dict:
+def _step_signal(log: dict, trl_zero_std_per_group: bool = True) -> dict:
     """The learning signal of a step's trained rows: their mean reward, their reward spread (std over the batch's
-    trained rows) and the share of trained rows in groups whose trained rewards are all equal (advantage 0)."""
+    trained rows) and the share of trained rows in groups whose trained rewards are all equal (advantage 0). That
+    share comes from TRL's frac_reward_zero_std for a run without a filter, and is None (undefined) where
+    `trl_zero_std_per_group` is False: TRL's then tests the batch's std, not each group's."""
     kept = "gfpo/kept_reward_mean" in log  # GFPO: over the kept rows; GRPO: TRL's, over every row
+    zero_std = (log["gfpo/kept_frac_reward_zero_std"] if kept
+                else log["frac_reward_zero_std"] if trl_zero_std_per_group else None)
     return {"reward": log["gfpo/kept_reward_mean" if kept else "reward"],
-            "reward_std": log["gfpo/kept_reward_std" if kept else "reward_std"],
-            "frac_reward_zero_std": log["gfpo/kept_frac_reward_zero_std" if kept else "frac_reward_zero_std"]}
+            "reward_std": log["gfpo/kept_reward_std" if kept else "reward_std"], "frac_reward_zero_std": zero_std}
 
 
 def _git_commit() -> str | None:

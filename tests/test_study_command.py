@@ -397,6 +397,26 @@ def test_every_seeds_training_prompts_are_checked_against_the_held_out_ones(user
     assert [str(w.message)[:7] for w in caught if "held-out prompts" in str(w.message)] == ["seed 1:"]
 
 
+def test_grpos_zero_std_share_is_per_group_or_not_recorded(user_folder, tmp_path):
+    """The learning signal's "share of trained rows in groups whose rewards are all equal": a GFPO arm's is per
+    group (gfpo/kept_frac_reward_zero_std); GRPO's comes from TRL's frac_reward_zero_std, which is per group with
+    scale_rewards "group" or "none" but a batch-wide 0 or 1 with "batch" (TRL tests the batch's std there). With
+    "batch" GRPO's is recorded as undefined (None: "-" in the report), not as a share it is not."""
+    for scale, defined in (("batch", False), ("group", True)):
+        config = parse(user_folder, args={**CONFIG["args"], "scale_rewards": scale}, seeds=[0, 1],
+                       output_dir=str(tmp_path / scale))
+        study.run_study(config, seeds=[0])
+        for arm, always in (("grpo", False), ("shortest-4of8", True)):
+            run = json.loads((tmp_path / scale / "seed-0" / f"{arm}.json").read_text())["run"]
+            shares = run["train_frac_reward_zero_std"]
+            assert len(shares) == STEPS and len(run["train_reward_std"]) == STEPS
+            if defined or always:
+                assert all(0.0 <= share <= 1.0 for share in shares), (scale, arm, shares)
+            else:
+                assert shares == [None] * STEPS, (scale, arm, shares)
+                assert all(std is not None for std in run["train_reward_std"])
+
+
 def test_a_selection_outside_the_config_is_refused(user_folder):
     config = parse(user_folder, output_dir=str(user_folder / "never"))
     with pytest.raises(ConfigError, match=r"^--arms: 'shortest-4of9' is not an arm of the config \(did you mean "
