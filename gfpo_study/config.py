@@ -49,6 +49,8 @@ OWNED_ARGS = {"max_steps": "steps", "seed": "seeds", "output_dir": "output_dir (
               "disable_tqdm": "nothing: the study shows one progress bar (run --verbose prints TRL's metrics at every "
               "step instead)"}
 ARM_KEYS = ("name", "reward", "paper")  # an arm's own keys besides GFPOConfig fields
+# GFPOConfig fields that decide how the start model is loaded and where it runs: one value for every arm (args)
+MODEL_LOADING_ARGS = ("model_init_kwargs", "trust_remote_code", "use_cpu")
 DEFAULT_OUTPUT_DIR = "gfpo_study_output"  # in the working folder, where the config names none
 
 
@@ -220,6 +222,11 @@ def parse_arms(items, default_generations: int) -> dict:
             if path:
                 raise ConfigError(f"arms: arm {name!r} sets {path[0]!r}: every arm generates on the same path (the "
                                   "same sampling for the same weights); set it under args")
+            loading = sorted(k for k in overrides if k in MODEL_LOADING_ARGS)
+            if loading:
+                raise ConfigError(f"arms: arm {name!r} sets {loading[0]!r}: every arm loads the start model alike "
+                                  "(the seed's starting model is evaluated once, as every arm's start); set it under "
+                                  "args")
             if bad:
                 owned = [k for k in bad if k in OWNED_ARGS]
                 if owned:

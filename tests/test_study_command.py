@@ -252,6 +252,11 @@ def parse(folder: Path, **changes):
     (dict(arms=["grpo", {"name": "mine", "num_generations": 4, "use_vllm": True}]), r"^arms: arm 'mine' sets "
      r"'use_vllm': every arm generates on the same path \(the same sampling for the same weights\); set it under "
      r"args$"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 4, "model_init_kwargs": {"dtype": "bfloat16"}}]),
+     r"^arms: arm 'mine' sets 'model_init_kwargs': every arm loads the start model alike \(the seed's starting model "
+     r"is evaluated once, as every arm's start\); set it under args$"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 4, "use_cpu": True}]), r"^arms: arm 'mine' sets "
+     r"'use_cpu': every arm loads the start model alike"),
     (dict(args__learning_rat=1e-3), r"^unknown GFPOConfig fields \['learning_rat'\] under 'args' \(did you mean "
      r"'learning_rate'\?\)"),
     (dict(seeds=5), r"^seeds='5': a bare number is ambiguous"),
