@@ -45,8 +45,12 @@ OWNED_ARGS = {"max_steps": "steps", "seed": "seeds", "output_dir": "output_dir (
               "per_device_train_batch_size": "prompts_per_step (per_device_train_batch_size = prompts_per_step x "
               "num_generations / (processes x gradient_accumulation_steps))",
               "shuffle_dataset": "nothing: every arm of a seed sees the same prompts in the same order",
-              "logging_steps": "nothing: the study logs every step"}
+              "logging_steps": "nothing: the study logs every step",
+              "disable_tqdm": "nothing: the study shows one progress bar (run --verbose prints TRL's metrics at every "
+              "step instead)"}
 ARM_KEYS = ("name", "reward", "paper")  # an arm's own keys besides GFPOConfig fields
+# GFPOConfig fields that decide how the start model is loaded and where it runs: one value for every arm (args)
+MODEL_LOADING_ARGS = ("model_init_kwargs", "trust_remote_code", "use_cpu")
 DEFAULT_OUTPUT_DIR = "gfpo_study_output"  # in the working folder, where the config names none
 
 
@@ -127,7 +131,7 @@ class EvalSpec:
     details: object = None  # a function spec or None
     samples: int = 8
     temperature: float = 0.8
-    max_tokens: int | None = None  # None: the training's max_completion_length
+    max_tokens: int | None = None  # None: args.max_completion_length (study.eval_max_tokens)
     curve_samples: int = 2
     batch_size: int = 64  # answers a generate call on HF; vLLM takes every request of an evaluation at once
 
@@ -218,6 +222,11 @@ def parse_arms(items, default_generations: int) -> dict:
             if path:
                 raise ConfigError(f"arms: arm {name!r} sets {path[0]!r}: every arm generates on the same path (the "
                                   "same sampling for the same weights); set it under args")
+            loading = sorted(k for k in overrides if k in MODEL_LOADING_ARGS)
+            if loading:
+                raise ConfigError(f"arms: arm {name!r} sets {loading[0]!r}: every arm loads the start model alike "
+                                  "(the seed's starting model is evaluated once, as every arm's start); set it under "
+                                  "args")
             if bad:
                 owned = [k for k in bad if k in OWNED_ARGS]
                 if owned:
@@ -233,6 +242,7 @@ def parse_arms(items, default_generations: int) -> dict:
             if overrides.pop("adaptive_difficulty", adaptive is not None) is not (adaptive is not None):
                 raise ConfigError(f"arms: arm {name!r}: adaptive_difficulty goes with adaptive_num_remains (k per "
                                   "difficulty quartile, hardest first)")
+            _check_filter(name, overrides.get("num_remains_in_group"), overrides.get("group_filter"))
             arm = Arm(name, overrides.pop("num_generations", default_generations),
                       overrides.pop("num_remains_in_group", None), overrides.pop("group_filter", None),
                       tuple(adaptive) if adaptive is not None else None, reward, item.get("paper"),
@@ -244,6 +254,22 @@ def parse_arms(items, default_generations: int) -> dict:
         arms[arm.name] = arm
     _refuse_identical_arms(arms)
     return arms
+
+
+def _check_filter(name: str, k, group_filter) -> None:
+    """A user arm's filter, as GFPOTrainer will check it (the study passes no group_filter_func): a built-in
+    group_filter name (filters.group_filter_spec, torch-free), given exactly where num_remains_in_group is."""
+    from gfpo_trainer.filters import GROUP_FILTERS, group_filter_spec
+
+    try:
+        group_filter_spec(group_filter)
+    except ValueError as error:
+        raise ConfigError(f"arms: arm {name!r}: {error}") from None
+    if (k is None) != (group_filter is None):
+        given, missing = ((f"num_remains_in_group={k}", f"group_filter (one of {', '.join(GROUP_FILTERS)})")
+                          if group_filter is None else (f"group_filter={group_filter!r}", "num_remains_in_group (k)"))
+        raise ConfigError(f"arms: arm {name!r} sets {given} without {missing}: a GFPO arm keeps k completions of "
+                          "each group by a filter; set both, or neither for GRPO")
 
 
 def _refuse_identical_arms(arms: dict) -> None:
@@ -326,7 +352,7 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
 
     if not isinstance(config, dict):
         raise ConfigError(f"the study config must hold a mapping, got {type(config).__name__}")
-    train_keys = tuple(train_cli._TOP_LEVEL_KEYS) + (("prompt",) if "prompt" not in train_cli._TOP_LEVEL_KEYS else ())
+    train_keys = train_cli._TOP_LEVEL_KEYS
     known = train_keys + STUDY_KEYS
     unknown = sorted(set(config) - set(known), key=str)
     if unknown:
@@ -360,20 +386,7 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
     if is_function_spec(config["dataset"]):
         function_spec("dataset", config["dataset"], base_dir)
         train_part["dataset"] = "function/rows"  # no file to look for
-    check = getattr(train_cli, "check_config", None)
-    if check is not None:
-        converted = check(train_part, base_dir, **({"flags": flags} if flags else {}))["args"]
-    else:
-        from gfpo_trainer.config import GFPOConfig
-
-        fields = {f.name for f in dataclasses.fields(GFPOConfig) if f.init}
-        bad = sorted((name for name in args if name not in fields), key=str)
-        if bad:
-            raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'"
-                              f"{train_cli._unknown_hints(bad, sorted(fields))}")
-        converted = train_cli._convert_args(args)
-        if not is_function_spec(config["model"]):
-            train_cli.resolve_model(config["model"], base_dir)
+    converted = train_cli.check_config(train_part, base_dir, flags=flags)["args"]
     for spec in _as_list(config["reward_funcs"]):
         train_cli.load_reward_func(spec, base_dir)
     evaluation = parse_eval(config["eval"], base_dir)
@@ -412,11 +425,9 @@ def load_study_config(path: str, overrides: list | None = None) -> StudyConfig:
         raise ConfigError(f"{path}: not YAML: {' '.join(str(error).split())}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} must hold a mapping, got {type(config).__name__}")
+    flags = None
     if overrides:
-        apply = getattr(train_cli, "apply_overrides", None)
-        if apply is None:
-            raise ConfigError("command-line overrides need gfpo_trainer.cli.apply_overrides, which this install lacks")
-        keys = tuple(train_cli._TOP_LEVEL_KEYS) + ("prompt",) + STUDY_KEYS
-        config = apply(config, list(overrides), tuple(dict.fromkeys(keys)))
-        flags = train_cli.override_flags(list(overrides), tuple(dict.fromkeys(keys)))
-    return parse_study_config(config, os.path.dirname(os.path.abspath(path)), flags=flags if overrides else None)
+        keys = train_cli._TOP_LEVEL_KEYS + STUDY_KEYS
+        config = train_cli.apply_overrides(config, list(overrides), keys)
+        flags = train_cli.override_flags(list(overrides), keys)
+    return parse_study_config(config, os.path.dirname(os.path.abspath(path)), flags=flags)

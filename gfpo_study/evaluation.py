@@ -62,8 +62,9 @@ def sample_answers(model, tokenizer, prompts, *, samples: int, temperature: floa
                                      top_k=0, top_p=1.0, pad_token_id=pad,
                                      eos_token_id=eos if len(eos) > 1 else eos[0])
                 for ids in out[:, enc.input_ids.shape[1] :].tolist():
+                    # generate pads a row only after its EOS: a row without one holds every token it sampled
                     end = next((i for i, t in enumerate(ids) if t in eos), None)
-                    ids = ids[: end + 1] if end is not None else [i for i in ids if i != pad]
+                    ids = ids[: end + 1] if end is not None else ids
                     answers.append(tokenizer.decode(ids, skip_special_tokens=True))
                     lengths.append(len(ids))
                 if progress is not None:
@@ -126,8 +127,9 @@ def sample_answers_vllm(llm, tokenizer, prompts, *, samples: int, temperature: f
 
 def score_answers(correct, rows: list, answers: list, samples: int, threshold: float | None = None) -> list:
     """The correctness of each answer: `correct(prompts=..., completions=..., **the rows' other columns)`, called as
-    TRL calls a reward function (chat prompts get chat completions), one value per answer; with `threshold`, 1.0
-    where the value is >= threshold, else 0.0.
+    TRL calls a reward function (chat prompts get chat completions), one value per answer (a bool or a number, as
+    the trainer takes a reward: NumPy and one-element torch scalars too); with `threshold`, 1.0 where the value is
+    >= threshold, else 0.0.
 
     Raises:
         ValueError: a function that returns another number of values, or values that are not bools or finite numbers
@@ -149,13 +151,16 @@ def score_answers(correct, rows: list, answers: list, samples: int, threshold: f
                          "must return one bool or number per completion")
     out = []
     for i, value in enumerate(values):
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if not isinstance(value, (bool, int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+        # what the trainer takes as a reward (anything float() takes: bool, int, float, a NumPy or one-element torch
+        # scalar), so that one function serves as both; None, text and NaN are not a correctness
+        try:
+            number = float(value) if value is not None and hasattr(type(value), "__float__") else math.nan
+        except (TypeError, ValueError, RuntimeError):  # a tensor of several values
+            number = math.nan
+        if not math.isfinite(number):
             raise ValueError(f"eval.correct {name}: value {value!r} for completion {i} is not a bool or a finite "
                              "number")
-        value = float(value)
-        out.append(value if threshold is None else float(value >= threshold))
+        out.append(number if threshold is None else float(number >= threshold))
     return out
 
 

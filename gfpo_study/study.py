@@ -169,6 +169,22 @@ def read_output_dir(output_dir: str) -> dict:
     return held
 
 
+def _seed_files(output_dir: str):
+    """(seed, file name, path) of each JSON file in an output folder's `seed-<s>/` folders (the run files and
+    start.json; a write's leftover `.tmp-` skipped), in folder and name order. A `seed-` folder whose suffix is no
+    number is a ConfigError naming it."""
+    for entry in sorted(os.listdir(output_dir)):
+        folder = os.path.join(output_dir, entry)
+        if not entry.startswith("seed-") or not os.path.isdir(folder):
+            continue
+        if not entry[len("seed-"):].isdigit():
+            raise ConfigError(f"{folder}: a study's seed folders are seed-<number>, as run writes them; move this "
+                              f"one out of {output_dir}")
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".json") and ".tmp-" not in name:
+                yield int(entry[len("seed-"):]), name, os.path.join(folder, name)
+
+
 def _run_file(output_dir: str, seed: int, arm: str) -> str:
     return os.path.join(output_dir, f"seed-{seed}", f"{arm}.json")
 
@@ -259,18 +275,35 @@ def eval_rows(config: StudyConfig) -> list:
     return _rows(config.eval.dataset, config.eval.dataset_split, config, config.eval.dataset_config)
 
 
-def warn_overlap(train: list, held_out: list) -> int:
-    """Warns where held-out prompts are also training prompts (the held-out figures would then measure recall);
-    returns how many held-out prompts are."""
+def warn_overlap(train: list, held_out: list, seed: int | None = None) -> int:
+    """Warns where held-out prompts are also training prompts (the held-out figures would then measure recall),
+    naming `seed` where given (whose prompts `train` are); returns how many held-out prompts are."""
     seen = {json.dumps(r["prompt"], sort_keys=True) for r in train}
     shared = [r for r in held_out if json.dumps(r["prompt"], sort_keys=True) in seen]
     if shared:
-        warnings.warn(f"{len(shared)} of the {len(held_out)} held-out prompts are also training prompts (the first: "
-                      f"{shared[0]['prompt']!r}): held-out accuracy there measures what training saw", stacklevel=2)
+        whose = f"seed {seed}: " if seed is not None else ""
+        warnings.warn(f"{whose}{len(shared)} of the {len(held_out)} held-out prompts are also training prompts (the "
+                      f"first: {shared[0]['prompt']!r}): held-out accuracy there measures what training saw",
+                      stacklevel=2)
     return len(shared)
 
 
 # ------------------------------------------------------------------ evaluation
+def eval_max_tokens(config: StudyConfig) -> int | None:
+    """The held-out answers' token limit: eval.max_tokens, else the max_completion_length of the config's args
+    (GFPOConfig's default where they set none). One limit for every arm, the starting model and every piece: an arm
+    that sets its own max_completion_length trains with it, and is evaluated as the others are."""
+    if config.eval.max_tokens is not None:
+        return config.eval.max_tokens
+    from gfpo_trainer import cli as train_cli
+    from gfpo_trainer.config import GFPOConfig
+
+    args = train_cli._convert_args(dict(config.train.get("args") or {}))
+    if "max_completion_length" in args:
+        return args["max_completion_length"]
+    return next(f.default for f in dataclasses.fields(GFPOConfig) if f.name == "max_completion_length")
+
+
 class Evaluator:
     """The held-out evaluation of the config: sampled answers, the correctness function, the details function."""
 
@@ -377,11 +410,22 @@ def arm_args(config: StudyConfig, arm: Arm, seed: int, output_dir: str, verbose:
                           f"gradient_accumulation_steps={accumulation} do not divide; choose a prompts_per_step "
                           "they do")
     try:
-        return GFPOConfig(**fields, output_dir=output_dir, per_device_train_batch_size=per_device,
+        args = GFPOConfig(**fields, output_dir=output_dir, per_device_train_batch_size=per_device,
                           max_steps=config.steps, seed=seed, shuffle_dataset=False, logging_steps=1,
                           disable_tqdm=not verbose)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}") from None
+    # a run's records (tokens generated and trained, time, learning signal) are read per optimizer step from the
+    # generation it trains on: TRL generates every steps_per_generation x num_iterations micro-batches, so a step
+    # must generate its own batch, once, or the records of a GFPO arm and GRPO's would count different spans
+    if args.steps_per_generation != args.gradient_accumulation_steps or args.num_iterations != 1:
+        raise ConfigError(
+            f"arm {arm.name!r}: steps_per_generation={args.steps_per_generation} (generation_batch_size="
+            f"{args.generation_batch_size}), num_iterations={args.num_iterations} with gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}: the study records every optimizer step from its own generation, "
+            "so each step must generate once; leave steps_per_generation, generation_batch_size and num_iterations "
+            "unset (docs/study.md)")
+    return args
 
 
 def _signed(func):
@@ -505,7 +549,10 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
             final = evaluate(unwrapped, tokenizer, seed, config.eval.samples)
     rows_per_step = config.prompts_per_step * args.num_generations
-    signal = [_step_signal(h) for h in history]
+    # TRL's frac_reward_zero_std tests each group's reward std only with scale_rewards "group" or "none" and
+    # sum_then_normalize; otherwise it tests the batch's (0 or 1): not the per-group share GFPO's kept rows give
+    per_group = args.scale_rewards != "batch" and args.multi_objective_aggregation == "sum_then_normalize"
+    signal = [_step_signal(h, per_group) for h in history]
     return {"final": final, "curve": callback.curve, "curve_figures": callback.curve_figures,
             "generated_tokens": [_generated_tokens(h, rows_per_step) for h in history],
             "trained_tokens": [_trained_tokens(h, rows_per_step) for h in history],
@@ -546,7 +593,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
         or None while runs are missing, "missing": [(seed, arm) not done yet]}.
     Raises:
         ConfigError: an output folder of another config, an arm that ran with another definition, a selection
-            outside the config, bad data or functions.
+            outside the config, an arm whose GFPOConfig is refused (before any run), bad data or functions.
     """
     from accelerate import PartialState
 
@@ -561,9 +608,17 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
 
         raise ConfigError(f"--arms: {unknown[0]!r} is not an arm of the config{_did_you_mean(unknown[0], config.arms)}"
                           f"; its arms: {', '.join(config.arms)}")
+    if not seeds or not arms:
+        which, given = ("--seeds", config.seeds) if not seeds else ("--arms", config.arms)
+        raise ConfigError(f"{which}: the selection is empty; give some of the config's "
+                          f"({', '.join(map(str, given))}), or leave it out to run them all")
     state = PartialState()
     main = state.is_main_process
-    on_vllm = bool(arms) and bool(arm_args(config, config.arms[arms[0]], 0, config.output_dir).use_vllm)
+    # every selected arm's GFPOConfig built now, as its run will build it: an arm the trainer refuses (k >= G, an
+    # unknown filter, sizes the processes do not divide) is one error before anything trains, not when its turn comes
+    run_args = {name: arm_args(config, config.arms[name], seeds[0] if seeds else 0, config.output_dir,
+                               num_processes=state.num_processes) for name in arms}
+    on_vllm = bool(arms) and bool(run_args[arms[0]].use_vllm)
     if on_vllm and state.num_processes > 1:
         raise ConfigError(f"args.use_vllm=true with {state.num_processes} processes: each run's trainer builds its "
                           "own colocated vLLM engine, and vLLM ends the processes' torch process group when an "
@@ -573,12 +628,12 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
     claim_output_dir(config.output_dir, config.identity, main, config.base_dir)
     state.wait_for_everyone()
     held_out = eval_rows(config)
-    first_rows = training_rows(config, seeds[0]) if seeds else []
+    # every selected seed's prompts (each seed draws its own), checked against the held-out ones before anything trains
+    rows_of = {seed: training_rows(config, seed) for seed in seeds}
     if main:
-        warn_overlap(first_rows, held_out)
-    max_tokens = (config.eval.max_tokens
-                  or arm_args(config, config.arms[arms[0]], 0, config.output_dir).max_completion_length)
-    evaluate = Evaluator(config, held_out, max_tokens)
+        for seed in seeds:
+            warn_overlap(rows_of[seed], held_out, seed)
+    evaluate = Evaluator(config, held_out, eval_max_tokens(config))
     todo, skipped = [], []
     for seed in seeds:
         for name in arms:
@@ -607,9 +662,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
             start_build = time.perf_counter()
             start_dir = _start_model(config, seed, seed_dir, state)
             start_seconds = time.perf_counter() - start_build
-            rows = None
+            rows = rows_of[seed]
             if not start_done and on_vllm:  # on the engine of a trainer that never trains
-                rows = first_rows if seed == seeds[0] else training_rows(config, seed)
                 progress.start(f"seed {seed}: the starting model", progress.bar.n)
                 eval_start = evaluate.seconds
                 figures = _evaluate_start_on_engine(config, config.arms[arms[0]], seed, start_dir, rows, evaluate,
@@ -631,8 +685,6 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                     write_json(start_path, {"seed": seed, "model": start_dir, "figures": figures,
                                             "seconds": {"build": start_seconds, "eval": evaluate.seconds - eval_start}})
                 state.wait_for_everyone()
-            if rows is None:
-                rows = first_rows if seed == seeds[0] else training_rows(config, seed)
             for name in pending:
                 progress.start(f"seed {seed}, {name}", progress.bar.n)
                 load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -642,6 +694,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                 if main:
                     write_json(_run_file(config.output_dir, seed, name),
                                {"seed": seed, "arm": name, "definition": config.arms[name].definition(),
+                                "paper": config.arms[name].paper,
                                 "environment": run_environment(torch.device("cuda" if torch.cuda.is_available()
                                                                             else "cpu")), "run": run})
                 state.wait_for_everyone()
@@ -701,7 +754,8 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
 
     Raises:
         ConfigError: a folder that is no study's output, pieces of different configs (naming the piece, the field and
-            both values), an arm that ran with two definitions, one run found with different figures in two pieces,
+            both values), an arm that ran with two definitions, one run, or one seed's starting model, found with
+            different figures in two pieces,
             runs missing for the study's seeds x arms (naming them), an output folder of another config.
     """
     pieces = [(str(piece_dir), read_output_dir(piece_dir)["config"]) for piece_dir in piece_dirs]
@@ -716,28 +770,27 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
                               f"{piece_dir} and {ours!r} in {first_dir}")
     runs, starts = {}, {}
     for piece_dir, _ in pieces:
-        for entry in sorted(os.listdir(piece_dir)):
-            if not entry.startswith("seed-") or not os.path.isdir(os.path.join(piece_dir, entry)):
+        for seed, name, path in _seed_files(piece_dir):
+            record = _read_json(path)
+            if name == START_FILE:
+                if seed in starts and starts[seed][1]["figures"] != record["figures"]:
+                    raise ConfigError(
+                        f"seed {seed}'s starting model has other figures in {path} than in {starts[seed][0]}: the "
+                        "pieces' arms of that seed did not start from one model, or it was evaluated otherwise "
+                        "(figures reproduce on one machine and thread count), and ELR would measure one piece's "
+                        "arms from another's start; run a seed's arms on one machine, or in one piece")
+                starts.setdefault(seed, (path, record))
                 continue
-            seed = int(entry[5:])
-            for name in sorted(os.listdir(os.path.join(piece_dir, entry))):
-                path = os.path.join(piece_dir, entry, name)
-                if not name.endswith(".json") or ".tmp-" in name:
-                    continue
-                record = _read_json(path)
-                if name == START_FILE:
-                    starts.setdefault(seed, (path, record))
-                    continue
-                arm = name[: -len(".json")]
-                if (seed, arm) in runs:
-                    other_path, other = runs[(seed, arm)]
-                    if other["definition"] != record["definition"]:
-                        raise ConfigError(f"arm {arm!r} ran with two definitions: {other_path} and {path}")
-                    if other["run"]["final"] != record["run"]["final"]:
-                        raise ConfigError(f"{arm} seed {seed} is in two pieces with different figures: {other_path} "
-                                          f"and {path}; keep one (remove the other piece's file)")
-                    continue
-                runs[(seed, arm)] = (path, record)
+            arm = name[: -len(".json")]
+            if (seed, arm) in runs:
+                other_path, other = runs[(seed, arm)]
+                if other["definition"] != record["definition"]:
+                    raise ConfigError(f"arm {arm!r} ran with two definitions: {other_path} and {path}")
+                if other["run"]["final"] != record["run"]["final"]:
+                    raise ConfigError(f"{arm} seed {seed} is in two pieces with different figures: {other_path} "
+                                      f"and {path}; keep one (remove the other piece's file)")
+                continue
+            runs[(seed, arm)] = (path, record)
     seeds = sorted({s for s, _ in runs})
     arms = list(dict.fromkeys(a for _, a in sorted(runs, key=lambda k: (k[0], _arm_order(k[1])))))
     missing = [(s, a) for s in seeds for a in arms if (s, a) not in runs or s not in starts]
@@ -762,25 +815,22 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
     environment["pieces"] = [{"dir": d, "seeds": sorted({s for (s, _), (p, _) in runs.items()
                                                          if p.startswith(os.path.join(d, ""))})} for d, _ in pieces]
     study = assemble_study(output_dir, identity=first, seeds=seeds, arms=arms, environment=environment)
-    definitions = {a: runs[(seeds[0], a)][1]["definition"] for a in arms}
-    return finish_study(study, output_dir, {a: _arm_from_definition(a, d) for a, d in definitions.items()})
+    records = {a: runs[(seeds[0], a)][1] for a in arms}
+    return finish_study(study, output_dir, {a: _arm_from_definition(a, r["definition"], r.get("paper"))
+                                            for a, r in records.items()})
 
 
 def config_of_output_dir(output_dir: str) -> StudyConfig:
     """The StudyConfig an output folder's runs belong to: its config, with the seeds and arms of its run files."""
     held = read_output_dir(output_dir)
-    runs = {}
-    for entry in os.listdir(output_dir):
-        if entry.startswith("seed-") and os.path.isdir(os.path.join(output_dir, entry)):
-            for name in os.listdir(os.path.join(output_dir, entry)):
-                if name.endswith(".json") and name != START_FILE and ".tmp-" not in name:
-                    runs[(int(entry[5:]), name[:-5])] = _read_json(os.path.join(output_dir, entry, name))
+    runs = {(seed, name[: -len(".json")]): _read_json(path) for seed, name, path in _seed_files(output_dir)
+            if name != START_FILE}
     arms = {}
     for (_, name), record in sorted(runs.items(), key=lambda k: (k[0][0], _arm_order(k[0][1]))):
-        arm = _arm_from_definition(name, record["definition"])
+        arm = _arm_from_definition(name, record["definition"], record.get("paper"))
         arms.setdefault(name, arm.name if ARMS.get(name) == arm else {
-            "name": name, "reward": arm.reward, **{k: v for k, v in arm.config_fields().items() if v is not None
-                                                   and k != "adaptive_difficulty"}})
+            "name": name, "reward": arm.reward, **({"paper": arm.paper} if arm.paper is not None else {}),
+            **{k: v for k, v in arm.config_fields().items() if v is not None and k != "adaptive_difficulty"}})
     config = {**held["config"], "seeds": sorted({s for s, _ in runs}), "arms": list(arms.values()),
               "output_dir": os.path.abspath(output_dir)}
     return parse_study_config(config, held.get("base_dir") or os.getcwd())
@@ -803,8 +853,7 @@ def reevaluate_final_models(output_dir: str) -> list[dict]:
     if arm_args(config, next(iter(config.arms.values())), 0, output_dir).use_vllm:
         raise ConfigError(f"{output_dir}: its runs were evaluated on the trainer's vLLM engine (use_vllm); evaluating "
                           "the saved models again with generate would give other answers, not theirs")
-    evaluate = Evaluator(config, eval_rows(config), config.eval.max_tokens or arm_args(
-        config, next(iter(config.arms.values())), 0, output_dir).max_completion_length)
+    evaluate = Evaluator(config, eval_rows(config), eval_max_tokens(config))
     results = []
     for seed in config.seeds:
         seed_dir = os.path.join(output_dir, f"seed-{seed}")
@@ -833,15 +882,16 @@ def _arm_order(name: str) -> int:
     return list(ARMS).index(name) if name in ARMS else len(ARMS)
 
 
-def _arm_from_definition(name: str, definition: dict) -> Arm:
-    """The Arm a run file records (its GFPOConfig fields and reward); a built-in arm keeps its paper key."""
+def _arm_from_definition(name: str, definition: dict, paper: str | None = None) -> Arm:
+    """The Arm a run file records (its GFPOConfig fields and reward; `paper`: its key in the paper's tables, which
+    the file records beside them); a built-in arm keeps its own paper key."""
     if name in ARMS and ARMS[name].definition() == definition:
         return ARMS[name]
     fields = dict(definition["fields"])
     adaptive = fields.pop("adaptive_num_remains", None)
     fields.pop("adaptive_difficulty", None)
     return Arm(name, fields.pop("num_generations"), fields.pop("num_remains_in_group", None),
-               fields.pop("group_filter", None), tuple(adaptive) if adaptive else None, definition["reward"], None,
+               fields.pop("group_filter", None), tuple(adaptive) if adaptive else None, definition["reward"], paper,
                bool(fields.pop("loss_includes_rejected", False)), tuple(sorted(fields.items())))
 
 
@@ -859,13 +909,16 @@ def _trained_tokens(log: dict, rows: int) -> float:
     return log["completions/mean_length"] * rows
 
 
-def _step_signal(log: dict) -> dict:
+def _step_signal(log: dict, trl_zero_std_per_group: bool = True) -> dict:
     """The learning signal of a step's trained rows: their mean reward, their reward spread (std over the batch's
-    trained rows) and the share of trained rows in groups whose trained rewards are all equal (advantage 0)."""
+    trained rows) and the share of trained rows in groups whose trained rewards are all equal (advantage 0). That
+    share comes from TRL's frac_reward_zero_std for a run without a filter, and is None (undefined) where
+    `trl_zero_std_per_group` is False: TRL's then tests the batch's std, not each group's."""
     kept = "gfpo/kept_reward_mean" in log  # GFPO: over the kept rows; GRPO: TRL's, over every row
+    zero_std = (log["gfpo/kept_frac_reward_zero_std"] if kept
+                else log["frac_reward_zero_std"] if trl_zero_std_per_group else None)
     return {"reward": log["gfpo/kept_reward_mean" if kept else "reward"],
-            "reward_std": log["gfpo/kept_reward_std" if kept else "reward_std"],
-            "frac_reward_zero_std": log["gfpo/kept_frac_reward_zero_std" if kept else "frac_reward_zero_std"]}
+            "reward_std": log["gfpo/kept_reward_std" if kept else "reward_std"], "frac_reward_zero_std": zero_std}
 
 
 def _git_commit() -> str | None:

@@ -113,6 +113,40 @@ def test_merge_refuses_pieces_that_do_not_make_one_study(tmp_path):
         study.merge_studies([tmp_path / "a"], str(tmp_path / "other"))
 
 
+def test_merge_refuses_a_seed_whose_starting_model_differs_between_pieces(tmp_path):
+    """Pieces by arm each evaluate the seed's starting model: where their figures differ, the arms did not start
+    from one model (or it was evaluated otherwise), and ELR would measure one piece's arm from another's start.
+    Merge names both files, as it does for a run found twice with different figures."""
+    _write_piece(tmp_path / "grpo", [0, 1], arms=("grpo",))
+    _write_piece(tmp_path / "short", [0, 1], arms=("shortest-8of16",))
+    start = tmp_path / "short" / "seed-1" / "start.json"
+    record = json.loads(start.read_text())
+    record["figures"]["mean_length"] += 0.5
+    start.write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=rf"^seed 1's starting model has other figures in {start} than in "
+                       rf"{tmp_path / 'grpo' / 'seed-1' / 'start.json'}: the pieces' arms of that seed did not start "
+                       "from one model"):
+        study.merge_studies([tmp_path / "grpo", tmp_path / "short"], str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_merged_study_reports_a_user_arm_beside_the_paper(tmp_path):
+    """A user arm's `paper` key (its row of the paper's tables) is recorded with its runs, so the merged study's
+    report sets it beside the paper as the study run in one folder does (finish_study with the config's arms)."""
+    from gfpo_study.study_report import paper_comparison_table
+
+    mine = study.Arm("mine", 16, 4, "length", paper="4/16")
+    for piece, seeds in (("a", [0, 1]), ("b", [2])):
+        directory = _write_piece(tmp_path / piece, seeds, arms=("grpo",))
+        for seed in seeds:
+            run = _seed_result(seed, 20.0, 12.0 + seed)["arms"]["shortest-8of16"]
+            (directory / f"seed-{seed}" / "mine.json").write_text(json.dumps(
+                {"seed": seed, "arm": "mine", "definition": mine.definition(), "paper": mine.paper, "run": run}))
+    result = study.merge_studies([tmp_path / "a", tmp_path / "b"], str(tmp_path / "out"))
+    table = paper_comparison_table(result["summary"], study.paper_tables(), {"grpo": study.ARMS["grpo"], "mine": mine})
+    assert "\nmine | " in table and table in result["report"]
+
+
 def test_merge_on_the_command_line(tmp_path, capsys):
     from gfpo_study.cli import main
 
@@ -122,6 +156,21 @@ def test_merge_on_the_command_line(tmp_path, capsys):
     expected = (f"error: merge: {tmp_path / 'b'} and {tmp_path / 'a'} are pieces of different configs: steps is 200 "
                 f"in {tmp_path / 'b'} and 100 in {tmp_path / 'a'}\n")
     assert capsys.readouterr().err == expected
+
+
+def test_a_folder_that_is_no_seeds_is_one_error(tmp_path, capsys):
+    """A `seed-` folder whose suffix is no number (a user's copy, `seed-old`) in a piece: merge says which folder
+    in one line, as does reading the folder's config (reevaluate_final_models)."""
+    from gfpo_study.cli import main
+
+    _write_piece(tmp_path / "a", [0, 1])
+    (tmp_path / "a" / "seed-old").mkdir()
+    assert main(["merge", str(tmp_path / "a"), "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: merge: {tmp_path / 'a' / 'seed-old'}: a study's seed folders are "
+                                       f"seed-<number>, as run writes them; move this one out of {tmp_path / 'a'}\n")
+    with pytest.raises(ConfigError, match=r"seed-old: a study's seed folders are seed-<number>"):
+        study.config_of_output_dir(str(tmp_path / "a"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_pieces_merged_are_the_study_run_at_once(tmp_path):

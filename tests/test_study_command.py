@@ -227,10 +227,21 @@ def parse(folder: Path, **changes):
                 {"name": "b", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length",
                  "beta": 0.0}]), r"^arms: 'a' and 'b' are the same config"),
     (dict(arms=["grpo", "grpo"]), r"^arms: 'grpo' is listed twice"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remains_in_group": 4}]),
+     r"^arms: arm 'mine' sets num_remains_in_group=4 without group_filter \(one of length, token_efficiency\): a "
+     r"GFPO arm keeps k completions of each group by a filter; set both, or neither for GRPO$"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "group_filter": "length"}]),
+     r"^arms: arm 'mine' sets group_filter='length' without num_remains_in_group \(k\)"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remains_in_group": 4,
+                         "group_filter": "shortest-4of8"}]),
+     r"^arms: arm 'mine': group_filter must be None or one of \('length', 'token_efficiency'\), got "
+     r"group_filter='shortest-4of8' \(did you mean 'length'\? the filter the paper calls 'shortest-4of8'"),
     (dict(arms=[{"name": "grpo", "num_generations": 4}]), r"^arms: 'grpo' is a built-in arm's name"),
     (dict(arms=[{"name": "mine", "max_steps": 4}]), r"^arms: arm 'mine' sets 'max_steps', which the study sets for "
      r"every run; set steps"),
     (dict(args__max_steps=10), r"^args.max_steps: the study sets it for every run; set steps$"),
+    (dict(args__disable_tqdm=True), r"^args.disable_tqdm: the study sets it for every run; set nothing: the study "
+     r"shows one progress bar \(run --verbose prints TRL's metrics at every step instead\)$"),
     (dict(args__per_device_train_batch_size=8), r"^args.per_device_train_batch_size: the study sets it for every run; "
      r"set prompts_per_step"),
     (dict(args__use_vllm=True, args__vllm_mode="server"), r"^args.use_vllm=true with vllm_mode='server': the study "
@@ -241,6 +252,11 @@ def parse(folder: Path, **changes):
     (dict(arms=["grpo", {"name": "mine", "num_generations": 4, "use_vllm": True}]), r"^arms: arm 'mine' sets "
      r"'use_vllm': every arm generates on the same path \(the same sampling for the same weights\); set it under "
      r"args$"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 4, "model_init_kwargs": {"dtype": "bfloat16"}}]),
+     r"^arms: arm 'mine' sets 'model_init_kwargs': every arm loads the start model alike \(the seed's starting model "
+     r"is evaluated once, as every arm's start\); set it under args$"),
+    (dict(arms=["grpo", {"name": "mine", "num_generations": 4, "use_cpu": True}]), r"^arms: arm 'mine' sets "
+     r"'use_cpu': every arm loads the start model alike"),
     (dict(args__learning_rat=1e-3), r"^unknown GFPOConfig fields \['learning_rat'\] under 'args' \(did you mean "
      r"'learning_rate'\?\)"),
     (dict(seeds=5), r"^seeds='5': a bare number is ambiguous"),
@@ -299,6 +315,60 @@ def test_eval_function_results_are_checked():
         score_answers(lambda completions, **k: [float("nan")] * 4, rows, answers, 2)
     with pytest.raises(ValueError, match=r"returned NoneType, not a list"):
         score_answers(lambda completions, **k: None, rows, answers, 2)
+    with pytest.raises(ValueError, match=r"value None for completion 2 is not a bool or a finite number"):
+        score_answers(lambda completions, **k: [1.0, 0.0, None, 1.0], rows, answers, 2)
+
+
+def test_eval_correct_takes_what_the_trainer_takes_as_a_reward():
+    """A NumPy bool or number, or a one-element tensor, as the trainer takes a reward (rewards.py): one function
+    serves as the reward and as eval.correct (the sums study's does)."""
+    import numpy as np
+    import torch
+
+    rows = [{"prompt": "1+1=", "answer": 2}, {"prompt": "2+2=", "answer": 4}]
+    answers = ["2", "5", "4", "4"]
+
+    def exact(prompts, completions, answer, **kwargs):
+        return list(np.array(completions) == np.array([str(a) for a in answer]))  # np.bool_
+
+    assert score_answers(exact, rows, answers, samples=2) == [1.0, 0.0, 1.0, 1.0]
+    values = [np.float32(0.25), np.int64(1), torch.tensor(0.5), torch.tensor([1.0])]
+    assert score_answers(lambda completions, **k: values, rows, answers, 2) == [0.25, 1.0, 0.5, 1.0]
+    assert score_answers(lambda completions, **k: values, rows, answers, 2, threshold=0.5) == [0.0, 1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match=r"value tensor\(\[1\., 0\.\]\) for completion 0 is not a bool or a finite "
+                       r"number$"):
+        score_answers(lambda completions, **k: [torch.tensor([1.0, 0.0])] * 4, rows, answers, 2)
+
+
+def test_held_out_lengths_count_every_token_up_to_the_first_eos():
+    """sample_answers' lengths, as docs/study.md and sample_answers_vllm count them: up to and including the first
+    EOS, or every generated token where none came, a sampled pad token among them (training counts it too)."""
+    import torch
+
+    from gfpo_study.evaluation import sample_answers
+    from gfpo_trainer.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    pad, eos, a, b = tokenizer.pad_token_id, tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["1", "2"])
+    completions = torch.tensor([[a, pad, b, b],  # no EOS: 4 tokens, the pad id sampled among them
+                                [a, eos, pad, pad],  # EOS, then generate's padding: 2
+                                [eos, pad, pad, pad]])  # 1
+
+    class Model(torch.nn.Module):
+        """generate() answers with the completions above (a stand-in with known outputs)."""
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.generation_config = type("GenerationConfig", (), {"eos_token_id": eos})()
+
+        def generate(self, input_ids, attention_mask, **kwargs):
+            return torch.cat([input_ids, completions[: len(input_ids)]], dim=1)
+
+    answers, lengths = sample_answers(Model(), tokenizer, ["1+1=", "2+2=", "3+3="], samples=1, temperature=1.0,
+                                      max_tokens=4, seed=0)
+    assert lengths == [4, 2, 1]
+    assert answers == ["122", "1", ""]
 
 
 def test_held_out_prompts_that_are_training_prompts_warn():
@@ -308,6 +378,50 @@ def test_held_out_prompts_that_are_training_prompts_warn():
         assert study.warn_overlap(train, held_out) == 1
 
 
+def test_every_seeds_training_prompts_are_checked_against_the_held_out_ones(user_folder, tmp_path, monkeypatch):
+    """Each seed draws its own training prompts: a seed after the first whose prompts hold held-out ones is warned
+    about, naming it, before anything trains."""
+    (user_folder / "seeded_rows.py").write_text(textwrap.dedent('''
+        def rows(seed, rows):
+            """Training rows of one sum; seed 1's is "7+0=", a held-out prompt of data/test.jsonl."""
+            prompt, answer = ("7+0=", 7) if seed == 1 else ("1+1=", 2)
+            return [{"prompt": prompt, "answer": answer}] * rows
+    '''))
+
+    class Built(Exception):
+        pass
+
+    def stop(self, config, rows, max_tokens):
+        raise Built
+
+    monkeypatch.setattr(study.Evaluator, "__init__", stop)
+    config = parse(user_folder, dataset={"function": "seeded_rows:rows"}, output_dir=str(tmp_path / "out"))
+    with pytest.warns(UserWarning, match=r"^seed 1: 1 of the \d+ held-out prompts are also training prompts \(the "
+                      r"first: '7\+0='\)") as caught, pytest.raises(Built):
+        study.run_study(config)
+    assert [str(w.message)[:7] for w in caught if "held-out prompts" in str(w.message)] == ["seed 1:"]
+
+
+def test_grpos_zero_std_share_is_per_group_or_not_recorded(user_folder, tmp_path):
+    """The learning signal's "share of trained rows in groups whose rewards are all equal": a GFPO arm's is per
+    group (gfpo/kept_frac_reward_zero_std); GRPO's comes from TRL's frac_reward_zero_std, which is per group with
+    scale_rewards "group" or "none" but a batch-wide 0 or 1 with "batch" (TRL tests the batch's std there). With
+    "batch" GRPO's is recorded as undefined (None: "-" in the report), not as a share it is not."""
+    for scale, defined in (("batch", False), ("group", True)):
+        config = parse(user_folder, args={**CONFIG["args"], "scale_rewards": scale}, seeds=[0, 1],
+                       output_dir=str(tmp_path / scale))
+        study.run_study(config, seeds=[0])
+        for arm, always in (("grpo", False), ("shortest-4of8", True)):
+            run = json.loads((tmp_path / scale / "seed-0" / f"{arm}.json").read_text())["run"]
+            shares = run["train_frac_reward_zero_std"]
+            assert len(shares) == STEPS and len(run["train_reward_std"]) == STEPS
+            if defined or always:
+                assert all(0.0 <= share <= 1.0 for share in shares), (scale, arm, shares)
+            else:
+                assert shares == [None] * STEPS, (scale, arm, shares)
+                assert all(std is not None for std in run["train_reward_std"])
+
+
 def test_a_selection_outside_the_config_is_refused(user_folder):
     config = parse(user_folder, output_dir=str(user_folder / "never"))
     with pytest.raises(ConfigError, match=r"^--arms: 'shortest-4of9' is not an arm of the config \(did you mean "
@@ -315,7 +429,77 @@ def test_a_selection_outside_the_config_is_refused(user_folder):
         study.run_study(config, arms=["shortest-4of9"])
     with pytest.raises(ConfigError, match=r"^--seeds: \[7\] are not among the config's seeds \[0, 1\]$"):
         study.run_study(config, seeds=[7])
+    with pytest.raises(ConfigError, match=r"^--arms: the selection is empty; give some of the config's \(grpo, "
+                       r"shortest-4of8\), or leave it out to run them all$"):
+        study.run_study(config, arms=[])  # what `run --arms ,` selects
+    with pytest.raises(ConfigError, match=r"^--seeds: the selection is empty; give some of the config's \(0, 1\)"):
+        study.run_study(config, seeds=[])
     assert not (user_folder / "never").exists()
+
+
+@pytest.mark.parametrize("arm, message", [
+    ({"name": "bad", "num_generations": 8, "num_remains_in_group": 8, "group_filter": "length"},
+     r"^arm 'bad': num_remains_in_group must be an int with 2 <= k < num_generations=8"),
+    ({"name": "bad", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length",
+      "adaptive_num_remains": [8, 8, 6, 9]},
+     r"^arm 'bad': adaptive_num_remains must be 4 ints \(k per difficulty quartile, hardest first\), each 2 <= k <= "
+     r"num_generations=8, got adaptive_num_remains=\[8, 8, 6, 9\]$"),
+])
+def test_an_arm_the_trainer_refuses_is_an_error_before_anything_trains(user_folder, tmp_path, arm, message):
+    """An arm whose GFPOConfig cannot be built is refused before the first run (docs/study.md: errors before
+    anything trains), not when its turn comes after the arms listed before it have trained."""
+    config = parse(user_folder, output_dir=str(tmp_path / "out"), arms=["grpo", arm])
+    with pytest.raises(ConfigError, match=message):
+        study.run_study(config)
+    assert not (tmp_path / "out").exists()  # no start model, no grpo run
+
+
+def test_held_out_answers_have_one_token_limit_whatever_arm_comes_first(user_folder, tmp_path, monkeypatch):
+    """Without eval.max_tokens the held-out answers end at args.max_completion_length (docs/study.md), for every
+    selection of arms (pieces) and for reevaluate_final_models: an arm that trains with a limit of its own does not
+    set the limit of the starting model's evaluation because it is listed first."""
+
+    class Built(Exception):
+        pass
+
+    limits = []
+
+    def record(self, config, rows, max_tokens):
+        limits.append(max_tokens)
+        raise Built
+
+    monkeypatch.setattr(study.Evaluator, "__init__", record)
+    longer = {"name": "longer", "num_generations": 8, "max_completion_length": 12}
+    config = parse(user_folder, output_dir=str(tmp_path / "out"), arms=[longer, "grpo"])
+    for arms in (["longer", "grpo"], ["grpo"], ["longer"]):
+        with pytest.raises(Built):
+            study.run_study(config, arms=arms)
+    monkeypatch.setattr(study, "config_of_output_dir", lambda output_dir: config)
+    with pytest.raises(Built):
+        study.reevaluate_final_models(str(tmp_path / "out"))
+    assert limits == [CONFIG["args"]["max_completion_length"]] * 4 == [6] * 4
+
+
+@pytest.mark.parametrize("changes", [
+    dict(args__steps_per_generation=2),
+    dict(args__gradient_accumulation_steps=2, args__generation_batch_size=64),
+    dict(arms=["grpo", {"name": "mine", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length",
+                        "num_iterations": 2}]),
+])
+def test_a_step_that_does_not_generate_its_own_batch_is_refused(user_folder, tmp_path, changes):
+    """TRL generates every steps_per_generation x num_iterations micro-batches; the study reads each step's tokens,
+    time and learning signal from the generation it trains on. With a generation spanning 2 steps a GFPO arm recorded
+    the generation's tokens (184 a step) and GRPO one step's (89.5): tokens_per_step_over_grpo read 2x for the same
+    sampling. Such a config is refused before anything trains."""
+    config = parse(user_folder, output_dir=str(tmp_path / "out"), **changes)
+    arm = list(config.arms)[-1]
+    with pytest.raises(ConfigError, match=rf"^arm '{arm}': steps_per_generation=\d+ \(generation_batch_size=\d+\), "
+                       r"num_iterations=\d with gradient_accumulation_steps=\d: the study records every optimizer "
+                       r"step from its own generation"):
+        study.arm_args(config, config.arms[arm], 0, str(tmp_path / "x"))
+    with pytest.raises(ConfigError, match=r"the study records every optimizer step from its own generation"):
+        study.run_study(config)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_arm_that_changed_is_not_taken_for_its_finished_run(tmp_path):
@@ -426,19 +610,20 @@ def test_without_the_trainer_extra_the_command_says_what_to_install():
             'install --no-build-isolation ".[trainer]" (docs/install.md)']
 
 
-def test_overrides_need_the_cli_helper_or_apply(user_folder, capsys):
-    """`run --config F --steps 2`: a config field set on the command line (gfpo_trainer.cli.apply_overrides)."""
+def test_overrides_set_the_study_keys_and_args(user_folder, capsys):
+    """`run --config F --steps 2`: study keys, dotted sections and bare GFPOConfig fields set on the command line
+    (gfpo_trainer.cli.apply_overrides, the study's keys among the top-level ones); a bare unknown name goes under
+    args, and its error names the flag."""
     from gfpo_study.cli import main
-    from gfpo_trainer import cli as train_cli
+    from gfpo_study.config import load_study_config
 
-    code = main(["run", "--config", str(user_folder / "study.yaml"), "--stpes", "2"])
-    assert code == 2
-    err = capsys.readouterr().err
-    if hasattr(train_cli, "apply_overrides"):
-        assert "stpes" in err
-    else:
-        assert err == ("error: command-line overrides need gfpo_trainer.cli.apply_overrides, which this install "
-                       "lacks\n")
+    config = load_study_config(str(user_folder / "study.yaml"), ["--steps", "2", "--eval.samples", "4",
+                                                                 "--learning-rate", "1e-5", "--prompts_per_step=1"])
+    assert (config.steps, config.eval.samples, config.prompts_per_step) == (2, 4, 1)
+    assert config.train["args"]["learning_rate"] == "1e-5" and config.identity["steps"] == 2
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--stpes", "2"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['stpes'] under 'args', given on the command "
+                                       "line as --stpes\n")
 
 
 def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model(tmp_path):
