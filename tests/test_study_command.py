@@ -26,21 +26,38 @@ REWARDS = textwrap.dedent('''
     import os
     import re
     import signal
+    import time
 
     CALLS = [0]
+    SCORE_CALLS = [0]
 
 
     def correct(prompts, completions, answer, **kwargs):
-        """The training reward: 1.0 where the completion's last number is the answer. The test's kill switch: the
-        process ends itself (SIGKILL, as a cluster's scheduler ends a job) at the reward call KILL_AT_CALL."""
+        """The training reward (matches). The test's kill switches: the
+        process ends itself (SIGKILL, as a cluster's scheduler ends a job) at the reward call KILL_AT_CALL, or waits
+        at the call HANG_AT_CALL, having created the file HANG_FILE, for the test to kill it."""
         CALLS[0] += 1
         if CALLS[0] == int(os.environ.get("KILL_AT_CALL", "0")):
             os.kill(os.getpid(), signal.SIGKILL)
-        return score(prompts, completions, answer)
+        if CALLS[0] == int(os.environ.get("HANG_AT_CALL", "0")):
+            open(os.environ["HANG_FILE"], "w").close()
+            time.sleep(600)
+        return matches(completions, answer)
 
 
     def score(prompts, completions, answer, **kwargs):
-        """The held-out correctness: the same test."""
+        """The held-out correctness: the same test. The test's pause: at the held-out evaluation PAUSE_AT_SCORE_CALL
+        the process creates the file HANG_FILE and waits until the file RELEASE_FILE exists."""
+        SCORE_CALLS[0] += 1
+        if SCORE_CALLS[0] == int(os.environ.get("PAUSE_AT_SCORE_CALL", "0")):
+            open(os.environ["HANG_FILE"], "w").close()
+            while not os.path.exists(os.environ["RELEASE_FILE"]):
+                time.sleep(0.05)
+        return matches(completions, answer)
+
+
+    def matches(completions, answer):
+        """1.0 where the completion's last number is the answer."""
         out = []
         for completion, expected in zip(completions, answer):
             numbers = re.findall(r"\\d+", completion)
