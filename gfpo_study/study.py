@@ -695,7 +695,9 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
 
         raise ConfigError(f"--arms: {unknown[0]!r} is not an arm of the config{_did_you_mean(unknown[0], config.arms)}"
                           f"; its arms: {', '.join(config.arms)}")
-    state = PartialState()
+    # processes on CPUs (torchrun, gloo) are one group only where the first PartialState says cpu, as the trainer's
+    state = PartialState(cpu=bool(arm_args(config, config.arms[arms[0]], 0, config.output_dir).use_cpu) if arms
+                         else False)
     main = state.is_main_process
     on_vllm = bool(arms) and bool(arm_args(config, config.arms[arms[0]], 0, config.output_dir).use_vllm)
     if on_vllm and state.num_processes > 1:

@@ -497,18 +497,18 @@ def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model
     assert figures["accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0) and 1 <= figures["mean_length"] <= 4
 
 
-def test_a_piece_under_accelerate_launch_is_written_by_the_main_process(finished_study, tmp_path):
-    """`accelerate launch` with 2 CPU processes (gloo): both train and evaluate, the main process alone writes the
-    run files and speaks; run again, both skip the finished runs."""
+def test_a_piece_on_two_processes_is_written_by_the_main_process(finished_study, tmp_path):
+    """2 CPU processes (torchrun, gloo; `accelerate launch --cpu` would start one): both train and evaluate, the main
+    process alone writes the run files and speaks; run again, both skip the finished runs."""
     import socket
 
     folder, _ = finished_study
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-               "--main_process_port", str(port), "-m", "gfpo_study", "run", "--config", "study.yaml", "--seeds", "0",
-               "--output-dir", str(tmp_path / "piece")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               "-m", "gfpo_study", "run", "--config", "study.yaml", "--seeds", "0", "--output-dir",
+               str(tmp_path / "piece")]
 
     def launch():
         return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=600,

@@ -223,3 +223,53 @@ def test_without_checkpoint_every_the_checkpoints_args_ask_for_are_left_alone(tm
     checkpoints = sorted(p for p in run_dir(folder / "out").iterdir() if p.name.startswith("checkpoint-"))
     assert [p.name for p in checkpoints] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
     assert not any((p / study.CHECKPOINT_STATE).exists() for p in checkpoints)
+
+
+def test_a_run_on_two_processes_resumes_on_them(tmp_path):
+    """2 CPU processes (torchrun, gloo; `accelerate launch --cpu` starts one): each saves its generator state into
+    the checkpoint, the main process alone the study's state once both are saved; killed (the whole launch) in step
+    3 after checkpoint-2, launched again, the run resumes on both and ends with the figures and weights of a launch
+    that did not stop."""
+    import socket
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = make_user_folder(tmp_path, RESUME_CONFIG)
+
+    def launch(out, wait=True, **env):
+        with socket.socket() as probe:  # a free port for the rendezvous
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(port), "-m", "gfpo_study", "run", "--config", "study.yaml", "--output-dir", str(out)]
+        process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=subprocess_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env))
+        if wait:
+            stdout, stderr = process.communicate(timeout=600)
+            assert process.returncode == 0, stderr[-3000:]
+            return stdout
+        return process
+
+    launch(folder / "straight")
+    process = launch(folder / "resumed", wait=False, HANG_AT_CALL="3", HANG_FILE=str(folder / "hanging"))
+    checkpoint = run_dir(folder / "resumed") / "checkpoint-2"
+    wait_for(process, checkpoint / study.CHECKPOINT_STATE, folder / "hanging")
+    assert sorted(p.name for p in checkpoint.glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    import psutil
+
+    for worker in psutil.Process(process.pid).children(recursive=True):  # in sessions of their own
+        worker.send_signal(signal.SIGKILL)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    stdout = launch(folder / "resumed")
+    assert stdout.count(f"gfpo study: resuming {ARM['name']} seed 0 from step 2 of {STEPS}") == 1
+    straight, resumed = (json.loads((folder / out / "seed-0" / f"{ARM['name']}.json").read_text())["run"]
+                         for out in ("straight", "resumed"))
+    timings = {"seconds", "step_time", "load_average_1min_at_start"}
+    assert {k: v for k, v in resumed.items() if k not in timings} == {
+        k: v for k, v in straight.items() if k not in timings}
+    assert resumed["seconds"]["resumed_from_step"] == 2
+    a, b = (load_file(str(run_dir(folder / out) / "model.safetensors")) for out in ("straight", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    assert not list(run_dir(folder / "resumed").glob("checkpoint-*"))
