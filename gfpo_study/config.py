@@ -18,6 +18,7 @@
     prompts_per_step: 4                 # prompts per optimizer step, the same for every arm
     output_dir: study-out               # read from the config file's folder, as every relative path in the file;
                                         # without it, gfpo_study_output in the working folder
+    checkpoint_every: 50                # a checkpoint of each run every N steps, which a rerun resumes (default: none)
 
 The parsing reuses gfpo_trainer.cli's (paths, models, reward functions, GFPOConfig fields and their conversion):
 the same key gives the same error as in `train`. A function is named "module:function" (or "module.function"), or
@@ -37,7 +38,9 @@ from gfpo_trainer.cli import ConfigError
 __all__ = ["ARMS", "Arm", "ConfigError", "EvalSpec", "StudyConfig", "load_study_config", "parse_study_config"]
 
 # the keys the study adds to `train`'s; `train`'s own are gfpo_trainer.cli's
-STUDY_KEYS = ("eval", "arms", "seeds", "steps", "eval_every", "prompts_per_step", "output_dir")
+STUDY_KEYS = ("eval", "arms", "seeds", "steps", "eval_every", "prompts_per_step", "output_dir", "checkpoint_every")
+# the GFPOConfig fields of checkpointing, which checkpoint_every sets for every run
+CHECKPOINT_ARGS = ("save_strategy", "save_steps", "save_total_limit", "save_only_model")
 EVAL_KEYS = ("dataset", "dataset_split", "dataset_config", "correct", "threshold", "details", "samples",
              "temperature", "max_tokens", "curve_samples", "batch_size")
 # GFPOConfig fields the study sets itself, per run (what to set instead)
@@ -138,8 +141,9 @@ class EvalSpec:
 
 @dataclasses.dataclass
 class StudyConfig:
-    """A parsed study config. `identity` is the JSON-able config that makes a study (without seeds, arms and
-    output_dir, which a piece or a later run may change): the runs of an output folder all belong to one."""
+    """A parsed study config. `identity` is the JSON-able config that makes a study (without seeds, arms,
+    output_dir and checkpoint_every, which a piece or a later run may change: checkpoints change no figure): the runs
+    of an output folder all belong to one."""
 
     train: dict  # `train`'s keys (model, dataset, dataset_split, reward_funcs, args, and prompt where given)
     eval: EvalSpec
@@ -151,6 +155,7 @@ class StudyConfig:
     output_dir: str
     base_dir: str
     identity: dict
+    checkpoint_every: int | None = None  # steps between a run's checkpoints; None: no checkpoints
 
     @functools.cached_property
     def reward_funcs(self) -> list:
@@ -294,6 +299,24 @@ def _refuse_identical_arms(arms: dict) -> None:
         seen[key] = arm.name
 
 
+def _checkpoint_every(value, steps: int, args: dict) -> int | None:
+    """`checkpoint_every`: None (no checkpoints) or a number of steps below `steps` (the last step saves none: the
+    final model is saved right after it), without args of its own for checkpointing."""
+    if value is None:
+        return None
+    value = _positive_int("checkpoint_every", value)
+    if value >= steps:
+        raise ConfigError(f"checkpoint_every={value} with steps={steps}: no checkpoint would be saved before the run "
+                          "ends (the last step saves none, the final model is saved right after it); give fewer "
+                          f"than {steps} steps, or leave checkpoint_every out")
+    own = [k for k in CHECKPOINT_ARGS if k in args and not (k == "save_strategy" and args[k] in ("no", False))]
+    if own:
+        raise ConfigError(f"args.{own[0]}={args[own[0]]!r} with checkpoint_every={value}: checkpoint_every sets each "
+                          "run's checkpoints (one every N steps, the older removed, the optimizer's state in each); "
+                          f"leave args.{own[0]} out")
+    return value
+
+
 def parse_seeds(value) -> list:
     """`seeds`: a YAML list of seeds, or gfpo_trainer.cli.parse_seeds's text (a range "0-4", a list "0,2,5")."""
     if isinstance(value, list):
@@ -398,7 +421,8 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
     output_dir = config.get("output_dir")
     if output_dir is not None and not isinstance(output_dir, str):
         raise ConfigError(f"output_dir={output_dir!r}: a folder path")
-    identity = {k: v for k, v in config.items() if k not in ("seeds", "arms", "output_dir")}
+    checkpoint_every = _checkpoint_every(config.get("checkpoint_every"), steps, args)
+    identity = {k: v for k, v in config.items() if k not in ("seeds", "arms", "output_dir", "checkpoint_every")}
     identity = json.loads(json.dumps({**identity, "steps": steps, "eval_every": eval_every,
                                       "prompts_per_step": prompts_per_step, "eval": dataclasses.asdict(evaluation)},
                                      default=str))
@@ -406,7 +430,7 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
                        seeds=seeds, steps=steps, eval_every=eval_every, prompts_per_step=prompts_per_step,
                        output_dir=os.path.abspath(DEFAULT_OUTPUT_DIR) if output_dir is None
                        else train_cli._in_folder(output_dir, base_dir), base_dir=os.path.abspath(base_dir),
-                       identity=identity)
+                       identity=identity, checkpoint_every=checkpoint_every)
 
 
 def load_study_config(path: str, overrides: list | None = None) -> StudyConfig:

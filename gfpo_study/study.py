@@ -4,8 +4,9 @@ Every arm of a seed trains from the same start weights (the config's model, or w
 the seed), on the same prompts in the same order for the same steps, with the seed's generator, and is evaluated on
 the same held-out prompts with the same sampling seed; the starting model is evaluated once per seed (the length
 ELR measures from). Each run is written when it finishes, `<output_dir>/seed-<s>/<arm>.json` (the starting model's
-figures: `start.json`), so a rerun skips finished runs and trains again those killed part-way; pieces (a selection
-of seeds and arms) run on different machines and `merge_studies` joins their folders. With every run of the config
+figures: `start.json`), so a rerun skips finished runs and trains again those killed part-way, from their latest
+complete checkpoint where the config asks for checkpoints (`checkpoint_every`); pieces (a selection of seeds and arms)
+run on different machines and `merge_studies` joins their folders. With every run of the config
 done and 2 seeds or more: study.json (the runs and the summary), study.md and study.png. The statistics are
 gfpo_study/study_stats.py's, the tables, verdict and plot gfpo_study/study_report.py's; the config
 gfpo_study/config.py's; the one-seed demo is gfpo_study/demo.py.
@@ -40,6 +41,10 @@ DEMO_ARMS = ("grpo", "shortest-8of16")
 STUDY_ARMS = tuple(a for a in ARMS if a != "shortest-8of16-paper-objective")
 CONFIG_FILE = "study-config.json"  # the config an output folder's runs belong to
 START_FILE = "start.json"
+# the study's own state of a run, in each of its checkpoints, written last: a checkpoint folder without it is one
+# killed while it was being saved
+CHECKPOINT_STATE = "study_state.json"
+CHECKPOINT_PREFIX = "checkpoint-"  # transformers' checkpoint folders, checkpoint-<step>
 
 
 @dataclasses.dataclass
@@ -195,6 +200,78 @@ def _check_run_definition(path: str, record: dict, arm: Arm) -> None:
         key, ours, theirs = found
         raise ConfigError(f"{path}: arm {arm.name!r} ran with {key}={theirs!r}, the config now says {ours!r}; give "
                           "the changed arm another name (the finished run stays)")
+
+
+# ------------------------------------------------------------------ a run's checkpoints
+@dataclasses.dataclass
+class Resume:
+    """A run's latest complete checkpoint: its step, its folder and the study's state of the run there (the curve
+    points so far, the time spent up to it)."""
+
+    step: int
+    folder: str
+    state: dict
+
+
+def run_key(config: StudyConfig, arm: Arm, seed: int, num_processes: int) -> dict:
+    """What a checkpoint must have been made with to be resumed by this run: the study config, the arm's definition,
+    the seed and the number of processes (each process's generator state is in the checkpoint)."""
+    return json.loads(json.dumps({"identity": config.identity, "definition": arm.definition(), "seed": seed,
+                                  "num_processes": num_processes}, default=str))
+
+
+def _checkpoint_folders(run_dir: str) -> list:
+    """(step, folder) of the checkpoint folders in `run_dir`, by step."""
+    found = []
+    if os.path.isdir(run_dir):
+        for name in os.listdir(run_dir):
+            step = name[len(CHECKPOINT_PREFIX):]
+            if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and os.path.isdir(os.path.join(run_dir, name)):
+                found.append((int(step), os.path.join(run_dir, name)))
+    return sorted(found)
+
+
+def find_resume(run_dir: str, key: dict, arm: str, seed: int) -> Resume | None:
+    """The latest complete checkpoint of the run whose folder is `run_dir` (one holding the study's state, written
+    after everything else of it), None where it has none. Folders killed while being saved are passed over.
+
+    Raises:
+        ConfigError: that checkpoint was made with another config, arm definition, seed or number of processes
+            (naming the field and both values): resuming it would mix two runs.
+    """
+    for step, folder in reversed(_checkpoint_folders(run_dir)):
+        state = _read_json(os.path.join(folder, CHECKPOINT_STATE))
+        if state is None:
+            continue
+        found = _first_difference(key, state.get("run"))
+        if found:
+            field, ours, theirs = found
+            raise ConfigError(f"{folder}: a checkpoint of {arm} seed {seed} made with {field}={theirs!r}; this run "
+                              f"has {ours!r}, and resuming it would mix the two; remove {run_dir} to train the run "
+                              "from its start, or give a changed arm another name")
+        return Resume(step, folder, state)
+    return None
+
+
+def remove_checkpoints(run_dir: str, before: int | None = None, incomplete: bool = True) -> None:
+    """Removes the checkpoint folders of a run (those of steps below `before`, where given); with `incomplete` False,
+    only the study's own (those holding its state): without checkpoint_every, checkpoints that args.save_strategy
+    asked for are the user's."""
+    for step, folder in _checkpoint_folders(run_dir):
+        if (before is None or step < before) and (incomplete or os.path.exists(os.path.join(folder,
+                                                                                          CHECKPOINT_STATE))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_incomplete_checkpoints(run_dir: str) -> list:
+    """Removes the checkpoint folders without the study's state (killed while being saved; the resumed run saves
+    those steps again); returns their steps."""
+    removed = []
+    for step, folder in _checkpoint_folders(run_dir):
+        if not os.path.exists(os.path.join(folder, CHECKPOINT_STATE)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(step)
+    return removed
 
 
 # ------------------------------------------------------------------ one seed's data
@@ -401,6 +478,8 @@ def arm_args(config: StudyConfig, arm: Arm, seed: int, output_dir: str, verbose:
         if isinstance(args.get(name), str) and not (name == "deepspeed" and args[name].lstrip().startswith("{")):
             args[name] = train_cli._in_folder(args[name], config.base_dir)
     fields = {"save_strategy": "no", "report_to": "none", **args, **arm.config_fields()}
+    if config.checkpoint_every is not None:  # the checkpoints a rerun resumes (StudyProgress.on_save completes each)
+        fields.update(save_strategy="steps", save_steps=config.checkpoint_every)
     accumulation = fields.get("gradient_accumulation_steps", 1)
     rows = config.prompts_per_step * fields["num_generations"]
     per_device, left = divmod(rows, num_processes * accumulation)
@@ -438,15 +517,42 @@ def _signed(func):
     return signed
 
 
-def _callback(config: StudyConfig, seed: int, evaluate, tokenizer, progress):
-    """The held-out curve (every eval_every steps and at the last) and the progress bar's steps."""
+class _RunClock:
+    """Where a run's time goes while it trains: building the trainer, the curve's evaluations, saving checkpoints,
+    and the rest (training) since `train_start`; `earlier`: the sessions before a resume, up to its checkpoint (what
+    they spent after it, until they stopped, is not counted)."""
+
+    def __init__(self, evaluate, earlier: dict | None):
+        self.evaluate, self.earlier = evaluate, earlier
+        self.eval_before = evaluate.seconds
+        self.setup = self.train_start = self.step_end = None
+        self.checkpoint = 0.0
+
+    def so_far(self, now: float) -> dict:
+        """This session's split up to `now`."""
+        curve = self.evaluate.seconds - self.eval_before
+        return {"setup": self.setup, "train": now - self.train_start - curve - self.checkpoint, "curve_eval": curve,
+                "checkpoint": self.checkpoint}
+
+    def total(self, now: float) -> dict:
+        """The run's split up to `now`, the earlier sessions' included."""
+        mine = self.so_far(now)
+        return {k: mine[k] + (self.earlier or {}).get(k, 0.0) for k in mine}
+
+
+def _callback(config: StudyConfig, seed: int, evaluate, tokenizer, progress, key: dict, clock: _RunClock,
+              resume: Resume | None = None):
+    """The held-out curve (every eval_every steps and at the last), the progress bar's steps, and the study's state
+    of the run in each checkpoint (the curve so far, the time so far), written when the checkpoint is whole."""
     from transformers import TrainerCallback
 
     class StudyProgress(TrainerCallback):
         def __init__(self):
             self.trainer = None
-            self.curve = []  # (step, held-out accuracy, held-out length)
-            self.curve_figures = []  # the whole held-out figures at the same steps
+            # (step, held-out accuracy, held-out length), the points before a resume from its checkpoint
+            self.curve = [] if resume is None else [tuple(point) for point in resume.state["curve"]]
+            # the whole held-out figures at the same steps
+            self.curve_figures = [] if resume is None else list(resume.state["curve_figures"])
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             step = state.global_step
@@ -463,7 +569,26 @@ def _callback(config: StudyConfig, seed: int, evaluate, tokenizer, progress):
                 self.curve.append((step, figures["accuracy"], figures["mean_length"]))
                 self.curve_figures.append({"step": step, **figures})
                 progress.postfix(figures)
+            if step >= config.steps and config.checkpoint_every is not None:
+                control.should_save = False  # the final model is saved right after the last step: no checkpoint
             progress.step(step)
+            clock.step_end = time.perf_counter()
+            return control
+
+        def on_save(self, args, state, control, **kwargs):
+            if config.checkpoint_every is None:  # checkpoints of args.save_strategy: the user's, left as they are
+                return
+            # every process's part of the checkpoint (its generator state) is on disk before the state marks it whole
+            self.trainer.accelerator.wait_for_everyone()
+            clock.checkpoint += time.perf_counter() - clock.step_end
+            if state.is_world_process_zero:
+                written = time.perf_counter()
+                folder = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{state.global_step}")
+                write_json(os.path.join(folder, CHECKPOINT_STATE), {
+                    "run": key, "step": state.global_step, "curve": self.curve, "curve_figures": self.curve_figures,
+                    "seconds": clock.total(written)})
+                remove_checkpoints(args.output_dir, before=state.global_step)  # the newer one is whole now
+                clock.checkpoint += time.perf_counter() - written
 
     return StudyProgress()
 
@@ -514,17 +639,21 @@ def build_run_trainer(config: StudyConfig, arm: Arm, seed: int, start_dir: str, 
 
 
 def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list, evaluate, output_dir: str,
-            progress: Progress, verbose: bool = False, num_processes: int = 1) -> dict:
-    """Trains `arm` on `seed` from `start_dir`, evaluates it on the held-out prompts, saves the final model (with the
-    tokenizer) into `output_dir`. Returns the held-out figures ("final"), the held-out curve, per step the tokens
-    generated and trained, the step's time and learning signal, and the run's time split ("seconds")."""
+            progress: Progress, verbose: bool = False, num_processes: int = 1, resume: Resume | None = None) -> dict:
+    """Trains `arm` on `seed` from `start_dir` (or from `resume`'s checkpoint, the curve points before it from its
+    state), evaluates it on the held-out prompts, saves the final model (with the tokenizer) into `output_dir`.
+    Returns the held-out figures ("final"), the held-out curve, per step the tokens generated and trained, the step's
+    time and learning signal, and the run's time split ("seconds"; a resumed run's: this session's, and the sessions'
+    before the resume up to its checkpoint under "before_resume")."""
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     start = time.perf_counter()
     eval_before = evaluate.seconds
     tokenizer = AutoTokenizer.from_pretrained(start_dir)
-    callback = _callback(config, seed, evaluate, tokenizer, progress)
+    clock = _RunClock(evaluate, None if resume is None else resume.state["seconds"])
+    callback = _callback(config, seed, evaluate, tokenizer, progress, run_key(config, arm, seed, num_processes),
+                         clock, resume)
     trainer = build_run_trainer(config, arm, seed, start_dir, rows, output_dir, tokenizer, [callback], verbose,
                                 num_processes)
     args = trainer.args
@@ -532,14 +661,14 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
     if not verbose:
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
-    setup = time.perf_counter() - start
-    train_start = time.perf_counter()
-    trainer.train()
+    setup = clock.setup = time.perf_counter() - start
+    train_start = clock.train_start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=None if resume is None else resume.folder)
     train_seconds = time.perf_counter() - train_start
     save_start = time.perf_counter()
-    trainer.save_model()  # the run's one model on disk (save_strategy "no" unless the config says otherwise)
+    trainer.save_model()  # the run's one model on disk
     save = time.perf_counter() - save_start
-    history = [h for h in trainer.state.log_history if "reward" in h]
+    history = [h for h in trainer.state.log_history if "reward" in h]  # a resumed run's from its checkpoint on
     curve_seconds = evaluate.seconds - eval_before
     from trl.models.utils import unwrap_model_for_generation
 
@@ -553,6 +682,14 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
     # sum_then_normalize; otherwise it tests the batch's (0 or 1): not the per-group share GFPO's kept rows give
     per_group = args.scale_rewards != "batch" and args.multi_objective_aggregation == "sum_then_normalize"
     signal = [_step_signal(h, per_group) for h in history]
+    # where the run's time went: building the trainer, training (the curve's evaluations and the checkpoints inside
+    # it), the curve's and the final evaluations, saving the model, saving checkpoints
+    seconds = {"setup": setup, "train": train_seconds - curve_seconds - clock.checkpoint, "curve_eval": curve_seconds,
+               "final_eval": evaluate.seconds - eval_before - curve_seconds, "save": save}
+    if config.checkpoint_every is not None:
+        seconds["checkpoint"] = clock.checkpoint
+    if resume is not None:
+        seconds.update(resumed_from_step=resume.step, before_resume=resume.state["seconds"])
     return {"final": final, "curve": callback.curve, "curve_figures": callback.curve_figures,
             "generated_tokens": [_generated_tokens(h, rows_per_step) for h in history],
             "trained_tokens": [_trained_tokens(h, rows_per_step) for h in history],
@@ -560,10 +697,7 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
             "train_reward": [s["reward"] for s in signal],
             "train_reward_std": [s["reward_std"] for s in signal],
             "train_frac_reward_zero_std": [s["frac_reward_zero_std"] for s in signal],
-            # where the run's time went: building the trainer, training (the curve's evaluations inside it), the
-            # curve's and the final evaluations, saving the model
-            "seconds": {"setup": setup, "train": train_seconds - curve_seconds, "curve_eval": curve_seconds,
-                        "final_eval": evaluate.seconds - eval_before - curve_seconds, "save": save}}
+            "seconds": seconds}
 
 
 def _evaluate_start_on_engine(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list, evaluate,
@@ -612,7 +746,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
         which, given = ("--seeds", config.seeds) if not seeds else ("--arms", config.arms)
         raise ConfigError(f"{which}: the selection is empty; give some of the config's "
                           f"({', '.join(map(str, given))}), or leave it out to run them all")
-    state = PartialState()
+    # processes on CPUs (torchrun, gloo) are one group only where the first PartialState says cpu, as the trainer's
+    state = PartialState(cpu=bool(arm_args(config, config.arms[arms[0]], seeds[0], config.output_dir).use_cpu))
     main = state.is_main_process
     # every selected arm's GFPOConfig built now, as its run will build it: an arm the trainer refuses (k >= G, an
     # unknown filter, sizes the processes do not divide) is one error before anything trains, not when its turn comes
@@ -634,20 +769,42 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
         for seed in seeds:
             warn_overlap(rows_of[seed], held_out, seed)
     evaluate = Evaluator(config, held_out, eval_max_tokens(config))
-    todo, skipped = [], []
+    todo, skipped, resumes = [], [], {}
+    # args (the same in every session of the folder) then set no checkpoints of their own (parse_study_config)
+    own_checkpoints = config.checkpoint_every is not None
     for seed in seeds:
         for name in arms:
             path = _run_file(config.output_dir, seed, name)
             record = _read_json(path)
+            run_dir = os.path.join(config.output_dir, f"seed-{seed}", name)
             if record is None:
                 todo.append((seed, name))
+                resume = find_resume(run_dir, run_key(config, config.arms[name], seed, state.num_processes), name,
+                                     seed)
+                if resume is not None:
+                    resumes[(seed, name)] = resume
             else:
                 _check_run_definition(path, record, config.arms[name])
                 skipped.append((seed, name))
+    state.wait_for_everyone()  # every process has looked before the main one removes anything
     if main and skipped:
         print(f"gfpo study: {len(skipped)} run(s) already finished in {config.output_dir}, not run again: "
               + ", ".join(f"{a} seed {s}" for s, a in skipped))
-    progress = Progress(len(todo) * config.steps, show=main and not verbose and bool(todo))
+        for seed, name in skipped:  # a run killed after its file was written, before its checkpoints went
+            remove_checkpoints(os.path.join(config.output_dir, f"seed-{seed}", name), incomplete=own_checkpoints)
+    if main and own_checkpoints:  # with checkpoint_every every checkpoint folder of a run is the study's
+        for seed, name in todo:
+            removed = remove_incomplete_checkpoints(os.path.join(config.output_dir, f"seed-{seed}", name))
+            if removed:
+                print(f"gfpo study: {name} seed {seed}: checkpoint(s) at step {', '.join(map(str, removed))} "
+                      "were not saved whole (killed while saving): not used, removed")
+    if main:
+        for (seed, name), resume in resumes.items():
+            print(f"gfpo study: resuming {name} seed {seed} from step {resume.step} of {config.steps} "
+                  f"({resume.folder})")
+    state.wait_for_everyone()
+    progress = Progress(sum(config.steps - (resumes[k].step if k in resumes else 0) for k in todo),
+                        show=main and not verbose and bool(todo))
     ran = []
     with future_warnings_hidden(not verbose):
         for seed in seeds:
@@ -686,10 +843,13 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                                             "seconds": {"build": start_seconds, "eval": evaluate.seconds - eval_start}})
                 state.wait_for_everyone()
             for name in pending:
-                progress.start(f"seed {seed}, {name}", progress.bar.n)
+                resume = resumes.get((seed, name))
+                done = 0 if resume is None else resume.step  # the bar counts the steps left
+                progress.start(f"seed {seed}, {name}" + ("" if resume is None else f" (from step {done})"),
+                               progress.bar.n - done)
                 load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
                 run = run_one(config, config.arms[name], seed, start_dir, rows, evaluate,
-                              os.path.join(seed_dir, name), progress, verbose, state.num_processes)
+                              os.path.join(seed_dir, name), progress, verbose, state.num_processes, resume)
                 run["load_average_1min_at_start"] = load
                 if main:
                     write_json(_run_file(config.output_dir, seed, name),
@@ -697,6 +857,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                                 "paper": config.arms[name].paper,
                                 "environment": run_environment(torch.device("cuda" if torch.cuda.is_available()
                                                                             else "cpu")), "run": run})
+                    # the run is in its file now
+                    remove_checkpoints(os.path.join(seed_dir, name), incomplete=own_checkpoints)
                 state.wait_for_everyone()
                 ran.append((seed, name))
     progress.close()

@@ -26,21 +26,38 @@ REWARDS = textwrap.dedent('''
     import os
     import re
     import signal
+    import time
 
     CALLS = [0]
+    SCORE_CALLS = [0]
 
 
     def correct(prompts, completions, answer, **kwargs):
-        """The training reward: 1.0 where the completion's last number is the answer. The test's kill switch: the
-        process ends itself (SIGKILL, as a cluster's scheduler ends a job) at the reward call KILL_AT_CALL."""
+        """The training reward (matches). The test's kill switches: the
+        process ends itself (SIGKILL, as a cluster's scheduler ends a job) at the reward call KILL_AT_CALL, or waits
+        at the call HANG_AT_CALL, having created the file HANG_FILE, for the test to kill it."""
         CALLS[0] += 1
         if CALLS[0] == int(os.environ.get("KILL_AT_CALL", "0")):
             os.kill(os.getpid(), signal.SIGKILL)
-        return score(prompts, completions, answer)
+        if CALLS[0] == int(os.environ.get("HANG_AT_CALL", "0")):
+            open(os.environ["HANG_FILE"], "w").close()
+            time.sleep(600)
+        return matches(completions, answer)
 
 
     def score(prompts, completions, answer, **kwargs):
-        """The held-out correctness: the same test."""
+        """The held-out correctness: the same test. The test's pause: at the held-out evaluation PAUSE_AT_SCORE_CALL
+        the process creates the file HANG_FILE and waits until the file RELEASE_FILE exists."""
+        SCORE_CALLS[0] += 1
+        if SCORE_CALLS[0] == int(os.environ.get("PAUSE_AT_SCORE_CALL", "0")):
+            open(os.environ["HANG_FILE"], "w").close()
+            while not os.path.exists(os.environ["RELEASE_FILE"]):
+                time.sleep(0.05)
+        return matches(completions, answer)
+
+
+    def matches(completions, answer):
+        """1.0 where the completion's last number is the answer."""
         out = []
         for completion, expected in zip(completions, answer):
             numbers = re.findall(r"\\d+", completion)
@@ -665,18 +682,18 @@ def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model
     assert figures["accuracy"] in (0.0, 1 / 3, 2 / 3, 1.0) and 1 <= figures["mean_length"] <= 4
 
 
-def test_a_piece_under_accelerate_launch_is_written_by_the_main_process(finished_study, tmp_path):
-    """`accelerate launch` with 2 CPU processes (gloo): both train and evaluate, the main process alone writes the
-    run files and speaks; run again, both skip the finished runs."""
+def test_a_piece_on_two_processes_is_written_by_the_main_process(finished_study, tmp_path):
+    """2 CPU processes (torchrun, gloo; `accelerate launch --cpu` would start one): both train and evaluate, the main
+    process alone writes the run files and speaks; run again, both skip the finished runs."""
     import socket
 
     folder, _ = finished_study
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-               "--main_process_port", str(port), "-m", "gfpo_study", "run", "--config", "study.yaml", "--seeds", "0",
-               "--output-dir", str(tmp_path / "piece")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               "-m", "gfpo_study", "run", "--config", "study.yaml", "--seeds", "0", "--output-dir",
+               str(tmp_path / "piece")]
 
     def launch():
         return subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=600,

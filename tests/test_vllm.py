@@ -867,6 +867,62 @@ def test_study_evaluates_on_the_vllm_engine_with_the_trained_weights(model_dir, 
 
 
 
+STOPPING_REWARD = '''
+import os
+
+CALLS = [0]
+
+
+def digits(completions, **kwargs):
+    """study_vllm_rewards.digits, raising at the call STUDY_STOP_AT_CALL (counted over the process): a run stopped
+    part-way."""
+    CALLS[0] += 1
+    if CALLS[0] == int(os.environ.get("STUDY_STOP_AT_CALL", "0")):
+        raise KeyboardInterrupt("stopped at step 3")
+    return [sum(ch.isdigit() for ch in c) - 0.05 * len(c) for c in completions]
+'''
+
+
+def test_a_study_run_on_vllm_resumes_from_its_checkpoint(model_dir, tmp_path, monkeypatch):
+    """checkpoint_every with use_vllm (colocate): a run stopped in step 3 (its reward raising), checkpoint-2 whole,
+    run again, resumes there and ends with the figures (the engine's held-out answers included) and the weights of
+    the run that did not stop; the finished run keeps no checkpoint."""
+    import sys
+
+    from gfpo_study import study
+    from safetensors.torch import load_file
+
+    (tmp_path / "study_vllm_stop.py").write_text(STOPPING_REWARD)
+    arm = {"name": "shortest-4of8", "num_generations": 8, "num_remains_in_group": 4, "group_filter": "length"}
+
+    def config(out):
+        return study.study_config(_vllm_study_config(tmp_path, model_dir, arms=[arm], steps=4, eval_every=2,
+                                                     checkpoint_every=2, output_dir=out,
+                                                     reward_funcs=["study_vllm_stop:digits"]), str(tmp_path))
+
+    study.run_study(config("straight"))
+    calls = sys.modules["study_vllm_stop"].CALLS
+    monkeypatch.setenv("STUDY_STOP_AT_CALL", str(calls[0] + 3))
+    with pytest.raises(KeyboardInterrupt, match="stopped at step 3"):
+        study.run_study(config("resumed"))
+    run_dir = tmp_path / "resumed" / "seed-0" / "shortest-4of8"
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-2"]
+    gc.collect()  # the stopped run's engine
+    result = study.run_study(config("resumed"))
+    assert result["ran"] == [(0, "shortest-4of8")]
+    straight, resumed = (json.loads((tmp_path / out / "seed-0" / "shortest-4of8.json").read_text())["run"]
+                         for out in ("straight", "resumed"))
+    assert resumed["seconds"]["resumed_from_step"] == 2
+    timings = {"seconds", "step_time", "load_average_1min_at_start"}
+    assert {k: v for k, v in resumed.items() if k not in timings} == {
+        k: v for k, v in straight.items() if k not in timings}
+    assert [c["step"] for c in resumed["curve_figures"]] == [2, 4] and len(resumed["final"]["answers"]) > 0
+    a, b = (load_file(str(tmp_path / out / "seed-0" / "shortest-4of8" / "model.safetensors"))
+            for out in ("straight", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    assert not list(run_dir.glob("checkpoint-*"))
+
+
 def test_study_vllm_evaluation_leaves_the_engine_and_generators_as_they_were(model_dir, monkeypatch):
     """sample_answers_vllm on a bare engine: the same call twice gives the same answers (one seeded request each),
     the CPU generator is left as it was, and an engine failing mid-call leaves no request of the evaluation behind
