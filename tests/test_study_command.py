@@ -659,9 +659,11 @@ def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model
     shipped = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"))
     assert shipped.train["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and list(shipped.arms) == [
         "grpo", "shortest-8of16", "shortest-6of8", "token-efficiency-8of16"]
+    assert shipped.checkpoint_every == 50  # a preempted run resumes (docs/study.md)
     config = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"), [
         "--model", model, "--max_completion_length", "8", "--bf16", "false", "--use_cpu", "true",
-        "--steps", "2", "--eval.max_tokens", "4", "--eval.samples", "1", "--output_dir", str(tmp_path / "out")])
+        "--steps", "2", "--checkpoint_every", "1", "--eval.max_tokens", "4", "--eval.samples", "1",
+        "--output_dir", str(tmp_path / "out")])
     rows = study.training_rows(config, 0)
     assert len(rows) == 2 * 8 and rows[0]["prompt"][0]["role"] == "system" and rows[0]["prompt"][1]["content"] == (
         rows[0]["question"])
@@ -674,6 +676,7 @@ def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model
         assert trainer.args.per_device_train_batch_size == 8 * generations // 4
         assert (trainer.args.max_steps, trainer.args.learning_rate, trainer.args.num_generations) == (
             2, 1e-6, generations)
+        assert (trainer.args.save_strategy, trainer.args.save_steps) == ("steps", 1)
         assert trainer.args.reward_weights == [1.0, 0.5]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
