@@ -627,6 +627,35 @@ def _sentence(summary: str) -> str:
     return summary[:1].upper() + summary[1:] + ("" if summary.endswith(".") else ".")
 
 
+def read_config_file(path: str) -> dict:
+    """The mapping in the YAML file `path` (`--config`). A file that is not there (with the close name of a file
+    beside it), a folder, a file that is not YAML or holds no mapping is a ConfigError naming `--config` and the
+    path."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except FileNotFoundError:
+        folder = os.path.dirname(os.path.abspath(path))
+        files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        raise ConfigError(f"--config {path!r}: no such file {os.path.abspath(path)}"
+                          f"{_did_you_mean(os.path.basename(path), files)}; give the path of the YAML config file"
+                          ) from None
+    except IsADirectoryError:
+        found = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
+        raise ConfigError(f"--config {path!r} is a folder; give the YAML config file itself"
+                          + (f" (there: {', '.join(found)})" if found else "")) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--config {path!r} is not valid YAML: {_one_line(error)}") from None
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"--config {path!r} must hold a mapping (model: ..., dataset: ...), got "
+                          f"{type(config).__name__}")
+    return config
+
+
 TRAIN_DESCRIPTION = (
     "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column (or a prompt key that builds "
     "one from its columns), reward functions and GFPOConfig fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
@@ -669,16 +698,11 @@ def main(argv=None) -> int:
     missing = next((name for name in TRAIN_MODULES if _not_installed(name)), None)
     if missing is not None:
         return _missing_dependency(missing)
-    import yaml
-
     # a mistake in the file is one line: what the libraries warn while the config is built (transformers' deprecation
     # FutureWarnings among them) is held back, and shown only when the config turns out to be good
     with warnings.catch_warnings(record=True) as held:
         try:
-            with open(options.config) as f:
-                config = yaml.safe_load(f) or {}
-            if not isinstance(config, dict):
-                raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
+            config = read_config_file(options.config)
             config = apply_overrides(config, overrides, _TOP_LEVEL_KEYS)
             base_dir = os.path.dirname(os.path.abspath(options.config))
             check_config(config, base_dir, flags=override_flags(overrides, _TOP_LEVEL_KEYS))
@@ -687,7 +711,7 @@ def main(argv=None) -> int:
             except ModuleNotFoundError as error:  # a dependency of theirs
                 return _missing_dependency(error.name or str(error))
             trainer = build_trainer(config, base_dir=base_dir)
-        except (ConfigError, OSError, yaml.YAMLError) as error:
+        except (ConfigError, OSError) as error:
             print(f"error: {_one_line(error)}", file=sys.stderr)
             return 2
     for warning in held:

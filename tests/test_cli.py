@@ -467,6 +467,30 @@ def test_train_command_reports_errors(tmp_path, capsys):
     assert "error: the config needs 'model'" in capsys.readouterr().err
 
 
+def test_a_config_file_that_cannot_be_read_is_one_line_naming_config(tmp_path, capsys, monkeypatch):
+    """--config naming no file (a typo of a file beside it), a folder, a YAML syntax error or a list: one error line
+    naming --config and the path, exit status 2, no OSError's errno words."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model: m\n")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "a.yaml").write_text("model: m\n")
+    (tmp_path / "broken.yaml").write_text("model: m\nargs: {output_dir: out\n")
+    (tmp_path / "list.yaml").write_text("- model\n")
+    expected = {
+        "rnu.yaml": f"error: --config 'rnu.yaml': no such file {tmp_path / 'rnu.yaml'} (did you mean 'run.yaml'?); "
+                    "give the path of the YAML config file",
+        "configs": "error: --config 'configs' is a folder; give the YAML config file itself (there: a.yaml)",
+        "list.yaml": "error: --config 'list.yaml' must hold a mapping (model: ..., dataset: ...), got list",
+    }
+    for path, line in expected.items():
+        assert main(["train", "--config", path]) == 2
+        assert capsys.readouterr().err == line + "\n"
+    assert main(["train", "--config", "broken.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --config 'broken.yaml' is not valid YAML: while parsing a flow mapping") and \
+        'line 2, column 7' in err and err.count("\n") == 1, err
+
+
 def test_load_reward_func_forms():
     assert load_reward_func("gfpo_study.demo.correctness_reward") is correctness_reward
     assert load_reward_func("gfpo_study.demo:correctness_reward") is correctness_reward
