@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -348,9 +349,13 @@ def _load_for_eval(model_dir: str, args):
         from transformers import AutoModelForCausalLM
 
         kwargs.setdefault("dtype", torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        load = functools.partial(AutoModelForCausalLM.from_pretrained, model_dir, **kwargs)
     else:
-        model = create_model_from_path(model_dir, **kwargs)
+        load = functools.partial(create_model_from_path, model_dir, **kwargs)
+    try:
+        model = load()
+    except OSError as error:
+        raise _model_error(model_dir, error) from None
     device = torch.device("cpu") if args.use_cpu else PartialState().device
     return model.to(device)
 
@@ -381,7 +386,14 @@ def arm_args(config: StudyConfig, arm: Arm, seed: int, output_dir: str, verbose:
                           max_steps=config.steps, seed=seed, shuffle_dataset=False, logging_steps=1,
                           disable_tqdm=not verbose)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}"
+                          f"{train_cli.bf16_hint(fields, error)}") from None
+
+
+def _model_error(model: str, error: OSError) -> ConfigError:
+    """`train`'s line for a model that cannot be loaded: a Hub name without network or cache, a folder without the
+    model's files."""
+    return ConfigError(f"cannot load model {model!r}: {' '.join(str(error).split())}")
 
 
 def _signed(func):
@@ -460,7 +472,10 @@ def build_run_trainer(config: StudyConfig, arm: Arm, seed: int, start_dir: str, 
 
     torch.manual_seed(seed)
     args = arm_args(config, arm, seed, output_dir, verbose, num_processes)
-    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(start_dir)
+    try:
+        tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(start_dir)
+    except OSError as error:
+        raise _model_error(start_dir, error) from None
     reward_funcs = config.reward_funcs if arm.reward == "correct" else [_signed(f) for f in config.reward_funcs]
     try:
         return GFPOTrainer(model=start_dir, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(rows),
@@ -594,7 +609,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
               + ", ".join(f"{a} seed {s}" for s, a in skipped))
     progress = Progress(len(todo) * config.steps, show=main and not verbose and bool(todo))
     ran = []
-    with future_warnings_hidden(not verbose):
+    # the bar is closed on an error too, so that the error's line starts a line of its own
+    with future_warnings_hidden(not verbose), contextlib.closing(progress):
         for seed in seeds:
             pending = [a for s, a in todo if s == seed]
             start_path = os.path.join(config.output_dir, f"seed-{seed}", START_FILE)
@@ -646,7 +662,6 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                                                                             else "cpu")), "run": run})
                 state.wait_for_everyone()
                 ran.append((seed, name))
-    progress.close()
     missing = missing_runs(config.output_dir, config.seeds, list(config.arms))
     result = {"ran": ran, "skipped": skipped, "missing": missing, "study": None}
     if missing:

@@ -342,6 +342,15 @@ def check_config(config: dict, base_dir: str | None = None, flags: dict | None =
     return {"model": model, "args": args, "reward_specs": reward_specs}
 
 
+def bf16_hint(args: dict, error: Exception) -> str:
+    """What to change when GFPOConfig refused `args` for their bf16: true on a machine without bf16 (transformers'
+    words name neither the field nor its value); "" for any other error."""
+    if args.get("bf16") and "bf16" in str(error):
+        return (" (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or "
+                "--bf16 false on the command line)")
+    return ""
+
+
 def build_trainer(config: dict, base_dir: str | None = None):
     """A GFPOTrainer from a parsed training config (checked first by check_config); relative paths in it are read
     from `base_dir` (the config file's folder; default: the working directory)."""
@@ -361,11 +370,7 @@ def build_trainer(config: dict, base_dir: str | None = None):
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
-        hint = ""
-        if args.get("bf16") and "bf16" in str(error):  # transformers' words name neither the field nor its value
-            hint = (" (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or "
-                    "--bf16 false on the command line)")
-        raise ConfigError(f"args: {_one_line(error)}{hint}") from None
+        raise ConfigError(f"args: {_one_line(error)}{bf16_hint(args, error)}") from None
     dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
                                  prompt=config.get("prompt"), config_name=config.get("dataset_config"))
     try:

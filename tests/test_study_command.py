@@ -415,6 +415,38 @@ def test_a_misspelt_field_on_the_command_line_is_named_as_typed(user_folder, cap
                                        "'max_steps'?), given on the command line as --max-step\n")
 
 
+def test_a_bf16_config_on_a_machine_without_bf16_says_which_field_to_change(user_folder, capsys):
+    """examples/gsm8k/study.yaml sets bf16: true; on a CPU the study's line says which field to change, as train's
+    does (transformers' words name neither the field nor its value)."""
+    import torch
+
+    from gfpo_study.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the error is raised where no GPU is")
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--bf16", "true", "--use_cpu", "false",
+                 "--output-dir", str(user_folder / "bf16-out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: arm 'grpo': ") and err.count("\n") == 1 and err.endswith(
+        " (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or --bf16 false "
+        "on the command line)\n"), err
+
+
+def test_a_model_that_cannot_be_loaded_is_one_line(user_folder, capsys):
+    """A model that exists as a name but not as a model (a Hub name offline, a folder without its files) is
+    train's one line, `cannot load model`, not transformers' traceback."""
+    from gfpo_study.cli import main
+
+    (user_folder / "no_weights").mkdir(exist_ok=True)  # a model's config without its weights
+    (user_folder / "no_weights" / "config.json").write_text((user_folder / "tiny_model" / "config.json").read_text())
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--model", "no_weights",
+                 "--output-dir", str(user_folder / "no-model-out")]) == 2
+    err = capsys.readouterr().err  # after the progress bar's line, which the error does not continue
+    assert "Traceback" not in err and len(re.findall("error", err)) == 1, err
+    line = next(line for line in err.splitlines() if "error" in line)
+    assert line.startswith(f"error: cannot load model '{user_folder / 'no_weights'}': ") and "model.safetensors" in line
+
+
 def test_without_the_trainer_extra_the_command_says_what_to_install():
     probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
     for command in (["demo", "--smoke"], ["run", "--config", "study.yaml"]):
