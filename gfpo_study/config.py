@@ -362,7 +362,8 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
         train_part["dataset"] = "function/rows"  # no file to look for
     check = getattr(train_cli, "check_config", None)
     if check is not None:
-        converted = check(train_part, base_dir, **({"flags": flags} if flags else {}))["args"]
+        named = {"flags": flags, "top_level_keys": known} if flags else {}
+        converted = check(train_part, base_dir, **named)["args"]
     else:
         from gfpo_trainer.config import GFPOConfig
 

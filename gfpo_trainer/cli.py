@@ -286,14 +286,16 @@ def _check_dataset_config(dataset: str, config_name) -> None:
                           f"{dataset!r} has none: remove dataset_config")
 
 
-def check_config(config: dict, base_dir: str | None = None, flags: dict | None = None) -> dict:
+def check_config(config: dict, base_dir: str | None = None, flags: dict | None = None,
+                 top_level_keys: tuple[str, ...] = _TOP_LEVEL_KEYS) -> dict:
     """Everything about a training config that can be checked without TRL, transformers or torch (which take
     seconds to import): the keys, the model directory, the `args` field names, their values' types and choices (by
     config_fields.field_specs), the group_filter name, the prompt key, the reward function names' form and a local
     data file's existence. Returns {"model": the resolved model, "args": the args converted to the field types,
     "reward_specs": the reward functions' names}; ConfigError naming what is wrong. `flags`: {"args.name": "--flag"}
     for the fields set on the command line (override_flags), which an unknown-field error names as the user typed
-    them."""
+    them; a bare flag closer to one of `top_level_keys` than to any field (the study's `--stepz`) is pointed to that
+    key's flag."""
     from . import config_fields
     from .filters import group_filter_spec
 
@@ -314,7 +316,14 @@ def check_config(config: dict, base_dir: str | None = None, flags: dict | None =
     if bad:
         typed = [flags[f"args.{name}"] for name in bad if f"args.{name}" in (flags or {})]
         where = f", given on the command line as {', '.join(typed)}" if typed else ""
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(specs))}{where}")
+        hint = _unknown_hints(bad, sorted(specs))
+        if len(bad) == 1 and "." not in (flags or {}).get(f"args.{bad[0]}", "."):
+            # a bare flag lands under args whatever was meant: it may be a misspelt top-level key
+            keys = [k for k in top_level_keys if k != "args"]
+            key = closest_name(bad[0], [*keys, *sorted(specs)])
+            if key in keys:
+                hint = f" (did you mean --{key}, the config's own key?)"
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{hint}{where}")
     args = _convert_args(args, specs)
     try:
         group_filter_spec(args.get("group_filter"))

@@ -491,6 +491,19 @@ def test_a_config_file_that_cannot_be_read_is_one_line_naming_config(tmp_path, c
         'line 2, column 7' in err and err.count("\n") == 1, err
 
 
+def test_a_misspelt_top_level_key_as_a_bare_flag_points_to_its_flag(model_dir, dataset_file, tmp_path, capsys):
+    """`--mdoel DIR` lands under args as a bare flag does; closer to `model` than to any GFPOConfig field
+    (`do_eval` is close too), it is pointed to `--model`. A dotted flag says where it is: the closest field then."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path)))
+    assert main(["train", "--config", str(config_file), "--mdoel", model_dir]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['mdoel'] under 'args' (did you mean --model, "
+                                       "the config's own key?), given on the command line as --mdoel\n")
+    assert main(["train", "--config", str(config_file), "--args.mdoel", model_dir]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['mdoel'] under 'args' (did you mean "
+                                       "'do_eval'?), given on the command line as --args.mdoel\n")
+
+
 def test_load_reward_func_forms():
     assert load_reward_func("gfpo_study.demo.correctness_reward") is correctness_reward
     assert load_reward_func("gfpo_study.demo:correctness_reward") is correctness_reward

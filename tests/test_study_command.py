@@ -447,6 +447,19 @@ def test_a_model_that_cannot_be_loaded_is_one_line(user_folder, capsys):
     assert line.startswith(f"error: cannot load model '{user_folder / 'no_weights'}': ") and "model.safetensors" in line
 
 
+def test_a_misspelt_study_key_on_the_command_line_points_to_its_flag(user_folder, capsys):
+    """A bare flag is a GFPOConfig field unless it is a key of the config: `--stepz 3` close to no field is pointed
+    to `--steps`, the study's own key, not left as an unknown field with no hint."""
+    from gfpo_study.cli import main
+
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--stepz", "3"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['stepz'] under 'args' (did you mean --steps, "
+                                       "the config's own key?), given on the command line as --stepz\n")
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--prompts-per-stp", "3"]) == 2
+    assert "(did you mean --prompts_per_step, the config's own key?), given on the command line as --prompts-per-stp" \
+        in capsys.readouterr().err
+
+
 def test_without_the_trainer_extra_the_command_says_what_to_install():
     probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
     for command in (["demo", "--smoke"], ["run", "--config", "study.yaml"]):
