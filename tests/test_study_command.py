@@ -502,6 +502,11 @@ def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model
     shipped = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"))
     assert shipped.train["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and list(shipped.arms) == [
         "grpo", "shortest-8of16", "shortest-6of8", "token-efficiency-8of16"]
+    # its header's word: use_vllm under args (colocate, GFPOConfig's default mode) is a study of this config
+    on_vllm = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"), [
+        "--model", model, "--use_vllm", "true", "--bf16", "false", "--use_cpu", "true"])
+    assert "use_vllm: true under args (colocate mode)" in (REPO / "examples" / "gsm8k" / "study.yaml").read_text()
+    assert study.arm_args(on_vllm, on_vllm.arms["grpo"], 0, str(tmp_path / "x")).use_vllm is True
     config = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"), [
         "--model", model, "--max_completion_length", "8", "--bf16", "false", "--use_cpu", "true",
         "--steps", "2", "--eval.max_tokens", "4", "--eval.samples", "1", "--output_dir", str(tmp_path / "out")])
