@@ -315,6 +315,11 @@ def parse_eval(spec, base_dir: str) -> EvalSpec:
         function_spec("eval.details", out.details, base_dir)
     if is_function_spec(out.dataset):
         function_spec("eval.dataset", out.dataset, base_dir)
+    elif isinstance(out.dataset, str):  # a missing file is told now, not after the imports and the output folder
+        try:
+            train_cli.check_local_dataset(out.dataset, base_dir)
+        except ConfigError as error:
+            raise ConfigError(f"eval.{error}") from None
     return out
 
 

@@ -208,6 +208,31 @@ def build_prompts(dataset, prompt: dict, name: str):
     return dataset.map(messages, desc="building the prompts")
 
 
+def check_local_dataset(dataset: str, base_dir: str) -> None:
+    """A `dataset` that is a local path must be a folder or a file datasets reads (.json, .jsonl, .csv, .parquet)
+    that exists; anything else a path names (a missing file, a .txt file, `./x`, `~/x`, `/abs/x`, `a/b/c`, `a/b` whose
+    `a/` exists in the config file's folder) is a ConfigError naming where it looked, with a close name there, before
+    datasets would spend half a minute retrying the Hub for a name it cannot have."""
+    local = _in_folder(dataset, base_dir)
+    extension = os.path.splitext(dataset)[1].lower()
+    if os.path.isdir(local) or (extension in _LOCAL_DATA and os.path.isfile(local)):
+        return
+    kinds = ", ".join(sorted(_LOCAL_DATA))
+    if os.path.isfile(local):
+        raise ConfigError(f"dataset {dataset!r}: {local} is a {extension or 'extensionless'} file; a local data set "
+                          f"is a {kinds} file (or a folder of them)")
+    namespace = dataset.split("/")[0]
+    is_path = (extension in _LOCAL_DATA or dataset.startswith((".", "/", "~")) or dataset.count("/") > 1
+               or ("/" in dataset and os.path.isdir(_in_folder(namespace, base_dir))))
+    if not is_path:
+        return  # a datasets hub name
+    parent = os.path.dirname(local)
+    siblings = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+    hint = _did_you_mean(os.path.basename(local), siblings)
+    raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local}){hint}; relative paths are read "
+                      "from the config file's folder, and a hub data set is named namespace/name")
+
+
 def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None, prompt: dict | None = None,
                        config_name: str | None = None):
     """The data set `name` names: a local file (read from `base_dir` when relative), a local folder, or a datasets
@@ -222,10 +247,9 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
         raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
     local = _in_folder(name, base_dir or os.getcwd())
     extension = os.path.splitext(name)[1].lower()
+    check_local_dataset(name, base_dir or os.getcwd())
     _check_dataset_config(name, config_name)
     if extension in _LOCAL_DATA:
-        if not os.path.exists(local):
-            raise ConfigError(f"dataset file {name!r} does not exist (looked for {local})")
         name = local
         # a local file is read in a moment: its "Generating train split" bar would only stand on stderr before
         # the one error line a data set without a prompt column gives
@@ -341,8 +365,7 @@ def check_config(config: dict, base_dir: str | None = None, flags: dict | None =
     if not isinstance(split, str):
         raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
     local = _in_folder(dataset, base_dir)
-    if os.path.splitext(dataset)[1].lower() in _LOCAL_DATA and not os.path.exists(local):
-        raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local})")
+    check_local_dataset(dataset, base_dir)
     _check_dataset_config(dataset, config.get("dataset_config"))
     if config.get("prompt") is None and os.path.splitext(dataset)[1].lower() == ".jsonl":
         columns = _first_jsonl_columns(local)  # GSM8K's question/answer: told now, not after the imports

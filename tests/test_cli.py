@@ -504,6 +504,37 @@ def test_a_misspelt_top_level_key_as_a_bare_flag_points_to_its_flag(model_dir, d
                                        "'do_eval'?), given on the command line as --args.mdoel\n")
 
 
+def test_a_dataset_path_that_is_no_data_file_is_told_before_any_hub_lookup(model_dir, tmp_path, capsys):
+    """`dataset:` naming a local path that is no data file (missing, a .txt, a typo) is one line naming where it
+    looked and a close name, at once: datasets would take it for a hub name and retry the Hub for half a minute."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1="}\n')
+    (tmp_path / "data" / "notes.txt").write_text("1+1=\n")
+    config = _config(model_dir, "data/train.jsonl", tmp_path)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    expected = {
+        "data/train.txt": f"error: dataset file 'data/train.txt' does not exist (looked for {tmp_path}/data/train.txt) "
+                          "(did you mean 'train.jsonl'?); relative paths are read from the config file's folder, and a "
+                          "hub data set is named namespace/name",
+        "data/trian.jsonl": f"error: dataset file 'data/trian.jsonl' does not exist (looked for "
+                            f"{tmp_path}/data/trian.jsonl) (did you mean 'train.jsonl'?); relative paths are read from "
+                            "the config file's folder, and a hub data set is named namespace/name",
+        "./train.jsonl": f"error: dataset file './train.jsonl' does not exist (looked for {tmp_path}/train.jsonl); "
+                         "relative paths are read from the config file's folder, and a hub data set is named "
+                         "namespace/name",
+        "data/notes.txt": f"error: dataset 'data/notes.txt': {tmp_path}/data/notes.txt is a .txt file; a local data "
+                          "set is a .csv, .json, .jsonl, .parquet file (or a folder of them)",
+    }
+    for dataset, line in expected.items():
+        assert main(["train", "--config", str(config_file), "--dataset", dataset]) == 2
+        assert capsys.readouterr().err == line + "\n"
+    from gfpo_trainer.cli import check_local_dataset
+
+    check_local_dataset("openai/gsm8k", str(tmp_path))  # a hub name: left to datasets
+    check_local_dataset("data", str(tmp_path))  # a local folder
+
+
 def test_load_reward_func_forms():
     assert load_reward_func("gfpo_study.demo.correctness_reward") is correctness_reward
     assert load_reward_func("gfpo_study.demo:correctness_reward") is correctness_reward

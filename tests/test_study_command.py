@@ -249,6 +249,10 @@ def parse(folder: Path, **changes):
     (dict(stpes=3), r"^unknown config keys \['stpes'\] \(did you mean 'steps'\?\)"),
     (dict(eval=None), r"^the study config needs 'eval'"),
     (dict(model="tiny_modle"), r"^model 'tiny_modle': no directory .*tiny_modle \(did you mean 'tiny_model'\?\)"),
+    (dict(eval__dataset="data/tset.jsonl"), r"^eval.dataset file 'data/tset.jsonl' does not exist \(looked for "
+     r".*/data/tset.jsonl\) \(did you mean 'test.jsonl'\?\); relative paths are read from the config file's folder"),
+    (dict(dataset="data/train.txt"), r"^dataset file 'data/train.txt' does not exist \(looked for .*/data/train.txt\) "
+     r"\(did you mean 'train.jsonl'\?\)"),
 ])
 def test_config_errors_name_the_key_and_the_fix(user_folder, changes, message):
     with pytest.raises(ConfigError, match=message):
