@@ -339,7 +339,10 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
                           f"{sorted(known)}")
     for key in ("model", "dataset", "reward_funcs", "eval", "arms", "seeds", "steps"):
         if key not in config:
-            raise ConfigError(f"the study config needs {key!r}")
+            hint = ("; this looks like a training config (no eval, no arms): train with python -m gfpo_trainer train "
+                    "--config FILE, or add the study's keys (docs/study.md)"
+                    if key == "eval" and "arms" not in config else "")
+            raise ConfigError(f"the study config needs {key!r}{hint}")
     args = config.get("args") or {}
     if not isinstance(args, dict):
         raise ConfigError(f"args must be a mapping of GFPOConfig fields (field: value), got {args!r}")

@@ -325,6 +325,9 @@ def check_config(config: dict, base_dir: str | None = None, flags: dict | None =
 
     base_dir = os.path.abspath(base_dir or os.getcwd())
     unknown = sorted(set(config) - set(_TOP_LEVEL_KEYS), key=str)
+    if {"eval", "arms"} <= set(unknown):  # the length study's own keys: the config was given to the wrong command
+        raise ConfigError(f"unknown config keys {unknown}: this is a length-study config (eval, arms); run it with "
+                          "python -m gfpo_study run --config FILE (docs/study.md)")
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}{_unknown_hints(unknown, _TOP_LEVEL_KEYS)}; expected some of "
                           f"{sorted(_TOP_LEVEL_KEYS)}")

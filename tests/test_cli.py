@@ -535,6 +535,14 @@ def test_a_dataset_path_that_is_no_data_file_is_told_before_any_hub_lookup(model
     check_local_dataset("data", str(tmp_path))  # a local folder
 
 
+def test_a_study_config_given_to_train_says_which_command_runs_it(capsys):
+    """examples/gsm8k/study.yaml given to `train`: not "did you mean 'args' for 'arms'?", but the study's command."""
+    assert main(["train", "--config", str(REPO / "examples" / "gsm8k" / "study.yaml")]) == 2
+    assert capsys.readouterr().err == (
+        "error: unknown config keys ['arms', 'eval', 'eval_every', 'prompts_per_step', 'seeds', 'steps']: this is a "
+        "length-study config (eval, arms); run it with python -m gfpo_study run --config FILE (docs/study.md)\n")
+
+
 def test_load_reward_func_forms():
     assert load_reward_func("gfpo_study.demo.correctness_reward") is correctness_reward
     assert load_reward_func("gfpo_study.demo:correctness_reward") is correctness_reward

@@ -247,7 +247,9 @@ def parse(folder: Path, **changes):
     (dict(seeds=[0, 0]), r"^seeds=\[0, 0\]: a seed appears more than once"),
     (dict(steps=0), r"^steps=0: give a whole number of at least 1"),
     (dict(stpes=3), r"^unknown config keys \['stpes'\] \(did you mean 'steps'\?\)"),
-    (dict(eval=None), r"^the study config needs 'eval'"),
+    (dict(eval=None), r"^the study config needs 'eval'$"),
+    (dict(eval=None, arms=None, seeds=None, steps=None), r"^the study config needs 'eval'; this looks like a training "
+     r"config \(no eval, no arms\): train with python -m gfpo_trainer train --config FILE, or add the study's keys"),
     (dict(model="tiny_modle"), r"^model 'tiny_modle': no directory .*tiny_modle \(did you mean 'tiny_model'\?\)"),
     (dict(eval__dataset="data/tset.jsonl"), r"^eval.dataset file 'data/tset.jsonl' does not exist \(looked for "
      r".*/data/tset.jsonl\) \(did you mean 'test.jsonl'\?\); relative paths are read from the config file's folder"),
