@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import importlib
 import json
 import math
 import os
@@ -884,7 +885,9 @@ def _step_signal(log: dict) -> dict:
 
 
 def _git_commit() -> str | None:
-    """The commit of the checkout this package runs from, "+dirty" when tracked files differ; None outside git."""
+    """The commit of the checkout this package runs from, "+dirty" when tracked files differ; outside git (an
+    installed copy) the commit its build recorded (gfpo_kernels._build_info, as the environment report says); None
+    without either."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True,
@@ -892,7 +895,11 @@ def _git_commit() -> str | None:
         dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        try:
+            build_info = importlib.import_module("gfpo_kernels._build_info")
+        except ImportError:
+            return None
+        return getattr(build_info, "COMMIT", None)
     return commit + ("+dirty" if dirty else "")
 
 
