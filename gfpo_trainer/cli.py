@@ -310,6 +310,20 @@ def _check_dataset_config(dataset: str, config_name) -> None:
                           f"{dataset!r} has none: remove dataset_config")
 
 
+def _check_resume(checkpoint, base_dir: str) -> None:
+    """args.resume_from_checkpoint, when a path, names a checkpoint folder that exists: told before the model loads,
+    with the checkpoints beside it, not as transformers' traceback when training starts."""
+    if not isinstance(checkpoint, str) or os.path.isdir(_in_folder(checkpoint, base_dir)):
+        return
+    local = _in_folder(checkpoint, base_dir)
+    parent = os.path.dirname(local)
+    found = sorted((d for d in os.listdir(parent) if re.fullmatch(r"checkpoint-\d+", d)), key=lambda d: int(d[11:])
+                   ) if os.path.isdir(parent) else []
+    there = f"; {parent} holds {', '.join(found)}" if found else f"; {parent} holds no checkpoint-N folder"
+    raise ConfigError(f"args.resume_from_checkpoint={checkpoint!r}: no checkpoint folder {local}{there} (relative "
+                      "paths are read from the config file's folder)")
+
+
 def check_config(config: dict, base_dir: str | None = None, flags: dict | None = None,
                  top_level_keys: tuple[str, ...] = _TOP_LEVEL_KEYS) -> dict:
     """Everything about a training config that can be checked without TRL, transformers or torch (which take
@@ -356,6 +370,7 @@ def check_config(config: dict, base_dir: str | None = None, flags: dict | None =
         group_filter_spec(args.get("group_filter"))
     except ValueError as error:
         raise ConfigError(f"args: {error}") from None
+    _check_resume(args.get("resume_from_checkpoint"), base_dir)
     if config.get("prompt") is not None:
         check_prompt_key(config["prompt"])
     reward_specs = config["reward_funcs"]

@@ -543,6 +543,22 @@ def test_a_study_config_given_to_train_says_which_command_runs_it(capsys):
         "length-study config (eval, arms); run it with python -m gfpo_study run --config FILE (docs/study.md)\n")
 
 
+def test_resuming_from_a_checkpoint_that_is_not_there_is_one_line(model_dir, dataset_file, tmp_path, capsys):
+    """A resume_from_checkpoint folder that does not exist is told before the model loads, with the checkpoints
+    that do exist (transformers raised ValueError, a traceback, once training started)."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path)))
+    (tmp_path / "out" / "checkpoint-24").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint-8").mkdir()
+    assert main(["train", "--config", str(config_file), "--resume_from_checkpoint", "out/checkpoint-99"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: args.resume_from_checkpoint='out/checkpoint-99': no checkpoint folder {tmp_path}/out/checkpoint-99; "
+        f"{tmp_path}/out holds checkpoint-8, checkpoint-24 (relative paths are read from the config file's folder)\n")
+    assert main(["train", "--config", str(config_file), "--resume_from_checkpoint", "run2/checkpoint-1"]) == 2
+    assert capsys.readouterr().err.endswith(f"{tmp_path}/run2 holds no checkpoint-N folder (relative paths are read "
+                                            "from the config file's folder)\n")
+
+
 def test_load_reward_func_forms():
     assert load_reward_func("gfpo_study.demo.correctness_reward") is correctness_reward
     assert load_reward_func("gfpo_study.demo:correctness_reward") is correctness_reward
