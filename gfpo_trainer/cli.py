@@ -401,6 +401,19 @@ def bf16_hint(args: dict, error: Exception) -> str:
     return ""
 
 
+def check_vllm_installed(args) -> None:
+    """With use_vllm, the trainer's own check that vLLM is installed and in TRL's range (its one line, which names
+    the install command), as a ConfigError before the model and data load, not an ImportError's traceback."""
+    if not getattr(args, "use_vllm", False):
+        return
+    from ._compat import check_vllm_version
+
+    try:
+        check_vllm_version()
+    except ImportError as error:
+        raise ConfigError(f"args: {_one_line(error)}") from None
+
+
 def build_trainer(config: dict, base_dir: str | None = None):
     """A GFPOTrainer from a parsed training config (checked first by check_config); relative paths in it are read
     from `base_dir` (the config file's folder; default: the working directory)."""
@@ -421,6 +434,7 @@ def build_trainer(config: dict, base_dir: str | None = None):
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
         raise ConfigError(f"args: {_one_line(error)}{bf16_hint(args, error)}") from None
+    check_vllm_installed(args)
     dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
                                  prompt=config.get("prompt"), config_name=config.get("dataset_config"))
     try:

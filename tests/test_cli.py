@@ -559,6 +559,23 @@ def test_resuming_from_a_checkpoint_that_is_not_there_is_one_line(model_dir, dat
                                             "from the config file's folder)\n")
 
 
+def test_use_vllm_without_vllm_is_one_line_before_the_model_loads(model_dir, dataset_file, tmp_path, capsys):
+    """`--use_vllm true` where vLLM is not installed: the trainer's own line (what to install), as a config error
+    with exit status 2, not its ImportError's traceback after the model and data loaded."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    from gfpo_trainer._compat import VLLM_INSTALL_HINT
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path)))
+    assert main(["train", "--config", str(config_file), "--use_vllm", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: args: use_vllm=True needs vllm ") and err.endswith(
+        f", and vLLM is not installed: {VLLM_INSTALL_HINT}\n") and err.count("\n") == 1, err
+
+
 def test_load_reward_func_forms():
     assert load_reward_func("gfpo_study.demo.correctness_reward") is correctness_reward
     assert load_reward_func("gfpo_study.demo:correctness_reward") is correctness_reward

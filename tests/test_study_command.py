@@ -466,6 +466,22 @@ def test_a_misspelt_study_key_on_the_command_line_points_to_its_flag(user_folder
         in capsys.readouterr().err
 
 
+def test_use_vllm_without_vllm_is_one_line_before_anything_runs(user_folder, capsys):
+    """A study with use_vllm where vLLM is not installed: the trainer's line, before the output folder is made."""
+    import importlib.util
+
+    from gfpo_study.cli import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    out = user_folder / "vllm-out"
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--use_vllm", "true",
+                 "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: args: use_vllm=True needs vllm ") and "vLLM is not installed" in err, err
+    assert err.count("\n") == 1 and not out.exists()
+
+
 def test_without_the_trainer_extra_the_command_says_what_to_install():
     probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
     for command in (["demo", "--smoke"], ["run", "--config", "study.yaml"]):
