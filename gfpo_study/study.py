@@ -257,8 +257,11 @@ def training_rows(config: StudyConfig, seed: int) -> list:
 
 def eval_rows(config: StudyConfig) -> list:
     """The held-out rows (eval.dataset, its split and configuration; the config's `prompt:` key builds their
-    prompts as it builds the training prompts)."""
-    return _rows(config.eval.dataset, config.eval.dataset_split, config, config.eval.dataset_config)
+    prompts as it builds the training prompts); an error names eval, whose split or file it is."""
+    try:
+        return _rows(config.eval.dataset, config.eval.dataset_split, config, config.eval.dataset_config)
+    except ConfigError as error:
+        raise ConfigError(f"eval: {error}") from None
 
 
 def warn_overlap(train: list, held_out: list) -> int:

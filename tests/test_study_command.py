@@ -482,6 +482,18 @@ def test_use_vllm_without_vllm_is_one_line_before_anything_runs(user_folder, cap
     assert err.count("\n") == 1 and not out.exists()
 
 
+def test_a_held_out_split_that_is_not_there_names_eval(user_folder, capsys):
+    """eval.dataset_split of a local file (one split, train): the line says it is the held-out data's, not the
+    training data's, which has the same words."""
+    from gfpo_study.cli import main
+
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--eval.dataset_split", "test",
+                 "--output-dir", str(user_folder / "split-out")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: eval: cannot load dataset file '{user_folder / 'data' / 'test.jsonl'}' with dataset_split='test': "
+        "Unknown split \"test\". Should be one of ['train'].\n")
+
+
 def test_without_the_trainer_extra_the_command_says_what_to_install():
     probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
     for command in (["demo", "--smoke"], ["run", "--config", "study.yaml"]):
