@@ -70,6 +70,14 @@ def _unknown_hints(unknown: list, choices) -> str:
     return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
 
 
+def _close_file(name: str, files) -> str:
+    """" (did you mean 'x'?)" for the file of `files` whose name without its extension is closest to `name`'s: a
+    shared extension (.yaml, .jsonl) would make every file look close."""
+    stems = {os.path.splitext(f)[0]: f for f in sorted(files, reverse=True)}  # sorted: the same choice every time
+    close = closest_name(os.path.splitext(name)[0], stems)
+    return f" (did you mean {stems[close]!r}?)" if close is not None else ""
+
+
 def _in_folder(path: str, base_dir: str) -> str:
     """`path` with ~ expanded, and read from `base_dir` when relative."""
     return os.path.normpath(os.path.join(base_dir, os.path.expanduser(path)))
@@ -227,8 +235,8 @@ def check_local_dataset(dataset: str, base_dir: str) -> None:
     if not is_path:
         return  # a datasets hub name
     parent = os.path.dirname(local)
-    siblings = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
-    hint = _did_you_mean(os.path.basename(local), siblings)
+    siblings = os.listdir(parent) if os.path.isdir(parent) else []
+    hint = _close_file(os.path.basename(local), siblings)
     raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local}){hint}; relative paths are read "
                       "from the config file's folder, and a hub data set is named namespace/name")
 
@@ -707,9 +715,9 @@ def read_config_file(path: str) -> dict:
             config = yaml.safe_load(f)
     except FileNotFoundError:
         folder = os.path.dirname(os.path.abspath(path))
-        files = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        files = [f for f in os.listdir(folder) if f.endswith((".yaml", ".yml"))] if os.path.isdir(folder) else []
         raise ConfigError(f"--config {path!r}: no such file {os.path.abspath(path)}"
-                          f"{_did_you_mean(os.path.basename(path), files)}; give the path of the YAML config file"
+                          f"{_close_file(os.path.basename(path), files)}; give the path of the YAML config file"
                           ) from None
     except IsADirectoryError:
         found = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))

@@ -472,6 +472,7 @@ def test_a_config_file_that_cannot_be_read_is_one_line_naming_config(tmp_path, c
     naming --config and the path, exit status 2, no OSError's errno words."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.yaml").write_text("model: m\n")
+    (tmp_path / "kstudy.yaml").write_text("model: m\n")  # as close to 'nosuch.yaml' as .yaml makes it: no hint
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "a.yaml").write_text("model: m\n")
     (tmp_path / "broken.yaml").write_text("model: m\nargs: {output_dir: out\n")
@@ -482,6 +483,8 @@ def test_a_config_file_that_cannot_be_read_is_one_line_naming_config(tmp_path, c
         "configs": "error: --config 'configs' is a folder; give the YAML config file itself (there: a.yaml)",
         "list.yaml": "error: --config 'list.yaml' must hold a mapping (model: ..., dataset: ...), got list",
     }
+    expected["nosuch.yaml"] = (f"error: --config 'nosuch.yaml': no such file {tmp_path / 'nosuch.yaml'}; give the path "
+                               "of the YAML config file")
     for path, line in expected.items():
         assert main(["train", "--config", path]) == 2
         assert capsys.readouterr().err == line + "\n"
@@ -510,6 +513,7 @@ def test_a_dataset_path_that_is_no_data_file_is_told_before_any_hub_lookup(model
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1="}\n')
     (tmp_path / "data" / "notes.txt").write_text("1+1=\n")
+    (tmp_path / "data" / "foo.jsonl").write_text('{"prompt": "1+1="}\n')  # close to 'bar.jsonl' by .jsonl alone
     config = _config(model_dir, "data/train.jsonl", tmp_path)
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(config))
@@ -523,6 +527,9 @@ def test_a_dataset_path_that_is_no_data_file_is_told_before_any_hub_lookup(model
         "./train.jsonl": f"error: dataset file './train.jsonl' does not exist (looked for {tmp_path}/train.jsonl); "
                          "relative paths are read from the config file's folder, and a hub data set is named "
                          "namespace/name",
+        "data/bar.jsonl": f"error: dataset file 'data/bar.jsonl' does not exist (looked for {tmp_path}/data/bar.jsonl); "
+                          "relative paths are read from the config file's folder, and a hub data set is named "
+                          "namespace/name",
         "data/notes.txt": f"error: dataset 'data/notes.txt': {tmp_path}/data/notes.txt is a .txt file; a local data "
                           "set is a .csv, .json, .jsonl, .parquet file (or a folder of them)",
     }
