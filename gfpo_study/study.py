@@ -582,11 +582,12 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                           f"; its arms: {', '.join(config.arms)}")
     state = PartialState()
     main = state.is_main_process
-    on_vllm = bool(arms) and bool(arm_args(config, config.arms[arms[0]], 0, config.output_dir).use_vllm)
+    first_args = arm_args(config, config.arms[arms[0]], 0, config.output_dir) if arms else None
+    on_vllm = bool(first_args is not None and first_args.use_vllm)
     if on_vllm:  # vLLM missing or out of TRL's range: the trainer's one line, before the output folder is claimed
         from gfpo_trainer import cli as train_cli
 
-        train_cli.check_vllm_installed(arm_args(config, config.arms[arms[0]], 0, config.output_dir))
+        train_cli.check_vllm_installed(first_args)
     if on_vllm and state.num_processes > 1:
         raise ConfigError(f"args.use_vllm=true with {state.num_processes} processes: each run's trainer builds its "
                           "own colocated vLLM engine, and vLLM ends the processes' torch process group when an "
