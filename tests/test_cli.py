@@ -215,7 +215,8 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
          r"^args: per_device_train_batch_size=8 x 1 process x gradient_accumulation_steps=1 = 8 completions per "
          r"generation batch, which must hold whole groups of num_generations=16: .* per_device_train_batch_size=16"),
         (dict(args={"num_remains_in_group": 4, "num_generations": 8, "per_device_train_batch_size": 8}),
-         r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
+         re.escape(f"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter (one of "
+                   f"{GROUP_FILTERS}; got None) and group_filter_func (got None)")),
         (dict(dataset="/nonexistent/train.jsonl"),
          r"dataset file '/nonexistent/train.jsonl' does not exist \(looked for /nonexistent/train.jsonl\)"),
         (dict(reward_funcs=["gfpo_study.demo:nope"]), r"module 'gfpo_study.demo' has no function 'nope'; its "
