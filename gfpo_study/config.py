@@ -364,6 +364,11 @@ def parse_eval(spec, base_dir: str) -> EvalSpec:
         function_spec("eval.details", out.details, base_dir)
     if is_function_spec(out.dataset):
         function_spec("eval.dataset", out.dataset, base_dir)
+    elif isinstance(out.dataset, str):  # a missing file is told now, not after the imports and the output folder
+        try:
+            train_cli.check_local_dataset(out.dataset, base_dir)
+        except ConfigError as error:
+            raise ConfigError(f"eval.{error}") from None
     return out
 
 
@@ -383,7 +388,10 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
                           f"{sorted(known)}")
     for key in ("model", "dataset", "reward_funcs", "eval", "arms", "seeds", "steps"):
         if key not in config:
-            raise ConfigError(f"the study config needs {key!r}")
+            hint = ("; this looks like a training config (no eval, no arms): train with python -m gfpo_trainer train "
+                    "--config FILE, or add the study's keys (docs/study.md)"
+                    if key == "eval" and "arms" not in config else "")
+            raise ConfigError(f"the study config needs {key!r}{hint}")
     args = config.get("args") or {}
     if not isinstance(args, dict):
         raise ConfigError(f"args must be a mapping of GFPOConfig fields (field: value), got {args!r}")
@@ -409,7 +417,8 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
     if is_function_spec(config["dataset"]):
         function_spec("dataset", config["dataset"], base_dir)
         train_part["dataset"] = "function/rows"  # no file to look for
-    converted = train_cli.check_config(train_part, base_dir, flags=flags)["args"]
+    named = {"flags": flags, "top_level_keys": known} if flags else {}
+    converted = train_cli.check_config(train_part, base_dir, **named)["args"]
     for spec in _as_list(config["reward_funcs"]):
         train_cli.load_reward_func(spec, base_dir)
     evaluation = parse_eval(config["eval"], base_dir)

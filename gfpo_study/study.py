@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
+import importlib
 import json
 import math
 import os
@@ -348,8 +350,11 @@ def training_rows(config: StudyConfig, seed: int) -> list:
 
 def eval_rows(config: StudyConfig) -> list:
     """The held-out rows (eval.dataset, its split and configuration; the config's `prompt:` key builds their
-    prompts as it builds the training prompts)."""
-    return _rows(config.eval.dataset, config.eval.dataset_split, config, config.eval.dataset_config)
+    prompts as it builds the training prompts); an error names eval, whose split or file it is."""
+    try:
+        return _rows(config.eval.dataset, config.eval.dataset_split, config, config.eval.dataset_config)
+    except ConfigError as error:
+        raise ConfigError(f"eval: {error}") from None
 
 
 def warn_overlap(train: list, held_out: list, seed: int | None = None) -> int:
@@ -458,9 +463,13 @@ def _load_for_eval(model_dir: str, args):
         from transformers import AutoModelForCausalLM
 
         kwargs.setdefault("dtype", torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        load = functools.partial(AutoModelForCausalLM.from_pretrained, model_dir, **kwargs)
     else:
-        model = create_model_from_path(model_dir, **kwargs)
+        load = functools.partial(create_model_from_path, model_dir, **kwargs)
+    try:
+        model = load()
+    except OSError as error:
+        raise _model_error(model_dir, error) from None
     device = torch.device("cpu") if args.use_cpu else PartialState().device
     return model.to(device)
 
@@ -493,7 +502,8 @@ def arm_args(config: StudyConfig, arm: Arm, seed: int, output_dir: str, verbose:
                           max_steps=config.steps, seed=seed, shuffle_dataset=False, logging_steps=1,
                           disable_tqdm=not verbose)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"arm {arm.name!r}: {' '.join(str(error).split())}"
+                          f"{train_cli.bf16_hint(fields, error)}") from None
     # a run's records (tokens generated and trained, time, learning signal) are read per optimizer step from the
     # generation it trains on: TRL generates every steps_per_generation x num_iterations micro-batches, so a step
     # must generate its own batch, once, or the records of a GFPO arm and GRPO's would count different spans
@@ -505,6 +515,12 @@ def arm_args(config: StudyConfig, arm: Arm, seed: int, output_dir: str, verbose:
             "so each step must generate once; leave steps_per_generation, generation_batch_size and num_iterations "
             "unset (docs/study.md)")
     return args
+
+
+def _model_error(model: str, error: OSError) -> ConfigError:
+    """`train`'s line for a model that cannot be loaded: a Hub name without network or cache, a folder without the
+    model's files."""
+    return ConfigError(f"cannot load model {model!r}: {' '.join(str(error).split())}")
 
 
 def _signed(func):
@@ -629,7 +645,10 @@ def build_run_trainer(config: StudyConfig, arm: Arm, seed: int, start_dir: str, 
 
     torch.manual_seed(seed)
     args = arm_args(config, arm, seed, output_dir, verbose, num_processes)
-    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(start_dir)
+    try:
+        tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(start_dir)
+    except OSError as error:
+        raise _model_error(start_dir, error) from None
     reward_funcs = config.reward_funcs if arm.reward == "correct" else [_signed(f) for f in config.reward_funcs]
     try:
         return GFPOTrainer(model=start_dir, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(rows),
@@ -753,7 +772,11 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
     # unknown filter, sizes the processes do not divide) is one error before anything trains, not when its turn comes
     run_args = {name: arm_args(config, config.arms[name], seeds[0] if seeds else 0, config.output_dir,
                                num_processes=state.num_processes) for name in arms}
-    on_vllm = bool(arms) and bool(run_args[arms[0]].use_vllm)
+    on_vllm = bool(run_args[arms[0]].use_vllm)
+    if on_vllm:  # vLLM missing or out of TRL's range: the trainer's one line, before the output folder is claimed
+        from gfpo_trainer import cli as train_cli
+
+        train_cli.check_vllm_installed(run_args[arms[0]])
     if on_vllm and state.num_processes > 1:
         raise ConfigError(f"args.use_vllm=true with {state.num_processes} processes: each run's trainer builds its "
                           "own colocated vLLM engine, and vLLM ends the processes' torch process group when an "
@@ -806,7 +829,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
     progress = Progress(sum(config.steps - (resumes[k].step if k in resumes else 0) for k in todo),
                         show=main and not verbose and bool(todo))
     ran = []
-    with future_warnings_hidden(not verbose):
+    # the bar is closed on an error too, so that the error's line starts a line of its own
+    with future_warnings_hidden(not verbose), contextlib.closing(progress):
         for seed in seeds:
             pending = [a for s, a in todo if s == seed]
             start_path = os.path.join(config.output_dir, f"seed-{seed}", START_FILE)
@@ -861,7 +885,6 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                     remove_checkpoints(os.path.join(seed_dir, name), incomplete=own_checkpoints)
                 state.wait_for_everyone()
                 ran.append((seed, name))
-    progress.close()
     missing = missing_runs(config.output_dir, config.seeds, list(config.arms))
     result = {"ran": ran, "skipped": skipped, "missing": missing, "study": None}
     if missing:
@@ -1084,7 +1107,9 @@ def _step_signal(log: dict, trl_zero_std_per_group: bool = True) -> dict:
 
 
 def _git_commit() -> str | None:
-    """The commit of the checkout this package runs from, "+dirty" when tracked files differ; None outside git."""
+    """The commit of the checkout this package runs from, "+dirty" when tracked files differ; outside git (an
+    installed copy) the commit its build recorded (gfpo_kernels._build_info, as the environment report says); None
+    without either."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True,
@@ -1092,7 +1117,11 @@ def _git_commit() -> str | None:
         dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        try:
+            build_info = importlib.import_module("gfpo_kernels._build_info")
+        except ImportError:
+            return None
+        return getattr(build_info, "COMMIT", None)
     return commit + ("+dirty" if dirty else "")
 
 

@@ -70,6 +70,14 @@ def _unknown_hints(unknown: list, choices) -> str:
     return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
 
 
+def _close_file(name: str, files) -> str:
+    """" (did you mean 'x'?)" for the file of `files` whose name without its extension is closest to `name`'s: a
+    shared extension (.yaml, .jsonl) would make every file look close."""
+    stems = {os.path.splitext(f)[0]: f for f in sorted(files, reverse=True)}  # sorted: the same choice every time
+    close = closest_name(os.path.splitext(name)[0], stems)
+    return f" (did you mean {stems[close]!r}?)" if close is not None else ""
+
+
 def _in_folder(path: str, base_dir: str) -> str:
     """`path` with ~ expanded, and read from `base_dir` when relative."""
     return os.path.normpath(os.path.join(base_dir, os.path.expanduser(path)))
@@ -208,6 +216,31 @@ def build_prompts(dataset, prompt: dict, name: str):
     return dataset.map(messages, desc="building the prompts")
 
 
+def check_local_dataset(dataset: str, base_dir: str) -> None:
+    """A `dataset` that is a local path must be a folder or a file datasets reads (.json, .jsonl, .csv, .parquet)
+    that exists; anything else a path names (a missing file, a .txt file, `./x`, `~/x`, `/abs/x`, `a/b/c`, `a/b` whose
+    `a/` exists in the config file's folder) is a ConfigError naming where it looked, with a close name there, before
+    datasets would spend half a minute retrying the Hub for a name it cannot have."""
+    local = _in_folder(dataset, base_dir)
+    extension = os.path.splitext(dataset)[1].lower()
+    if os.path.isdir(local) or (extension in _LOCAL_DATA and os.path.isfile(local)):
+        return
+    kinds = ", ".join(sorted(_LOCAL_DATA))
+    if os.path.isfile(local):
+        raise ConfigError(f"dataset {dataset!r}: {local} is a {extension or 'extensionless'} file; a local data set "
+                          f"is a {kinds} file (or a folder of them)")
+    namespace = dataset.split("/")[0]
+    is_path = (extension in _LOCAL_DATA or dataset.startswith((".", "/", "~")) or dataset.count("/") > 1
+               or ("/" in dataset and os.path.isdir(_in_folder(namespace, base_dir))))
+    if not is_path:
+        return  # a datasets hub name
+    parent = os.path.dirname(local)
+    siblings = os.listdir(parent) if os.path.isdir(parent) else []
+    hint = _close_file(os.path.basename(local), siblings)
+    raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local}){hint}; relative paths are read "
+                      "from the config file's folder, and a hub data set is named namespace/name")
+
+
 def load_train_dataset(name: str, split: str = "train", base_dir: str | None = None, prompt: dict | None = None,
                        config_name: str | None = None):
     """The data set `name` names: a local file (read from `base_dir` when relative), a local folder, or a datasets
@@ -222,10 +255,9 @@ def load_train_dataset(name: str, split: str = "train", base_dir: str | None = N
         raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
     local = _in_folder(name, base_dir or os.getcwd())
     extension = os.path.splitext(name)[1].lower()
+    check_local_dataset(name, base_dir or os.getcwd())
     _check_dataset_config(name, config_name)
     if extension in _LOCAL_DATA:
-        if not os.path.exists(local):
-            raise ConfigError(f"dataset file {name!r} does not exist (looked for {local})")
         name = local
         # a local file is read in a moment: its "Generating train split" bar would only stand on stderr before
         # the one error line a data set without a prompt column gives
@@ -286,19 +318,38 @@ def _check_dataset_config(dataset: str, config_name) -> None:
                           f"{dataset!r} has none: remove dataset_config")
 
 
-def check_config(config: dict, base_dir: str | None = None, flags: dict | None = None) -> dict:
+def _check_resume(checkpoint, base_dir: str) -> None:
+    """args.resume_from_checkpoint, when a path, names a checkpoint folder that exists: told before the model loads,
+    with the checkpoints beside it, not as transformers' traceback when training starts."""
+    if not isinstance(checkpoint, str) or os.path.isdir(_in_folder(checkpoint, base_dir)):
+        return
+    local = _in_folder(checkpoint, base_dir)
+    parent = os.path.dirname(local)
+    found = sorted((d for d in os.listdir(parent) if re.fullmatch(r"checkpoint-\d+", d)), key=lambda d: int(d[11:])
+                   ) if os.path.isdir(parent) else []
+    there = f"; {parent} holds {', '.join(found)}" if found else f"; {parent} holds no checkpoint-N folder"
+    raise ConfigError(f"args.resume_from_checkpoint={checkpoint!r}: no checkpoint folder {local}{there} (relative "
+                      "paths are read from the config file's folder)")
+
+
+def check_config(config: dict, base_dir: str | None = None, flags: dict | None = None,
+                 top_level_keys: tuple[str, ...] = _TOP_LEVEL_KEYS) -> dict:
     """Everything about a training config that can be checked without TRL, transformers or torch (which take
     seconds to import): the keys, the model directory, the `args` field names, their values' types and choices (by
     config_fields.field_specs), the group_filter name, the prompt key, the reward function names' form and a local
     data file's existence. Returns {"model": the resolved model, "args": the args converted to the field types,
     "reward_specs": the reward functions' names}; ConfigError naming what is wrong. `flags`: {"args.name": "--flag"}
     for the fields set on the command line (override_flags), which an unknown-field error names as the user typed
-    them."""
+    them; a bare flag closer to one of `top_level_keys` than to any field (the study's `--stepz`) is pointed to that
+    key's flag."""
     from . import config_fields
     from .filters import group_filter_spec
 
     base_dir = os.path.abspath(base_dir or os.getcwd())
     unknown = sorted(set(config) - set(_TOP_LEVEL_KEYS), key=str)
+    if {"eval", "arms"} <= set(unknown):  # the length study's own keys: the config was given to the wrong command
+        raise ConfigError(f"unknown config keys {unknown}: this is a length-study config (eval, arms); run it with "
+                          "python -m gfpo_study run --config FILE (docs/study.md)")
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}{_unknown_hints(unknown, _TOP_LEVEL_KEYS)}; expected some of "
                           f"{sorted(_TOP_LEVEL_KEYS)}")
@@ -314,12 +365,20 @@ def check_config(config: dict, base_dir: str | None = None, flags: dict | None =
     if bad:
         typed = [flags[f"args.{name}"] for name in bad if f"args.{name}" in (flags or {})]
         where = f", given on the command line as {', '.join(typed)}" if typed else ""
-        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{_unknown_hints(bad, sorted(specs))}{where}")
+        hint = _unknown_hints(bad, sorted(specs))
+        if len(bad) == 1 and "." not in (flags or {}).get(f"args.{bad[0]}", "."):
+            # a bare flag lands under args whatever was meant: it may be a misspelt top-level key
+            keys = [k for k in top_level_keys if k != "args"]
+            key = closest_name(bad[0], [*keys, *sorted(specs)])
+            if key in keys:
+                hint = f" (did you mean --{key}, the config's own key?)"
+        raise ConfigError(f"unknown GFPOConfig fields {bad} under 'args'{hint}{where}")
     args = _convert_args(args, specs)
     try:
         group_filter_spec(args.get("group_filter"))
     except ValueError as error:
         raise ConfigError(f"args: {error}") from None
+    _check_resume(args.get("resume_from_checkpoint"), base_dir)
     if config.get("prompt") is not None:
         check_prompt_key(config["prompt"])
     reward_specs = config["reward_funcs"]
@@ -332,14 +391,35 @@ def check_config(config: dict, base_dir: str | None = None, flags: dict | None =
     if not isinstance(split, str):
         raise ConfigError(f"dataset_split must be a split name such as 'train', got {split!r}")
     local = _in_folder(dataset, base_dir)
-    if os.path.splitext(dataset)[1].lower() in _LOCAL_DATA and not os.path.exists(local):
-        raise ConfigError(f"dataset file {dataset!r} does not exist (looked for {local})")
+    check_local_dataset(dataset, base_dir)
     _check_dataset_config(dataset, config.get("dataset_config"))
     if config.get("prompt") is None and os.path.splitext(dataset)[1].lower() == ".jsonl":
         columns = _first_jsonl_columns(local)  # GSM8K's question/answer: told now, not after the imports
         if columns is not None and "prompt" not in columns:
             raise _no_prompt_column(local, columns)
     return {"model": model, "args": args, "reward_specs": reward_specs}
+
+
+def bf16_hint(args: dict, error: Exception) -> str:
+    """What to change when GFPOConfig refused `args` for their bf16: true on a machine without bf16 (transformers'
+    words name neither the field nor its value); "" for any other error."""
+    if args.get("bf16") and "bf16" in str(error):
+        return (" (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or "
+                "--bf16 false on the command line)")
+    return ""
+
+
+def check_vllm_installed(args) -> None:
+    """With use_vllm, the trainer's own check that vLLM is installed and in TRL's range (its one line, which names
+    the install command), as a ConfigError before the model and data load, not an ImportError's traceback."""
+    if not getattr(args, "use_vllm", False):
+        return
+    from ._compat import check_vllm_version
+
+    try:
+        check_vllm_version()
+    except ImportError as error:
+        raise ConfigError(f"args: {_one_line(error)}") from None
 
 
 def build_trainer(config: dict, base_dir: str | None = None):
@@ -361,11 +441,8 @@ def build_trainer(config: dict, base_dir: str | None = None):
     try:
         args = GFPOConfig(**args)
     except (ValueError, TypeError) as error:  # GFPOConfig's and GRPOConfig's own checks name the field and value
-        hint = ""
-        if args.get("bf16") and "bf16" in str(error):  # transformers' words name neither the field nor its value
-            hint = (" (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or "
-                    "--bf16 false on the command line)")
-        raise ConfigError(f"args: {_one_line(error)}{hint}") from None
+        raise ConfigError(f"args: {_one_line(error)}{bf16_hint(args, error)}") from None
+    check_vllm_installed(args)
     dataset = load_train_dataset(config["dataset"], config.get("dataset_split", "train"), base_dir,
                                  prompt=config.get("prompt"), config_name=config.get("dataset_config"))
     try:
@@ -627,6 +704,35 @@ def _sentence(summary: str) -> str:
     return summary[:1].upper() + summary[1:] + ("" if summary.endswith(".") else ".")
 
 
+def read_config_file(path: str) -> dict:
+    """The mapping in the YAML file `path` (`--config`). A file that is not there (with the close name of a file
+    beside it), a folder, a file that is not YAML or holds no mapping is a ConfigError naming `--config` and the
+    path."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except FileNotFoundError:
+        folder = os.path.dirname(os.path.abspath(path))
+        files = [f for f in os.listdir(folder) if f.endswith((".yaml", ".yml"))] if os.path.isdir(folder) else []
+        raise ConfigError(f"--config {path!r}: no such file {os.path.abspath(path)}"
+                          f"{_close_file(os.path.basename(path), files)}; give the path of the YAML config file"
+                          ) from None
+    except IsADirectoryError:
+        found = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
+        raise ConfigError(f"--config {path!r} is a folder; give the YAML config file itself"
+                          + (f" (there: {', '.join(found)})" if found else "")) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"--config {path!r} is not valid YAML: {_one_line(error)}") from None
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"--config {path!r} must hold a mapping (model: ..., dataset: ...), got "
+                          f"{type(config).__name__}")
+    return config
+
+
 TRAIN_DESCRIPTION = (
     "Train with GFPO from a YAML config: a model, a data set with a \"prompt\" column (or a prompt key that builds "
     "one from its columns), reward functions and GFPOConfig fields (docs/cli.md). At the end the command says where it saved the trained model and what is there: "
@@ -669,16 +775,11 @@ def main(argv=None) -> int:
     missing = next((name for name in TRAIN_MODULES if _not_installed(name)), None)
     if missing is not None:
         return _missing_dependency(missing)
-    import yaml
-
     # a mistake in the file is one line: what the libraries warn while the config is built (transformers' deprecation
     # FutureWarnings among them) is held back, and shown only when the config turns out to be good
     with warnings.catch_warnings(record=True) as held:
         try:
-            with open(options.config) as f:
-                config = yaml.safe_load(f) or {}
-            if not isinstance(config, dict):
-                raise ConfigError(f"{options.config} must hold a mapping, got {type(config).__name__}")
+            config = read_config_file(options.config)
             config = apply_overrides(config, overrides, _TOP_LEVEL_KEYS)
             base_dir = os.path.dirname(os.path.abspath(options.config))
             check_config(config, base_dir, flags=override_flags(overrides, _TOP_LEVEL_KEYS))
@@ -687,7 +788,7 @@ def main(argv=None) -> int:
             except ModuleNotFoundError as error:  # a dependency of theirs
                 return _missing_dependency(error.name or str(error))
             trainer = build_trainer(config, base_dir=base_dir)
-        except (ConfigError, OSError, yaml.YAMLError) as error:
+        except (ConfigError, OSError) as error:
             print(f"error: {_one_line(error)}", file=sys.stderr)
             return 2
     for warning in held:

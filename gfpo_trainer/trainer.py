@@ -51,7 +51,7 @@ from ._compat import (
 from .adaptive import AdaptiveDifficulty
 from .batch import GenerationBatch
 from .config import GFPOConfig
-from .filters import GroupFilterSpec, group_filter_spec
+from .filters import GROUP_FILTERS, GroupFilterSpec, group_filter_spec
 from .fused_head import check_fused_loss_supported, fused_compute_loss, install_fused_loss_forward, router_aux_term
 from .generation_paths import (
     ColocatePath, GenerationPath, HFStoppingPath, ServerPath, check_server_version, generation_seed,
@@ -111,7 +111,7 @@ class GFPOTrainer(GRPOTrainer):
             if (args.group_filter is None) == (group_filter_func is None):
                 raise ValueError(
                     "num_remains_in_group is set: give exactly one of GFPOConfig.group_filter "
-                    f"(got {args.group_filter!r}) and group_filter_func (got "
+                    f"(one of {GROUP_FILTERS}; got {args.group_filter!r}) and group_filter_func (got "
                     f"{'a function' if group_filter_func is not None else None})"
                 )
         elif args.group_filter is not None or group_filter_func is not None:

@@ -215,7 +215,8 @@ def test_train_command_resumes_from_a_checkpoint(model_dir, dataset_file, tmp_pa
          r"^args: per_device_train_batch_size=8 x 1 process x gradient_accumulation_steps=1 = 8 completions per "
          r"generation batch, which must hold whole groups of num_generations=16: .* per_device_train_batch_size=16"),
         (dict(args={"num_remains_in_group": 4, "num_generations": 8, "per_device_train_batch_size": 8}),
-         r"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter"),
+         re.escape(f"num_remains_in_group is set: give exactly one of GFPOConfig.group_filter (one of "
+                   f"{GROUP_FILTERS}; got None) and group_filter_func (got None)")),
         (dict(dataset="/nonexistent/train.jsonl"),
          r"dataset file '/nonexistent/train.jsonl' does not exist \(looked for /nonexistent/train.jsonl\)"),
         (dict(reward_funcs=["gfpo_study.demo:nope"]), r"module 'gfpo_study.demo' has no function 'nope'; its "
@@ -465,6 +466,123 @@ def test_train_command_reports_errors(tmp_path, capsys):
     config_file.write_text(yaml.safe_dump({"dataset": "x.jsonl", "reward_funcs": []}))
     assert main(["train", "--config", str(config_file)]) == 2
     assert "error: the config needs 'model'" in capsys.readouterr().err
+
+
+def test_a_config_file_that_cannot_be_read_is_one_line_naming_config(tmp_path, capsys, monkeypatch):
+    """--config naming no file (a typo of a file beside it), a folder, a YAML syntax error or a list: one error line
+    naming --config and the path, exit status 2, no OSError's errno words."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model: m\n")
+    (tmp_path / "kstudy.yaml").write_text("model: m\n")  # as close to 'nosuch.yaml' as .yaml makes it: no hint
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "a.yaml").write_text("model: m\n")
+    (tmp_path / "broken.yaml").write_text("model: m\nargs: {output_dir: out\n")
+    (tmp_path / "list.yaml").write_text("- model\n")
+    expected = {
+        "rnu.yaml": f"error: --config 'rnu.yaml': no such file {tmp_path / 'rnu.yaml'} (did you mean 'run.yaml'?); "
+                    "give the path of the YAML config file",
+        "configs": "error: --config 'configs' is a folder; give the YAML config file itself (there: a.yaml)",
+        "list.yaml": "error: --config 'list.yaml' must hold a mapping (model: ..., dataset: ...), got list",
+    }
+    expected["nosuch.yaml"] = (f"error: --config 'nosuch.yaml': no such file {tmp_path / 'nosuch.yaml'}; give the path "
+                               "of the YAML config file")
+    for path, line in expected.items():
+        assert main(["train", "--config", path]) == 2
+        assert capsys.readouterr().err == line + "\n"
+    assert main(["train", "--config", "broken.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --config 'broken.yaml' is not valid YAML: while parsing a flow mapping") and \
+        'line 2, column 7' in err and err.count("\n") == 1, err
+
+
+def test_a_misspelt_top_level_key_as_a_bare_flag_points_to_its_flag(model_dir, dataset_file, tmp_path, capsys):
+    """`--mdoel DIR` lands under args as a bare flag does; closer to `model` than to any GFPOConfig field
+    (`do_eval` is close too), it is pointed to `--model`. A dotted flag says where it is: the closest field then."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path)))
+    assert main(["train", "--config", str(config_file), "--mdoel", model_dir]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['mdoel'] under 'args' (did you mean --model, "
+                                       "the config's own key?), given on the command line as --mdoel\n")
+    assert main(["train", "--config", str(config_file), "--args.mdoel", model_dir]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['mdoel'] under 'args' (did you mean "
+                                       "'do_eval'?), given on the command line as --args.mdoel\n")
+
+
+def test_a_dataset_path_that_is_no_data_file_is_told_before_any_hub_lookup(model_dir, tmp_path, capsys):
+    """`dataset:` naming a local path that is no data file (missing, a .txt, a typo) is one line naming where it
+    looked and a close name, at once: datasets would take it for a hub name and retry the Hub for half a minute."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1="}\n')
+    (tmp_path / "data" / "notes.txt").write_text("1+1=\n")
+    (tmp_path / "data" / "foo.jsonl").write_text('{"prompt": "1+1="}\n')  # close to 'bar.jsonl' by .jsonl alone
+    config = _config(model_dir, "data/train.jsonl", tmp_path)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    expected = {
+        "data/train.txt": f"error: dataset file 'data/train.txt' does not exist (looked for {tmp_path}/data/train.txt) "
+                          "(did you mean 'train.jsonl'?); relative paths are read from the config file's folder, and a "
+                          "hub data set is named namespace/name",
+        "data/trian.jsonl": f"error: dataset file 'data/trian.jsonl' does not exist (looked for "
+                            f"{tmp_path}/data/trian.jsonl) (did you mean 'train.jsonl'?); relative paths are read from "
+                            "the config file's folder, and a hub data set is named namespace/name",
+        "./train.jsonl": f"error: dataset file './train.jsonl' does not exist (looked for {tmp_path}/train.jsonl); "
+                         "relative paths are read from the config file's folder, and a hub data set is named "
+                         "namespace/name",
+        "data/bar.jsonl": f"error: dataset file 'data/bar.jsonl' does not exist (looked for {tmp_path}/data/bar.jsonl); "
+                          "relative paths are read from the config file's folder, and a hub data set is named "
+                          "namespace/name",
+        "data/notes.txt": f"error: dataset 'data/notes.txt': {tmp_path}/data/notes.txt is a .txt file; a local data "
+                          "set is a .csv, .json, .jsonl, .parquet file (or a folder of them)",
+    }
+    for dataset, line in expected.items():
+        assert main(["train", "--config", str(config_file), "--dataset", dataset]) == 2
+        assert capsys.readouterr().err == line + "\n"
+    from gfpo_trainer.cli import check_local_dataset
+
+    check_local_dataset("openai/gsm8k", str(tmp_path))  # a hub name: left to datasets
+    check_local_dataset("data", str(tmp_path))  # a local folder
+
+
+def test_a_study_config_given_to_train_says_which_command_runs_it(capsys):
+    """examples/gsm8k/study.yaml given to `train`: not "did you mean 'args' for 'arms'?", but the study's command."""
+    assert main(["train", "--config", str(REPO / "examples" / "gsm8k" / "study.yaml")]) == 2
+    assert capsys.readouterr().err == (
+        "error: unknown config keys ['arms', 'checkpoint_every', 'eval', 'eval_every', 'prompts_per_step', 'seeds', "
+        "'steps']: this is a "
+        "length-study config (eval, arms); run it with python -m gfpo_study run --config FILE (docs/study.md)\n")
+
+
+def test_resuming_from_a_checkpoint_that_is_not_there_is_one_line(model_dir, dataset_file, tmp_path, capsys):
+    """A resume_from_checkpoint folder that does not exist is told before the model loads, with the checkpoints
+    that do exist (transformers raised ValueError, a traceback, once training started)."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path)))
+    (tmp_path / "out" / "checkpoint-24").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint-8").mkdir()
+    assert main(["train", "--config", str(config_file), "--resume_from_checkpoint", "out/checkpoint-99"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: args.resume_from_checkpoint='out/checkpoint-99': no checkpoint folder {tmp_path}/out/checkpoint-99; "
+        f"{tmp_path}/out holds checkpoint-8, checkpoint-24 (relative paths are read from the config file's folder)\n")
+    assert main(["train", "--config", str(config_file), "--resume_from_checkpoint", "run2/checkpoint-1"]) == 2
+    assert capsys.readouterr().err.endswith(f"{tmp_path}/run2 holds no checkpoint-N folder (relative paths are read "
+                                            "from the config file's folder)\n")
+
+
+def test_use_vllm_without_vllm_is_one_line_before_the_model_loads(model_dir, dataset_file, tmp_path, capsys):
+    """`--use_vllm true` where vLLM is not installed: the trainer's own line (what to install), as a config error
+    with exit status 2, not its ImportError's traceback after the model and data loaded."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    from gfpo_trainer._compat import VLLM_INSTALL_HINT
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_config(model_dir, dataset_file, tmp_path)))
+    assert main(["train", "--config", str(config_file), "--use_vllm", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: args: use_vllm=True needs vllm ") and err.endswith(
+        f", and vLLM is not installed: {VLLM_INSTALL_HINT}\n") and err.count("\n") == 1, err
 
 
 def test_load_reward_func_forms():

@@ -102,7 +102,7 @@ def test_demo_smoke(tmp_path):
     assert len(run["curve"]) == len(run["curve_figures"]) == 2 and run["curve_figures"][1]["step"] == 2
     environment = results["environment"]  # what docs/demo.md labels recorded runs with
     assert environment["versions"]["torch"] == torch.__version__ and environment["versions"]["trl"] == trl.__version__
-    if (REPO / ".git").exists():  # a checkout (a worktree's .git is a file); a copied tree records None
+    if (REPO / ".git").exists():  # a checkout (a worktree's .git is a file); outside git: its build's commit
         assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", environment["commit"])
     assert environment["machine"]["cpu_cores"] >= 1 and environment["python"] == platform.python_version()
     assert environment["wall_time_seconds"] > 0

@@ -200,6 +200,22 @@ def test_readme_training_example_is_offline_with_a_one_line_switch():
     assert "make_tiny_model(" in README_TRAINING.code and "from_pretrained" not in README_TRAINING.code
 
 
+def test_readme_training_example_prints_no_warning(tmp_path):
+    """docs/first-run.md: run as a script, the README's example prints a progress bar and the metrics, and no
+    warning (neither transformers' deprecations of TRL's defaults nor torch's pin_memory notice)."""
+    pytest.importorskip("trl")
+    import subprocess
+    import sys
+
+    from gfpo_test_utils import subprocess_env
+
+    (tmp_path / "first_run.py").write_text(re.sub(r"max_steps=\d+", "max_steps=2", README_TRAINING.code))
+    done = subprocess.run([sys.executable, "first_run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=subprocess_env(OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    assert "2/2 [" in done.stderr and "warn" not in done.stderr.lower(), done.stderr
+
+
 # --- YAML training configs through the CLI ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -281,3 +281,17 @@ def test_the_committed_study_reports_are_what_the_report_code_writes(name):
     report = study_report(recorded["summary"], len(recorded["seeds"]), study.paper_tables(), study.ARMS,
                           **study.sample_counts(recorded))
     assert (REPO / "docs" / "demo" / f"{name}.md").read_text() == report + "\n"
+
+
+def test_an_installed_copy_records_the_commit_its_build_recorded(monkeypatch):
+    """Outside a git checkout (a pip-installed gfpo) a run's environment names the commit the build recorded, as the
+    environment report does, not None ("commit None" in the demo's last line)."""
+    build_info = pytest.importorskip("gfpo_kernels._build_info")
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(study.subprocess, "run", no_git)
+    assert study._git_commit() == build_info.COMMIT and len(build_info.COMMIT) == 12
+    monkeypatch.setitem(__import__("sys").modules, "gfpo_kernels._build_info", None)  # a tree never built
+    assert study._git_commit() is None

@@ -280,8 +280,14 @@ def parse(folder: Path, **changes):
     (dict(seeds=[0, 0]), r"^seeds=\[0, 0\]: a seed appears more than once"),
     (dict(steps=0), r"^steps=0: give a whole number of at least 1"),
     (dict(stpes=3), r"^unknown config keys \['stpes'\] \(did you mean 'steps'\?\)"),
-    (dict(eval=None), r"^the study config needs 'eval'"),
+    (dict(eval=None), r"^the study config needs 'eval'$"),
+    (dict(eval=None, arms=None, seeds=None, steps=None), r"^the study config needs 'eval'; this looks like a training "
+     r"config \(no eval, no arms\): train with python -m gfpo_trainer train --config FILE, or add the study's keys"),
     (dict(model="tiny_modle"), r"^model 'tiny_modle': no directory .*tiny_modle \(did you mean 'tiny_model'\?\)"),
+    (dict(eval__dataset="data/tset.jsonl"), r"^eval.dataset file 'data/tset.jsonl' does not exist \(looked for "
+     r".*/data/tset.jsonl\) \(did you mean 'test.jsonl'\?\); relative paths are read from the config file's folder"),
+    (dict(dataset="data/train.txt"), r"^dataset file 'data/train.txt' does not exist \(looked for .*/data/train.txt\) "
+     r"\(did you mean 'train.jsonl'\?\)"),
 ])
 def test_config_errors_name_the_key_and_the_fix(user_folder, changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -616,6 +622,79 @@ def test_a_misspelt_field_on_the_command_line_is_named_as_typed(user_folder, cap
                                        "'max_steps'?), given on the command line as --max-step\n")
 
 
+def test_a_bf16_config_on_a_machine_without_bf16_says_which_field_to_change(user_folder, capsys):
+    """examples/gsm8k/study.yaml sets bf16: true; on a CPU the study's line says which field to change, as train's
+    does (transformers' words name neither the field nor its value)."""
+    import torch
+
+    from gfpo_study.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the error is raised where no GPU is")
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--bf16", "true", "--use_cpu", "false",
+                 "--output-dir", str(user_folder / "bf16-out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: arm 'grpo': ") and err.count("\n") == 1 and err.endswith(
+        " (the config sets bf16: true, which needs a GPU with bf16: on this machine set bf16: false, or --bf16 false "
+        "on the command line)\n"), err
+
+
+def test_a_model_that_cannot_be_loaded_is_one_line(user_folder, capsys):
+    """A model that exists as a name but not as a model (a Hub name offline, a folder without its files) is
+    train's one line, `cannot load model`, not transformers' traceback."""
+    from gfpo_study.cli import main
+
+    (user_folder / "no_weights").mkdir(exist_ok=True)  # a model's config without its weights
+    (user_folder / "no_weights" / "config.json").write_text((user_folder / "tiny_model" / "config.json").read_text())
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--model", "no_weights",
+                 "--output-dir", str(user_folder / "no-model-out")]) == 2
+    err = capsys.readouterr().err  # after the progress bar's line, which the error does not continue
+    assert "Traceback" not in err and len(re.findall("error", err)) == 1, err
+    line = next(line for line in err.splitlines() if "error" in line)
+    assert line.startswith(f"error: cannot load model '{user_folder / 'no_weights'}': ") and "model.safetensors" in line
+
+
+def test_a_misspelt_study_key_on_the_command_line_points_to_its_flag(user_folder, capsys):
+    """A bare flag is a GFPOConfig field unless it is a key of the config: `--stepz 3` close to no field is pointed
+    to `--steps`, the study's own key, not left as an unknown field with no hint."""
+    from gfpo_study.cli import main
+
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--stepz", "3"]) == 2
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['stepz'] under 'args' (did you mean --steps, "
+                                       "the config's own key?), given on the command line as --stepz\n")
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--prompts-per-stp", "3"]) == 2
+    assert "(did you mean --prompts_per_step, the config's own key?), given on the command line as --prompts-per-stp" \
+        in capsys.readouterr().err
+
+
+def test_use_vllm_without_vllm_is_one_line_before_anything_runs(user_folder, capsys):
+    """A study with use_vllm where vLLM is not installed: the trainer's line, before the output folder is made."""
+    import importlib.util
+
+    from gfpo_study.cli import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    out = user_folder / "vllm-out"
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--use_vllm", "true",
+                 "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: args: use_vllm=True needs vllm ") and "vLLM is not installed" in err, err
+    assert err.count("\n") == 1 and not out.exists()
+
+
+def test_a_held_out_split_that_is_not_there_names_eval(user_folder, capsys):
+    """eval.dataset_split of a local file (one split, train): the line says it is the held-out data's, not the
+    training data's, which has the same words."""
+    from gfpo_study.cli import main
+
+    assert main(["run", "--config", str(user_folder / "study.yaml"), "--eval.dataset_split", "test",
+                 "--output-dir", str(user_folder / "split-out")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: eval: cannot load dataset file '{user_folder / 'data' / 'test.jsonl'}' with dataset_split='test': "
+        "Unknown split \"test\". Should be one of ['train'].\n")
+
+
 def test_without_the_trainer_extra_the_command_says_what_to_install():
     probe = "import sys; sys.modules['trl'] = None\nfrom gfpo_study.cli import main\nsys.exit(main(sys.argv[1:]))"
     for command in (["demo", "--smoke"], ["run", "--config", "study.yaml"]):
@@ -639,8 +718,8 @@ def test_overrides_set_the_study_keys_and_args(user_folder, capsys):
     assert (config.steps, config.eval.samples, config.prompts_per_step) == (2, 4, 1)
     assert config.train["args"]["learning_rate"] == "1e-5" and config.identity["steps"] == 2
     assert main(["run", "--config", str(user_folder / "study.yaml"), "--stpes", "2"]) == 2
-    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['stpes'] under 'args', given on the command "
-                                       "line as --stpes\n")
+    assert capsys.readouterr().err == ("error: unknown GFPOConfig fields ['stpes'] under 'args' (did you mean --steps, "
+                                       "the config's own key?), given on the command line as --stpes\n")
 
 
 def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model(tmp_path):
@@ -660,6 +739,11 @@ def test_the_gsm8k_study_config_parses_and_builds_its_trainers_on_the_tiny_model
     assert shipped.train["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and list(shipped.arms) == [
         "grpo", "shortest-8of16", "shortest-6of8", "token-efficiency-8of16"]
     assert shipped.checkpoint_every == 50  # a preempted run resumes (docs/study.md)
+    # its header's word: use_vllm under args (colocate, GFPOConfig's default mode) is a study of this config
+    on_vllm = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"), [
+        "--model", model, "--use_vllm", "true", "--bf16", "false", "--use_cpu", "true"])
+    assert "use_vllm: true under args (colocate mode)" in (REPO / "examples" / "gsm8k" / "study.yaml").read_text()
+    assert study.arm_args(on_vllm, on_vllm.arms["grpo"], 0, str(tmp_path / "x")).use_vllm is True
     config = load_study_config(str(REPO / "examples" / "gsm8k" / "study.yaml"), [
         "--model", model, "--max_completion_length", "8", "--bf16", "false", "--use_cpu", "true",
         "--steps", "2", "--checkpoint_every", "1", "--eval.max_tokens", "4", "--eval.samples", "1",
