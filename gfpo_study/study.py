@@ -148,27 +148,44 @@ def _first_difference(a, b, path: str = "") -> tuple[str, object, object] | None
     return None if a == b else (path or "(the whole config)", a, b)
 
 
-def claim_output_dir(output_dir: str, identity: dict, main_process: bool = True, base_dir: str | None = None) -> None:
+def claim_output_dir(output_dir: str, identity: dict, main_process: bool = True, base_dir: str | None = None,
+                     plan: dict | None = None) -> None:
     """Makes `output_dir` this config's, or checks that it is: a folder holding another config's runs is a
     ConfigError naming the first differing field and both values; nothing there is touched. The file also records
-    the config file's folder (`base_dir`), from which its relative paths are read."""
+    the config file's folder (`base_dir`), from which its relative paths are read, and `plan`, the config's
+    {"seeds", "arms"} (merged with those recorded before: a later session may list more), so that a merge can say
+    which of them no piece holds."""
     path = os.path.join(output_dir, CONFIG_FILE)
     held = _read_json(path)
     if held is None:
         if main_process:
             os.makedirs(output_dir, exist_ok=True)
-            write_json(path, {"config": identity, "base_dir": base_dir})
+            write_json(path, {"config": identity, "base_dir": base_dir, **({"plan": plan} if plan else {})})
         return
     found = _first_difference(identity, held.get("config"))
     if found:
         key, ours, theirs = found
         raise ConfigError(f"output_dir {output_dir} holds the runs of another study config: {key} is {theirs!r} "
                           f"there and {ours!r} here; give another output_dir (its runs stay as they are)")
+    if main_process and plan:
+        joined = _joined_plans([held.get("plan"), plan])
+        if joined != held.get("plan"):
+            write_json(path, {**held, "plan": joined})
+
+
+def _joined_plans(plans) -> dict | None:
+    """The union of recorded plans ({"seeds", "arms"}; None for a folder written before plans were recorded): seeds
+    sorted, arms in first-seen order; None where no plan is recorded."""
+    plans = [p for p in plans if p]
+    if not plans:
+        return None
+    return {"seeds": sorted({s for p in plans for s in p["seeds"]}),
+            "arms": list(dict.fromkeys(a for p in plans for a in p["arms"]))}
 
 
 def read_output_dir(output_dir: str) -> dict:
-    """An output folder's study-config.json: {"config": the identity, "base_dir"}; a ConfigError where there is
-    none."""
+    """An output folder's study-config.json: {"config": the identity, "base_dir", "plan": the config's seeds and
+    arms (absent in folders of older versions)}; a ConfigError where there is none."""
     held = _read_json(os.path.join(output_dir, CONFIG_FILE))
     if held is None:
         raise ConfigError(f"{output_dir}: no {CONFIG_FILE} there; a piece is the output folder of a `python -m "
@@ -783,7 +800,8 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                           "engine is released, so they could not synchronise after the first engine; run each "
                           "piece on one process (--seeds/--arms pieces on several GPUs, then merge), or use_vllm: "
                           "false (docs/study.md)")
-    claim_output_dir(config.output_dir, config.identity, main, config.base_dir)
+    claim_output_dir(config.output_dir, config.identity, main, config.base_dir,
+                     plan={"seeds": list(config.seeds), "arms": list(config.arms)})
     state.wait_for_everyone()
     held_out = eval_rows(config)
     # every selected seed's prompts (each seed draws its own), checked against the held-out ones before anything trains
@@ -985,7 +1003,16 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
                           "--config ... --seeds S --arms A) and merge again")
     if len(seeds) < 2:
         raise ConfigError(f"the pieces hold {len(seeds)} seed; the study needs at least 2 for its intervals")
-    claim_output_dir(output_dir, first, base_dir=read_output_dir(first_dir).get("base_dir"))
+    # the config's seeds and arms that no piece holds: the study is of the runs found, said aloud and recorded
+    plan = _joined_plans([read_output_dir(piece_dir).get("plan") for piece_dir, _ in pieces])
+    not_merged = None if plan is None else {"seeds": [x for x in plan["seeds"] if x not in seeds],
+                                            "arms": [x for x in plan["arms"] if x not in arms]}
+    if not_merged and (not_merged["seeds"] or not_merged["arms"]):
+        absent = [f"seed(s) {', '.join(map(str, not_merged['seeds']))}"] if not_merged["seeds"] else []
+        absent += [f"arm(s) {', '.join(not_merged['arms'])}"] if not_merged["arms"] else []
+        print(f"gfpo study: merge: no piece holds {' or '.join(absent)} of the config; the study is of the "
+              f"{len(seeds)} seeds x {len(arms)} arms the pieces hold (merge again with their pieces to add them)")
+    claim_output_dir(output_dir, first, base_dir=read_output_dir(first_dir).get("base_dir"), plan=plan)
     for (seed, arm), (path, record) in runs.items():
         target = _run_file(output_dir, seed, arm)
         if os.path.abspath(target) != os.path.abspath(path):
@@ -999,6 +1026,8 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
     environment = run_environment(torch.device("cpu"))
     environment["pieces"] = [{"dir": d, "seeds": sorted({s for (s, _), (p, _) in runs.items()
                                                          if p.startswith(os.path.join(d, ""))})} for d, _ in pieces]
+    if not_merged and (not_merged["seeds"] or not_merged["arms"]):
+        environment["not_merged"] = not_merged  # the config's seeds and arms that no piece held
     study = assemble_study(output_dir, identity=first, seeds=seeds, arms=arms, environment=environment)
     records = {a: runs[(seeds[0], a)][1] for a in arms}
     return finish_study(study, output_dir, {a: _arm_from_definition(a, r["definition"], r.get("paper"))

@@ -36,11 +36,12 @@ def _seed_result(seed, grpo_length, arm_length):
 IDENTITY = {"model": "m", "dataset": "d.jsonl", "steps": 100}
 
 
-def _write_piece(directory: Path, seeds, identity=None, arms=("grpo", "shortest-8of16"), lengths=None):
-    """An output folder as `python -m gfpo_study run` leaves it: its config, each seed's starting model figures and
-    one file per finished (arm, seed) run."""
+def _write_piece(directory: Path, seeds, identity=None, arms=("grpo", "shortest-8of16"), lengths=None, plan=None):
+    """An output folder as `python -m gfpo_study run` leaves it: its config (and `plan`, the config's seeds and arms,
+    where given), each seed's starting model figures and one file per finished (arm, seed) run."""
     directory.mkdir(parents=True)
-    (directory / "study-config.json").write_text(json.dumps({"config": identity or IDENTITY, "base_dir": None}))
+    (directory / "study-config.json").write_text(json.dumps({"config": identity or IDENTITY, "base_dir": None,
+                                                             **({"plan": plan} if plan else {})}))
     for seed in seeds:
         result = _seed_result(seed, 20.0, (lengths or {}).get(seed, 15.0 + seed))
         (directory / f"seed-{seed}").mkdir()
@@ -83,6 +84,29 @@ def test_pieces_by_arms_merge_too(tmp_path):
     _write_piece(tmp_path / "short", [0, 1], arms=("shortest-8of16",))
     merged = study.merge_studies([tmp_path / "short", tmp_path / "grpo"], str(tmp_path / "out"))["study"]
     assert merged["arms"] == ["grpo", "shortest-8of16"] and merged["seeds"] == [0, 1]
+
+
+def test_merge_says_which_of_the_configs_seeds_and_arms_no_piece_holds(tmp_path, capsys):
+    """Pieces of a 5-seed, 3-arm config, one seed's piece and one arm left out: the merge is the study of the runs
+    found, and it says which of the config's seeds and arms are not in it, and records them."""
+    plan = {"seeds": [0, 1, 2, 3, 4], "arms": ["grpo", "shortest-8of16", "shortest-6of8"]}
+    _write_piece(tmp_path / "a", [0, 1], plan=plan)
+    _write_piece(tmp_path / "b", [2, 3], plan=plan)
+    merged = study.merge_studies([tmp_path / "a", tmp_path / "b"], str(tmp_path / "out"))["study"]
+    assert merged["seeds"] == [0, 1, 2, 3] and merged["environment"]["not_merged"] == {"seeds": [4],
+                                                                                        "arms": ["shortest-6of8"]}
+    assert ("gfpo study: merge: no piece holds seed(s) 4 or arm(s) shortest-6of8 of the config; the study is of the "
+            "4 seeds x 2 arms the pieces hold (merge again with their pieces to add them)") in capsys.readouterr().out
+    # every planned run there: nothing said, nothing recorded
+    whole = {"seeds": [0, 1], "arms": ["grpo", "shortest-8of16"]}
+    _write_piece(tmp_path / "c", [0, 1], plan=whole)
+    merged = study.merge_studies([tmp_path / "c"], str(tmp_path / "out-c"))["study"]
+    assert "not_merged" not in merged["environment"] and "no piece holds" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "out-c" / "study-config.json").read_text())["plan"] == whole
+    # a later session of a folder listing another seed: the folder's plan is the union of its sessions'
+    study.claim_output_dir(str(tmp_path / "c"), IDENTITY, plan={"seeds": [2], "arms": ["grpo"]})
+    assert json.loads((tmp_path / "c" / "study-config.json").read_text())["plan"] == {
+        "seeds": [0, 1, 2], "arms": ["grpo", "shortest-8of16"]}
 
 
 def test_merge_refuses_pieces_that_do_not_make_one_study(tmp_path):
@@ -186,6 +210,9 @@ def test_pieces_merged_are_the_study_run_at_once(tmp_path):
     for seed in (0, 1):
         piece = run("0-1", f"piece-{seed}", only=[seed])
         assert piece["study"] is None and piece["missing"] == [(1 - seed, a) for a in arms]
+    for seed in (0, 1):  # each piece records the config's seeds and arms, not its selection
+        assert json.loads((tmp_path / f"piece-{seed}" / "study-config.json").read_text())["plan"] == {
+            "seeds": [0, 1], "arms": list(arms)}
     merged = study.merge_studies([str(tmp_path / "piece-1"), str(tmp_path / "piece-0")], str(tmp_path / "merged"))
 
     def without_times(results):
