@@ -1199,6 +1199,12 @@ def paper_tables() -> dict:
     return json.loads(resources.files(__package__).joinpath("paper_tables.json").read_text())
 
 
+def start_label(study: dict) -> str:
+    """The report's name for a study's starting model: "warm-up" where a start function built it (the sums study
+    warms the tiny model up), "start" where it is the config's own model."""
+    return "warm-up" if is_function_spec(study.get("settings", {}).get("model")) else "start"
+
+
 def sample_counts(study: dict) -> dict:
     """A study's own answers a prompt at the end and on the curves ({"samples", "curve_samples"}, those its settings
     give), for the report's headings and the plot's titles."""
@@ -1219,13 +1225,14 @@ def finish_study(study: dict, output_dir: str, arms: dict | None = None) -> dict
         name: definitions[name].kept_share() for name in arms if definitions[name].kept_share() is not None})
     study = {**study, "summary": summary}
     counts = sample_counts(study)
-    report = study_report(summary, len(seeds), paper_tables(), definitions, **counts)
-    verdict = study_verdict(summary, len(seeds))
+    label = start_label(study)
+    report = study_report(summary, len(seeds), paper_tables(), definitions, **counts, start=label)
+    verdict = study_verdict(summary, len(seeds), label)
     paths = {name: os.path.join(output_dir, name) for name in ("study.json", "study.md", "study.png")}
     write_json(paths["study.json"], study)
     with open(paths["study.md"], "w") as f:
         f.write(report + "\n")
-    plot_study(study["seed_results"], summary, paths["study.png"], **counts)
+    plot_study(study["seed_results"], summary, paths["study.png"], **counts, start=label)
     print("\n" + report)
     models = "each piece's seed-*/" if "pieces" in study["environment"] else f"{output_dir}/seed-*/"
     print(f"\nwritten: {paths['study.md']} (the tables and the verdict), {paths['study.json']} (every run per seed, "

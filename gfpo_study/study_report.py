@@ -13,11 +13,19 @@ from .study_stats import (
     CHECKPOINT_STEPS, NO_LOSS_HALF_WIDTH, NO_LOSS_MEAN, PLATEAU_ACCURACY, PLATEAU_LENGTH_TOKENS, accuracy_verdict,
 )
 
-__all__ = ["ELR_IN_WORDS", "checkpoint_table", "markdown_table", "paper_comparison_table", "plot_study",
+__all__ = ["ELR_IN_WORDS", "checkpoint_table", "elr_in_words", "markdown_table", "paper_comparison_table", "plot_study",
            "signal_table", "study_report", "study_table", "study_verdict"]
 
-ELR_IN_WORDS = ("ELR, the paper's excess length reduction (its Eq. 4): (L_GRPO - L_arm) / (L_GRPO - L_warm-up), the "
-                "share of GRPO's extra length over the warm-up model that the arm avoided")
+
+
+def elr_in_words(start: str = "warm-up") -> str:
+    """ELR spelt out, its starting model named `start` ("warm-up" where a start function warmed the model up, as the
+    sums study's; "start" for a config's own model)."""
+    return (f"ELR, the paper's excess length reduction (its Eq. 4): (L_GRPO - L_arm) / (L_GRPO - L_{start}), the "
+            f"share of GRPO's extra length over the {start} model that the arm avoided")
+
+
+ELR_IN_WORDS = elr_in_words()
 
 
 def fmt(figure: dict | None, spec: str, interval: str = "t95") -> str:
@@ -50,12 +58,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([" | ".join(header), " | ".join("---" for _ in header)] + [" | ".join(r) for r in rows])
 
 
-def study_table(summary: dict) -> str:
+def study_table(summary: dict, start: str = "warm-up") -> str:
     """The main table: held-out accuracy and length, the paired accuracy difference to GRPO, ELR per seed and of the
     means, tokens generated per step against GRPO's with the early stop's floor (the least a step of the length filter
     can generate: every completion as long as the kept ones' mean) and tokens trained per step against GRPO's."""
     warm = summary["warm-up"]
-    rows = [["warm-up", fmt(warm["accuracy"], "{:.3f}"), "-", fmt(warm["mean_length"], "{:.1f}")] + ["-"] * 5]
+    rows = [[start, fmt(warm["accuracy"], "{:.3f}"), "-", fmt(warm["mean_length"], "{:.1f}")] + ["-"] * 5]
     for name, f in summary["arms"].items():
         paired = name != "grpo" and "accuracy_minus_grpo" in f
         rows.append([
@@ -165,7 +173,7 @@ def paper_comparison_table(summary: dict, paper_tables: dict, arms: dict) -> str
     return markdown_table(["arm", "paper: accuracy - GRPO", "paper: ELR", "here: accuracy - GRPO", "here: ELR"], rows)
 
 
-def study_verdict(summary: dict, seeds: int) -> str:
+def study_verdict(summary: dict, seeds: int, start: str = "warm-up") -> str:
     """The study in words: per GFPO arm, how much of GRPO's extra length it avoided and at what accuracy, as the
     t-intervals say; a warning where few seeds make the intervals wide."""
     warm, arms = summary["warm-up"], summary["arms"]
@@ -189,7 +197,7 @@ def study_verdict(summary: dict, seeds: int) -> str:
         length = f" (length {fmt(f['length_minus_grpo'], '{:+.1f}')} tokens)" if "length_minus_grpo" in f else ""
         lines.append(f"- {name}: {shorter}{length}; accuracy {fmt(difference, '{:+.3f}')} against GRPO: "
                      f"{accuracy_verdict(difference)}.")
-    lines.append(f"{ELR_IN_WORDS}. \"No accuracy loss\" is said only where the accuracy difference's interval "
+    lines.append(f"{elr_in_words(start)}. \"No accuracy loss\" is said only where the accuracy difference's interval "
                  f"contains 0 and is at most +-{NO_LOSS_HALF_WIDTH} wide, and its mean is {NO_LOSS_MEAN:+} or better "
                  "(the mean's condition was added after the first study's results were seen: stricter, it only takes "
                  "claims away). Shorter than GRPO is said only where the ELR's interval lies above 0.")
@@ -210,10 +218,11 @@ def _samples(n: int) -> str:
 
 
 def study_report(summary: dict, seeds: int, paper_tables: dict | None, arms: dict, samples: int = 8,
-                 curve_samples: int = 2) -> str:
+                 curve_samples: int = 2, start: str = "warm-up") -> str:
     """study.md: the tables and the verdict. `samples`, `curve_samples`: the config's eval.samples and
-    eval.curve_samples (answers a held-out prompt at the end and on the curves), which the headings say."""
-    parts = [f"## Held-out figures at the end ({_samples(samples)})\n\n" + study_table(summary)]
+    eval.curve_samples (answers a held-out prompt at the end and on the curves), which the headings say; `start`:
+    the starting model's name in the tables and words (start_label)."""
+    parts = [f"## Held-out figures at the end ({_samples(samples)})\n\n" + study_table(summary, start)]
     if summary["warm-up"].get("by_terms"):
         parts.append("## Per number of terms\n\n" + by_terms_table(summary))
     if any(f.get("checkpoints") for f in summary["arms"].values()):
@@ -228,11 +237,12 @@ def study_report(summary: dict, seeds: int, paper_tables: dict | None, arms: dic
             for name in summary["arms"] if name != "grpo"):
         parts.append("## Beside the paper (Tables 1-2, average)\n\n" + paper_comparison_table(summary, paper_tables,
                                                                                                arms))
-    parts.append("## Verdict\n\n" + study_verdict(summary, seeds))
+    parts.append("## Verdict\n\n" + study_verdict(summary, seeds, start))
     return "\n\n".join(parts)
 
 
-def plot_study(seed_results: list[dict], summary: dict, path: str, samples: int = 8, curve_samples: int = 2) -> None:
+def plot_study(seed_results: list[dict], summary: dict, path: str, samples: int = 8, curve_samples: int = 2,
+               start: str = "warm-up") -> None:
     """Left: held-out length against accuracy per arm at the end (means, 95% t-intervals over seeds); middle and right:
     held-out length and accuracy over training (means over seeds; the curves sample `curve_samples` answers a prompt,
     the end `samples`: the config's eval.curve_samples and eval.samples)."""
@@ -248,7 +258,7 @@ def plot_study(seed_results: list[dict], summary: dict, path: str, samples: int 
         low, high = figure["t95"]
         return [[figure["mean"] - low], [high - figure["mean"]]]
 
-    ax_final.errorbar(warm["mean_length"]["mean"], warm["accuracy"]["mean"], fmt="s", color="gray", label="warm-up",
+    ax_final.errorbar(warm["mean_length"]["mean"], warm["accuracy"]["mean"], fmt="s", color="gray", label=start,
                       xerr=errors(warm["mean_length"]), yerr=errors(warm["accuracy"]), capsize=3)
     warm_length = sum(r["warm-up"]["mean_length"] for r in seed_results) / len(seed_results)
     warm_accuracy = sum(r["warm-up"]["accuracy"] for r in seed_results) / len(seed_results)

@@ -9,7 +9,7 @@ pytest.importorskip("trl")
 pytest.importorskip("scipy")
 
 from gfpo_study import study  # noqa: E402
-from gfpo_study.study_report import ELR_IN_WORDS, paper_comparison_table, study_verdict  # noqa: E402
+from gfpo_study.study_report import elr_in_words, paper_comparison_table, study_verdict  # noqa: E402
 from gfpo_study.study_stats import figure  # noqa: E402
 from gfpo_trainer.cli import ConfigError  # noqa: E402
 
@@ -75,7 +75,7 @@ def test_merge_joins_pieces_in_seed_order(tmp_path, capsys):
     assert printed.rstrip().endswith(f"written: {out / 'study.md'} (the tables and the verdict), {out / 'study.json'} "
                                      f"(every run per seed, and the summary), {out / 'study.png'} (the plot); the "
                                      f"models under each piece's seed-*/")
-    assert ELR_IN_WORDS in printed
+    assert elr_in_words("start") in printed  # the config's model "m" is its start (no start function)
 
 
 def test_pieces_by_arms_merge_too(tmp_path):
@@ -224,6 +224,8 @@ def test_pieces_merged_are_the_study_run_at_once(tmp_path):
         return results
 
     assert without_times(merged["study"]["seed_results"]) == without_times(whole["study"]["seed_results"])
+    # the sums study's start function warms the tiny model up: the report names its start so
+    assert "\nwarm-up | " in merged["report"] and "(L_GRPO - L_warm-up)" in merged["report"]
     assert merged["study"]["settings"] == whole["study"]["settings"]
     for name in ("study.json", "study.md", "study.png"):
         assert (tmp_path / "whole" / name).exists()

@@ -157,6 +157,8 @@ def test_a_users_study_runs_end_to_end(finished_study):
     report = (out / "study.md").read_text()
     assert "## Verdict" in report and "Only 2 seeds (fewer than 5): the t-intervals are wide" in report
     assert "## Held-out figures at the end (2 samples a prompt)" in report  # the config's eval.samples, not 8
+    # the config's own model is the "start" (nothing warmed it up), in the table and in ELR's words
+    assert "\nstart | " in report and "(L_GRPO - L_start)" in report and "warm-up" not in report
     assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
 
 
