@@ -50,7 +50,9 @@ OWNED_ARGS = {"max_steps": "steps", "seed": "seeds", "output_dir": "output_dir (
               "shuffle_dataset": "nothing: every arm of a seed sees the same prompts in the same order",
               "logging_steps": "nothing: the study logs every step",
               "disable_tqdm": "nothing: the study shows one progress bar (run --verbose prints TRL's metrics at every "
-              "step instead)"}
+              "step instead)",
+              # the study passes each run's checkpoint to trainer.train itself: this field would go unread
+              "resume_from_checkpoint": "checkpoint_every (a rerun resumes each run from its latest checkpoint)"}
 ARM_KEYS = ("name", "reward", "paper")  # an arm's own keys besides GFPOConfig fields
 # GFPOConfig fields that decide how the start model is loaded and where it runs: one value for every arm (args)
 MODEL_LOADING_ARGS = ("model_init_kwargs", "trust_remote_code", "use_cpu")

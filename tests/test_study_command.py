@@ -263,6 +263,11 @@ def parse(folder: Path, **changes):
      r"shows one progress bar \(run --verbose prints TRL's metrics at every step instead\)$"),
     (dict(args__per_device_train_batch_size=8), r"^args.per_device_train_batch_size: the study sets it for every run; "
      r"set prompts_per_step"),
+    # the study resumes each run itself (trainer.train(resume_from_checkpoint=...)): the field would go unread
+    (dict(args__resume_from_checkpoint="tiny_model"), r"^args.resume_from_checkpoint: the study sets it for every "
+     r"run; set checkpoint_every \(a rerun resumes each run from its latest checkpoint\)$"),
+    (dict(arms=[{"name": "mine", "num_generations": 4, "resume_from_checkpoint": True}]), r"^arms: arm 'mine' sets "
+     r"'resume_from_checkpoint', which the study sets for every run; set checkpoint_every"),
     (dict(args__use_vllm=True, args__vllm_mode="server"), r"^args.use_vllm=true with vllm_mode='server': the study "
      r"evaluates held-out answers through the trainer's own vLLM engine, which only colocate mode holds; set "
      r"vllm_mode: colocate, or use_vllm: false \(docs/study.md\)$"),
