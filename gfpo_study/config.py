@@ -301,9 +301,9 @@ def _refuse_identical_arms(arms: dict) -> None:
         seen[key] = arm.name
 
 
-def _checkpoint_every(value, steps: int, args: dict) -> int | None:
+def _checkpoint_every(value, steps: int, args: dict, arms: dict) -> int | None:
     """`checkpoint_every`: None (no checkpoints) or a number of steps below `steps` (the last step saves none: the
-    final model is saved right after it), without args of its own for checkpointing."""
+    final model is saved right after it), without args or arm fields of their own for checkpointing."""
     if value is None:
         return None
     value = _positive_int("checkpoint_every", value)
@@ -316,6 +316,13 @@ def _checkpoint_every(value, steps: int, args: dict) -> int | None:
         raise ConfigError(f"args.{own[0]}={args[own[0]]!r} with checkpoint_every={value}: checkpoint_every sets each "
                           "run's checkpoints (one every N steps, the older removed, the optimizer's state in each); "
                           f"leave args.{own[0]} out")
+    for arm in arms.values():
+        fields = dict(arm.extra)
+        own = [k for k in CHECKPOINT_ARGS if k in fields and not (k == "save_strategy" and fields[k] in ("no", False))]
+        if own:
+            raise ConfigError(f"arms: arm {arm.name!r} sets {own[0]}={fields[own[0]]!r} with checkpoint_every={value}: "
+                              "checkpoint_every sets each run's checkpoints (one every N steps, the older removed, the "
+                              f"optimizer's state in each); leave {own[0]} out of the arm")
     return value
 
 
@@ -432,7 +439,7 @@ def parse_study_config(config: dict, base_dir: str, flags: dict | None = None) -
     output_dir = config.get("output_dir")
     if output_dir is not None and not isinstance(output_dir, str):
         raise ConfigError(f"output_dir={output_dir!r}: a folder path")
-    checkpoint_every = _checkpoint_every(config.get("checkpoint_every"), steps, args)
+    checkpoint_every = _checkpoint_every(config.get("checkpoint_every"), steps, args, arms)
     identity = {k: v for k, v in config.items() if k not in ("seeds", "arms", "output_dir", "checkpoint_every")}
     identity = json.loads(json.dumps({**identity, "steps": steps, "eval_every": eval_every,
                                       "prompts_per_step": prompts_per_step, "eval": dataclasses.asdict(evaluation)},

@@ -188,6 +188,12 @@ def test_a_checkpoint_of_another_process_count_is_refused(resumed_study):
      r"each\); leave args.save_strategy out$"),
     (dict(args={**CONFIG["args"], "save_total_limit": 1}), r"^args.save_total_limit=1 with checkpoint_every=2"),
     (dict(args={**CONFIG["args"], "save_only_model": True}), r"^args.save_only_model=True with checkpoint_every=2"),
+    # an arm's own checkpoint fields: save_steps would be replaced without a word, save_only_model would leave the
+    # optimizer's state out of the checkpoints the rerun resumes
+    (dict(arms=[{**ARM, "save_only_model": True}]), rf"^arms: arm '{ARM['name']}' sets save_only_model=True with "
+     r"checkpoint_every=2: checkpoint_every sets each run's checkpoints \(one every N steps, the older removed, the "
+     r"optimizer's state in each\); leave save_only_model out of the arm$"),
+    (dict(arms=[{**ARM, "save_steps": 1}]), rf"^arms: arm '{ARM['name']}' sets save_steps=1 with checkpoint_every=2"),
 ])
 def test_checkpoint_every_errors(tmp_path, changes, message):
     folder = make_user_folder(tmp_path, RESUME_CONFIG)
