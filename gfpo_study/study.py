@@ -704,7 +704,8 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
     save_start = time.perf_counter()
     trainer.save_model()  # the run's one model on disk
     save = time.perf_counter() - save_start
-    history = [h for h in trainer.state.log_history if "reward" in h]  # a resumed run's from its checkpoint on
+    # every step's, a resumed run's too: its checkpoint's trainer state holds the log of the steps before it
+    history = [h for h in trainer.state.log_history if "reward" in h]
     curve_seconds = evaluate.seconds - eval_before
     from trl.models.utils import unwrap_model_for_generation
 
