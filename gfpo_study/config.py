@@ -309,8 +309,8 @@ def _checkpoint_every(value, steps: int, args: dict, arms: dict) -> int | None:
     value = _positive_int("checkpoint_every", value)
     if value >= steps:
         raise ConfigError(f"checkpoint_every={value} with steps={steps}: no checkpoint would be saved before the run "
-                          "ends (the last step saves none, the final model is saved right after it); give fewer "
-                          f"than {steps} steps, or leave checkpoint_every out")
+                          "ends (the last step saves none, the final model is saved right after it); give a "
+                          f"checkpoint_every below {steps}, or leave checkpoint_every out")
     own = [k for k in CHECKPOINT_ARGS if k in args and not (k == "save_strategy" and args[k] in ("no", False))]
     if own:
         raise ConfigError(f"args.{own[0]}={args[own[0]]!r} with checkpoint_every={value}: checkpoint_every sets each "

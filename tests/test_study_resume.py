@@ -181,8 +181,8 @@ def test_a_checkpoint_of_another_process_count_is_refused(resumed_study):
     (dict(checkpoint_every=0), r"^checkpoint_every=0: give a whole number of at least 1$"),
     (dict(checkpoint_every="5"), r"^checkpoint_every='5': give a whole number of at least 1$"),
     (dict(checkpoint_every=STEPS), rf"^checkpoint_every={STEPS} with steps={STEPS}: no checkpoint would be saved "
-     rf"before the run ends \(the last step saves none, the final model is saved right after it\); give fewer than "
-     rf"{STEPS} steps, or leave checkpoint_every out$"),
+     rf"before the run ends \(the last step saves none, the final model is saved right after it\); give a "
+     rf"checkpoint_every below {STEPS}, or leave checkpoint_every out$"),
     (dict(args={**CONFIG["args"], "save_strategy": "steps"}), r"^args.save_strategy='steps' with checkpoint_every=2: "
      r"checkpoint_every sets each run's checkpoints \(one every N steps, the older removed, the optimizer's state in "
      r"each\); leave args.save_strategy out$"),
