@@ -812,8 +812,11 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
             warn_overlap(rows_of[seed], held_out, seed)
     evaluate = Evaluator(config, held_out, eval_max_tokens(config))
     todo, skipped, resumes = [], [], {}
-    # args (the same in every session of the folder) then set no checkpoints of their own (parse_study_config)
-    own_checkpoints = config.checkpoint_every is not None
+    # every checkpoint folder of a run is the study's unless its GFPOConfig asks for checkpoints of its own, which
+    # checkpoint_every refuses (parse_study_config) and args keep in every session of the folder: so a session without
+    # checkpoint_every clears what an earlier one with it left
+    own_checkpoints = {name: config.checkpoint_every is not None or run_args[name].save_strategy == "no"
+                       for name in arms}
     for seed in seeds:
         for name in arms:
             path = _run_file(config.output_dir, seed, name)
@@ -833,9 +836,10 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
         print(f"gfpo study: {len(skipped)} run(s) already finished in {config.output_dir}, not run again: "
               + ", ".join(f"{a} seed {s}" for s, a in skipped))
         for seed, name in skipped:  # a run killed after its file was written, before its checkpoints went
-            remove_checkpoints(os.path.join(config.output_dir, f"seed-{seed}", name), incomplete=own_checkpoints)
-    if main and own_checkpoints:  # with checkpoint_every every checkpoint folder of a run is the study's
-        for seed, name in todo:
+            remove_checkpoints(os.path.join(config.output_dir, f"seed-{seed}", name),
+                               incomplete=own_checkpoints[name])
+    if main:
+        for seed, name in (k for k in todo if own_checkpoints[k[1]]):
             removed = remove_incomplete_checkpoints(os.path.join(config.output_dir, f"seed-{seed}", name))
             if removed:
                 print(f"gfpo study: {name} seed {seed}: checkpoint(s) at step {', '.join(map(str, removed))} "
@@ -901,7 +905,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                                 "environment": run_environment(torch.device("cuda" if torch.cuda.is_available()
                                                                             else "cpu")), "run": run})
                     # the run is in its file now
-                    remove_checkpoints(os.path.join(seed_dir, name), incomplete=own_checkpoints)
+                    remove_checkpoints(os.path.join(seed_dir, name), incomplete=own_checkpoints[name])
                 state.wait_for_everyone()
                 ran.append((seed, name))
     missing = missing_runs(config.output_dir, config.seeds, list(config.arms))

@@ -164,6 +164,30 @@ def test_a_checkpoint_of_another_definition_is_refused(resumed_study):
     assert sorted((str(p), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
 
 
+def test_a_rerun_without_checkpoint_every_resumes_and_clears_its_checkpoints(resumed_study):
+    """checkpoint_every is no part of the config: a rerun without it resumes the killed run from its complete
+    checkpoint to the figures of the run that did not stop. Its args ask for no checkpoints of their own (nor could
+    they in the session that set checkpoint_every), so every checkpoint folder of the run is the study's: the one
+    killed while being saved is said and removed, and none is left once the run's file is written."""
+    folder, _ = resumed_study
+    out = folder / "without"
+    shutil.copytree(folder / "mismatch", out)  # the killed run: checkpoint-2 whole
+    half = run_dir(out) / "checkpoint-4"
+    shutil.copytree(run_dir(out) / "checkpoint-2", half)
+    (half / study.CHECKPOINT_STATE).unlink()
+    (folder / "without.yaml").write_text(yaml.safe_dump(
+        {k: v for k, v in RESUME_CONFIG.items() if k != "checkpoint_every"}, sort_keys=False))
+    done = study_command(folder, "run", "--config", "without.yaml", "--output-dir", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"gfpo study: {ARM['name']} seed 0: checkpoint(s) at step 4 were not saved whole (killed while saving): "
+            "not used, removed") in done.stdout
+    assert f"gfpo study: resuming {ARM['name']} seed 0 from step 2 of {STEPS}" in done.stdout
+    assert not [p.name for p in run_dir(out).iterdir() if p.name.startswith("checkpoint-")]
+    straight = json.loads((folder / "straight" / "seed-0" / f"{ARM['name']}.json").read_text())["run"]
+    resumed = json.loads((out / "seed-0" / f"{ARM['name']}.json").read_text())["run"]
+    assert resumed["final"] == straight["final"] and resumed["curve"] == straight["curve"]
+
+
 def test_a_checkpoint_of_another_process_count_is_refused(resumed_study):
     """Each process's generator state is in a checkpoint: one made on 1 process is not resumed by 2."""
     folder, _ = resumed_study
