@@ -788,7 +788,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
     main = state.is_main_process
     # every selected arm's GFPOConfig built now, as its run will build it: an arm the trainer refuses (k >= G, an
     # unknown filter, sizes the processes do not divide) is one error before anything trains, not when its turn comes
-    run_args = {name: arm_args(config, config.arms[name], seeds[0] if seeds else 0, config.output_dir,
+    run_args = {name: arm_args(config, config.arms[name], seeds[0], config.output_dir,
                                num_processes=state.num_processes) for name in arms}
     on_vllm = bool(run_args[arms[0]].use_vllm)
     if on_vllm:  # vLLM missing or out of TRL's range: the trainer's one line, before the output folder is claimed
@@ -881,8 +881,7 @@ def run_study(config: StudyConfig, seeds=None, arms=None, verbose: bool = False)
                     progress.start(f"seed {seed}: the starting model", progress.bar.n)
                     from transformers import AutoTokenizer
 
-                    args = arm_args(config, config.arms[arms[0]], seed, seed_dir)
-                    model = _load_for_eval(start_dir, args)
+                    model = _load_for_eval(start_dir, run_args[arms[0]])  # the model-loading args: every arm's
                     eval_start = evaluate.seconds
                     figures = evaluate(model, AutoTokenizer.from_pretrained(start_dir), seed, config.eval.samples)
                     del model
