@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         "run", allow_abbrev=False, help="run a study config's arms x seeds (those not finished yet), then its report",
         description="Runs every (arm, seed) of a study config not finished in its output folder, one after another, "
         "each written when it finishes (a rerun skips them; one killed part-way is trained again, from its latest "
-        "checkpoint where the config sets checkpoint_every), then, with every "
+        "checkpoint where the config set checkpoint_every, now or before), then, with every "
         "run there and 2 seeds or more, writes study.json, study.md and study.png. Further --key value pairs set "
         "config fields: --model DIR, --steps 20, --eval.samples 4, --learning_rate 1e-6 (a bare GFPOConfig field "
         "goes under args). Under accelerate launch only the main process writes.")

@@ -5,8 +5,8 @@ the seed), on the same prompts in the same order for the same steps, with the se
 the same held-out prompts with the same sampling seed; the starting model is evaluated once per seed (the length
 ELR measures from). Each run is written when it finishes, `<output_dir>/seed-<s>/<arm>.json` (the starting model's
 figures: `start.json`), so a rerun skips finished runs and trains again those killed part-way, from their latest
-complete checkpoint where the config asks for checkpoints (`checkpoint_every`); pieces (a selection of seeds and arms)
-run on different machines and `merge_studies` joins their folders. With every run of the config
+complete checkpoint where the config asked for checkpoints (`checkpoint_every`, now or before); pieces (a selection
+of seeds and arms) run on different machines and `merge_studies` joins their folders. With every run of the config
 done and 2 seeds or more: study.json (the runs and the summary), study.md and study.png. The statistics are
 gfpo_study/study_stats.py's, the tables, verdict and plot gfpo_study/study_report.py's; the config
 gfpo_study/config.py's; the one-seed demo is gfpo_study/demo.py.
