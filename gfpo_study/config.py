@@ -311,19 +311,24 @@ def _checkpoint_every(value, steps: int, args: dict, arms: dict) -> int | None:
         raise ConfigError(f"checkpoint_every={value} with steps={steps}: no checkpoint would be saved before the run "
                           "ends (the last step saves none, the final model is saved right after it); give a "
                           f"checkpoint_every below {steps}, or leave checkpoint_every out")
-    own = [k for k in CHECKPOINT_ARGS if k in args and not (k == "save_strategy" and args[k] in ("no", False))]
-    if own:
-        raise ConfigError(f"args.{own[0]}={args[own[0]]!r} with checkpoint_every={value}: checkpoint_every sets each "
-                          "run's checkpoints (one every N steps, the older removed, the optimizer's state in each); "
-                          f"leave args.{own[0]} out")
+    why = ("checkpoint_every sets each run's checkpoints (one every N steps, the older removed, the optimizer's "
+           "state in each)")
+    key = _own_checkpoint_field(args)
+    if key:
+        raise ConfigError(f"args.{key}={args[key]!r} with checkpoint_every={value}: {why}; leave args.{key} out")
     for arm in arms.values():
         fields = dict(arm.extra)
-        own = [k for k in CHECKPOINT_ARGS if k in fields and not (k == "save_strategy" and fields[k] in ("no", False))]
-        if own:
-            raise ConfigError(f"arms: arm {arm.name!r} sets {own[0]}={fields[own[0]]!r} with checkpoint_every={value}: "
-                              "checkpoint_every sets each run's checkpoints (one every N steps, the older removed, the "
-                              f"optimizer's state in each); leave {own[0]} out of the arm")
+        key = _own_checkpoint_field(fields)
+        if key:
+            raise ConfigError(f"arms: arm {arm.name!r} sets {key}={fields[key]!r} with checkpoint_every={value}: "
+                              f"{why}; leave {key} out of the arm")
     return value
+
+
+def _own_checkpoint_field(fields: dict) -> str | None:
+    """The first GFPOConfig field of checkpointing that `fields` set (save_strategy "no" is none), None where none."""
+    return next((k for k in CHECKPOINT_ARGS
+                 if k in fields and not (k == "save_strategy" and fields[k] in ("no", False))), None)
 
 
 def parse_seeds(value) -> list:
