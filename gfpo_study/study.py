@@ -33,6 +33,8 @@ import warnings
 
 import torch
 
+from gfpo_trainer.cli import CHECKPOINT_PREFIX, checkpoint_folders
+
 from .config import ARMS, Arm, ConfigError, StudyConfig, function_spec, is_function_spec, parse_study_config
 from .sums_task import SumsTask, TASKS
 
@@ -46,7 +48,6 @@ START_FILE = "start.json"
 # the study's own state of a run, in each of its checkpoints, written last: a checkpoint folder without it is one
 # killed while it was being saved
 CHECKPOINT_STATE = "study_state.json"
-CHECKPOINT_PREFIX = "checkpoint-"  # transformers' checkpoint folders, checkpoint-<step>
 
 
 @dataclasses.dataclass
@@ -239,17 +240,6 @@ def run_key(config: StudyConfig, arm: Arm, seed: int, num_processes: int) -> dic
                                   "num_processes": num_processes}, default=str))
 
 
-def _checkpoint_folders(run_dir: str) -> list:
-    """(step, folder) of the checkpoint folders in `run_dir`, by step."""
-    found = []
-    if os.path.isdir(run_dir):
-        for name in os.listdir(run_dir):
-            step = name[len(CHECKPOINT_PREFIX):]
-            if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and os.path.isdir(os.path.join(run_dir, name)):
-                found.append((int(step), os.path.join(run_dir, name)))
-    return sorted(found)
-
-
 def find_resume(run_dir: str, key: dict, arm: str, seed: int) -> Resume | None:
     """The latest complete checkpoint of the run whose folder is `run_dir` (one holding the study's state, written
     after everything else of it), None where it has none. Folders killed while being saved are passed over.
@@ -258,7 +248,7 @@ def find_resume(run_dir: str, key: dict, arm: str, seed: int) -> Resume | None:
         ConfigError: that checkpoint was made with another config, arm definition, seed or number of processes
             (naming the field and both values): resuming it would mix two runs.
     """
-    for step, folder in reversed(_checkpoint_folders(run_dir)):
+    for step, folder in reversed(checkpoint_folders(run_dir)):
         state = _read_json(os.path.join(folder, CHECKPOINT_STATE))
         if state is None:
             continue
@@ -276,7 +266,7 @@ def remove_checkpoints(run_dir: str, before: int | None = None, incomplete: bool
     """Removes the checkpoint folders of a run (those of steps below `before`, where given); with `incomplete` False,
     only the study's own (those holding its state): without checkpoint_every, checkpoints that args.save_strategy
     asked for are the user's."""
-    for step, folder in _checkpoint_folders(run_dir):
+    for step, folder in checkpoint_folders(run_dir):
         if (before is None or step < before) and (incomplete or os.path.exists(os.path.join(folder,
                                                                                           CHECKPOINT_STATE))):
             shutil.rmtree(folder, ignore_errors=True)
@@ -286,7 +276,7 @@ def remove_incomplete_checkpoints(run_dir: str) -> list:
     """Removes the checkpoint folders without the study's state (killed while being saved; the resumed run saves
     those steps again); returns their steps."""
     removed = []
-    for step, folder in _checkpoint_folders(run_dir):
+    for step, folder in checkpoint_folders(run_dir):
         if not os.path.exists(os.path.join(folder, CHECKPOINT_STATE)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(step)

@@ -36,6 +36,7 @@ import warnings
 
 from ._names import closest_name, did_you_mean
 
+CHECKPOINT_PREFIX = "checkpoint-"  # transformers' checkpoint folders, checkpoint-<step>
 _LOCAL_DATA = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # a Hub model named as the Hub names models today, "namespace/name" (Qwen/Qwen2.5-0.5B-Instruct; the old unprefixed
 # names such as gpt2 redirect from namespaced ones, openai-community/gpt2): one '/', letters, digits, '-', '_', '.'
@@ -318,6 +319,18 @@ def _check_dataset_config(dataset: str, config_name) -> None:
                           f"{dataset!r} has none: remove dataset_config")
 
 
+def checkpoint_folders(folder: str) -> list:
+    """(step, path) of the checkpoint folders transformers saves in `folder` (checkpoint-<step>), by step; [] where
+    `folder` is none."""
+    found = []
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            step = name[len(CHECKPOINT_PREFIX):]
+            if name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and os.path.isdir(os.path.join(folder, name)):
+                found.append((int(step), os.path.join(folder, name)))
+    return sorted(found)
+
+
 def _check_resume(checkpoint, base_dir: str) -> None:
     """args.resume_from_checkpoint, when a path, names a checkpoint folder that exists: told before the model loads,
     with the checkpoints beside it, not as transformers' traceback when training starts."""
@@ -325,8 +338,7 @@ def _check_resume(checkpoint, base_dir: str) -> None:
         return
     local = _in_folder(checkpoint, base_dir)
     parent = os.path.dirname(local)
-    found = sorted((d for d in os.listdir(parent) if re.fullmatch(r"checkpoint-\d+", d)), key=lambda d: int(d[11:])
-                   ) if os.path.isdir(parent) else []
+    found = [os.path.basename(path) for _, path in checkpoint_folders(parent)]
     there = f"; {parent} holds {', '.join(found)}" if found else f"; {parent} holds no checkpoint-N folder"
     raise ConfigError(f"args.resume_from_checkpoint={checkpoint!r}: no checkpoint folder {local}{there} (relative "
                       "paths are read from the config file's folder)")
@@ -628,7 +640,7 @@ def saved_line(output_dir: str) -> str:
     """`train`'s last line: where the trained model was saved, and what that folder holds (its files, its folders
     marked with a /, then its checkpoints, first to last)."""
     entries = sorted(os.listdir(output_dir))
-    checkpoints = sorted((e for e in entries if re.fullmatch(r"checkpoint-\d+", e)), key=lambda e: int(e[11:]))
+    checkpoints = [os.path.basename(path) for _, path in checkpoint_folders(output_dir)]
     held = ", ".join(e + "/" * os.path.isdir(os.path.join(output_dir, e)) for e in entries if e not in checkpoints)
     if checkpoints:
         held += f"; checkpoints: {checkpoints[0]}" + (f" to {checkpoints[-1]} ({len(checkpoints)})"
