@@ -675,9 +675,8 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     start = time.perf_counter()
-    eval_before = evaluate.seconds
-    tokenizer = AutoTokenizer.from_pretrained(start_dir)
     clock = _RunClock(evaluate, None if resume is None else resume.state["seconds"])
+    tokenizer = AutoTokenizer.from_pretrained(start_dir)
     callback = _callback(config, seed, evaluate, tokenizer, progress, run_key(config, arm, seed, num_processes),
                          clock, resume)
     trainer = build_run_trainer(config, arm, seed, start_dir, rows, output_dir, tokenizer, [callback], verbose,
@@ -687,16 +686,15 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
     if not verbose:
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
-    setup = clock.setup = time.perf_counter() - start
-    train_start = clock.train_start = time.perf_counter()
+    clock.setup = time.perf_counter() - start
+    clock.train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=None if resume is None else resume.folder)
-    train_seconds = time.perf_counter() - train_start
+    trained = clock.so_far(time.perf_counter())  # training's split: the curve's evaluations and checkpoints apart
     save_start = time.perf_counter()
     trainer.save_model()  # the run's one model on disk
     save = time.perf_counter() - save_start
     # every step's, a resumed run's too: its checkpoint's trainer state holds the log of the steps before it
     history = [h for h in trainer.state.log_history if "reward" in h]
-    curve_seconds = evaluate.seconds - eval_before
     from trl.models.utils import unwrap_model_for_generation
 
     if trainer.use_vllm:
@@ -711,10 +709,10 @@ def run_one(config: StudyConfig, arm: Arm, seed: int, start_dir: str, rows: list
     signal = [_step_signal(h, per_group) for h in history]
     # where the run's time went: building the trainer, training (the curve's evaluations and the checkpoints inside
     # it), the curve's and the final evaluations, saving the model, saving checkpoints
-    seconds = {"setup": setup, "train": train_seconds - curve_seconds - clock.checkpoint, "curve_eval": curve_seconds,
-               "final_eval": evaluate.seconds - eval_before - curve_seconds, "save": save}
+    seconds = {"setup": trained["setup"], "train": trained["train"], "curve_eval": trained["curve_eval"],
+               "final_eval": evaluate.seconds - clock.eval_before - trained["curve_eval"], "save": save}
     if config.checkpoint_every is not None:
-        seconds["checkpoint"] = clock.checkpoint
+        seconds["checkpoint"] = trained["checkpoint"]
     if resume is not None:
         seconds.update(resumed_from_step=resume.step, before_resume=resume.state["seconds"])
     return {"final": final, "curve": callback.curve, "curve_figures": callback.curve_figures,
