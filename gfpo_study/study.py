@@ -953,12 +953,13 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
             different figures in two pieces,
             runs missing for the study's seeds x arms (naming them), an output folder of another config.
     """
-    pieces = [(str(piece_dir), read_output_dir(piece_dir)["config"]) for piece_dir in piece_dirs]
+    pieces = [(str(piece_dir), read_output_dir(piece_dir)) for piece_dir in piece_dirs]  # each study-config.json
     if not pieces:
         raise ConfigError("no pieces given")
-    first_dir, first = pieces[0]
-    for piece_dir, identity in pieces[1:]:
-        found = _first_difference(identity, first)
+    first_dir, first_held = pieces[0]
+    first = first_held["config"]
+    for piece_dir, held in pieces[1:]:
+        found = _first_difference(held["config"], first)
         if found:
             key, theirs, ours = found
             raise ConfigError(f"{piece_dir} and {first_dir} are pieces of different configs: {key} is {theirs!r} in "
@@ -996,7 +997,7 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
     if len(seeds) < 2:
         raise ConfigError(f"the pieces hold {len(seeds)} seed; the study needs at least 2 for its intervals")
     # the config's seeds and arms that no piece holds: the study is of the runs found, said aloud and recorded
-    plan = _joined_plans([read_output_dir(piece_dir).get("plan") for piece_dir, _ in pieces])
+    plan = _joined_plans([held.get("plan") for _, held in pieces])
     not_merged = None if plan is None else {"seeds": [x for x in plan["seeds"] if x not in seeds],
                                             "arms": [x for x in plan["arms"] if x not in arms]}
     if not_merged and (not_merged["seeds"] or not_merged["arms"]):
@@ -1004,7 +1005,7 @@ def merge_studies(piece_dirs, output_dir: str) -> dict:
         absent += [f"arm(s) {', '.join(not_merged['arms'])}"] if not_merged["arms"] else []
         print(f"gfpo study: merge: no piece holds {' or '.join(absent)} of the config; the study is of the "
               f"{len(seeds)} seeds x {len(arms)} arms the pieces hold (merge again with their pieces to add them)")
-    claim_output_dir(output_dir, first, base_dir=read_output_dir(first_dir).get("base_dir"), plan=plan)
+    claim_output_dir(output_dir, first, base_dir=first_held.get("base_dir"), plan=plan)
     for (seed, arm), (path, record) in runs.items():
         target = _run_file(output_dir, seed, arm)
         if os.path.abspath(target) != os.path.abspath(path):
