@@ -267,8 +267,8 @@ def plot_study(seed_results: list[dict], summary: dict, path: str, samples: int 
                                 xerr=errors(f["mean_length"]), yerr=errors(f["accuracy"]))
         curves = [r["arms"][name]["curve"] for r in seed_results]
         steps = [0] + [c[0] for c in curves[0]]
-        for ax, column, start in ((ax_length, 2, warm_length), (ax_accuracy, 1, warm_accuracy)):
-            mean = [start] + [sum(c[i][column] for c in curves) / len(curves) for i in range(len(curves[0]))]
+        for ax, column, at_start in ((ax_length, 2, warm_length), (ax_accuracy, 1, warm_accuracy)):
+            mean = [at_start] + [sum(c[i][column] for c in curves) / len(curves) for i in range(len(curves[0]))]
             ax.plot(steps, mean, color=bar[0].get_color(), linewidth=1.2)
     ax_final.set(title=f"held-out at the end ({_samples(samples)}; 95% t-intervals)",
                  xlabel="mean answer length (tokens)", ylabel="accuracy")
